@@ -1,0 +1,39 @@
+"""Client FLOPs of local training, from XLA's cost analysis with an analytic cross-check.
+
+Training FLOPs of a client in a round = (forward + backward FLOPs per sample) x (samples actually
+processed, E * n_k), spec FEDSSA.md §6. The per-sample figure is XLA's count for one gradient
+step of the family's model, at the run's batch size, divided by the batch size. It is taken from
+the standard-convolution formulation so that it does not depend on the backend's choice of
+kernel (im2col would count its patch copies).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedssa_jax import client, data, models
+
+
+def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
+  """XLA's FLOP count of one CE gradient step, per sample."""
+  model = models.make_model(family, num_classes, conv_impl='xla')
+  params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+  x = jax.ShapeDtypeStruct((batch_size, *data.IMAGE_SHAPE), jnp.float32)
+  y = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+  valid = jax.ShapeDtypeStruct((batch_size,), bool)
+
+  def grad(p, x, y, valid):
+    return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
+
+  analysis = jax.jit(grad).lower(params, x, y, valid).cost_analysis()
+  if isinstance(analysis, (list, tuple)):  # older JAX returns one dict per device
+    analysis = analysis[0]
+  return float(analysis['flops']) / batch_size
+
+
+def analytic_train_flops_per_sample(family: str, num_classes: int) -> float:
+  """2 FLOPs per MAC for forward, weight gradient and input gradient; conv1 needs no input
+  gradient. Elementwise ops (ReLU, pooling, softmax) are ignored."""
+  macs = models.forward_macs(family, num_classes)
+  conv1 = 28 * 28 * 16 * 3 * 25
+  return 2.0 * (3 * macs - conv1)

@@ -1,0 +1,165 @@
+"""The five CNN families of FedSSA (spec FEDSSA.md §2), in Flax.
+
+Every family is
+
+    conv1 5x5 3->16 VALID, ReLU, maxpool 2   (32 -> 28 -> 14)
+    conv2 5x5 16->c2 VALID, ReLU, maxpool 2  (14 -> 10 -> 5)
+    flatten -> fc1 -> ReLU -> fc2 (->500) -> ReLU = representation
+    header fc3: 500 -> num_classes
+
+Two formulations compute the same function from the same parameters:
+- ``conv_impl='xla'``: ``lax.conv_general_dilated`` + ``reduce_window`` max-pool. Fast on GPU/TPU
+  (cuDNN), slow on XLA:CPU.
+- ``conv_impl='im2col'``: patches from 25 static slices and one matmul, max-pool as reshape + max.
+  About 10x faster on XLA:CPU (shared/notes/cpu-performance.md).
+``conv_impl='auto'`` picks im2col on the CPU and xla elsewhere. tests/models_test.py checks that the
+two agree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+REPR_DIM = 500
+KERNEL = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  name: str
+  c2: int   # conv2 output channels
+  fc1: int  # fc1 width
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family('cnn1', 32, 2000),
+    Family('cnn2', 16, 2000),
+    Family('cnn3', 32, 1000),
+    Family('cnn4', 32, 800),
+    Family('cnn5', 32, 500),
+)
+FAMILY_NAMES = tuple(f.name for f in FAMILIES)
+
+
+def get_family(name: str) -> Family:
+  for f in FAMILIES:
+    if f.name == name:
+      return f
+  raise ValueError(f'Unknown model family {name!r}; choose one of {FAMILY_NAMES}.')
+
+
+def torch_uniform_init(fan_in: int):
+  """PyTorch's default Conv2d/Linear init: U(-1/sqrt(fan_in), +1/sqrt(fan_in)) (spec §2)."""
+  bound = 1.0 / math.sqrt(fan_in)
+
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+  return init
+
+
+def resolve_conv_impl(conv_impl: str) -> str:
+  if conv_impl == 'auto':
+    return 'im2col' if jax.default_backend() == 'cpu' else 'xla'
+  if conv_impl not in ('xla', 'im2col'):
+    raise ValueError(f"conv_impl must be 'auto', 'xla' or 'im2col', got {conv_impl!r}.")
+  return conv_impl
+
+
+class Conv5x5(nn.Module):
+  """5x5 VALID convolution with an HWIO kernel, in either formulation."""
+  features: int
+  conv_impl: str
+
+  @nn.compact
+  def __call__(self, x):
+    cin = x.shape[-1]
+    fan_in = cin * KERNEL * KERNEL
+    kernel = self.param('kernel', torch_uniform_init(fan_in), (KERNEL, KERNEL, cin, self.features))
+    bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
+    if self.conv_impl == 'xla':
+      y = jax.lax.conv_general_dilated(
+          x, kernel, window_strides=(1, 1), padding='VALID',
+          dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    else:
+      h, w = x.shape[-3] - KERNEL + 1, x.shape[-2] - KERNEL + 1
+      # Channel order (i, j, c) matches kernel.reshape(25*cin, features) for an HWIO kernel.
+      patches = jnp.concatenate(
+          [x[..., i:i + h, j:j + w, :] for i in range(KERNEL) for j in range(KERNEL)], axis=-1)
+      y = patches @ kernel.reshape(fan_in, self.features)
+    return y + bias
+
+
+def max_pool_2x2(x, conv_impl: str):
+  if conv_impl == 'xla':
+    return nn.max_pool(x, (2, 2), strides=(2, 2))
+  b, h, w, c = x.shape
+  return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
+class Dense(nn.Module):
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    fan_in = x.shape[-1]
+    kernel = self.param('kernel', torch_uniform_init(fan_in), (fan_in, self.features))
+    bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
+    return x @ kernel + bias
+
+
+class CNN(nn.Module):
+  """One FedSSA CNN family. Returns (logits, representation)."""
+  family: Family
+  num_classes: int
+  conv_impl: str = 'im2col'
+
+  @nn.compact
+  def __call__(self, x):
+    impl = self.conv_impl
+    x = max_pool_2x2(nn.relu(Conv5x5(16, impl, name='conv1')(x)), impl)
+    x = max_pool_2x2(nn.relu(Conv5x5(self.family.c2, impl, name='conv2')(x)), impl)
+    x = x.reshape(x.shape[0], -1)
+    x = nn.relu(Dense(self.family.fc1, name='fc1')(x))
+    rep = nn.relu(Dense(REPR_DIM, name='fc2')(x))
+    logits = Dense(self.num_classes, name='fc3')(rep)
+    return logits, rep
+
+
+def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto') -> CNN:
+  return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl))
+
+
+def init_params(model: CNN, key, image_shape: Sequence[int] = (32, 32, 3)) -> Any:
+  return model.init(key, jnp.zeros((1, *image_shape), jnp.float32))['params']
+
+
+def param_count(params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+def forward_macs(family_name: str, num_classes: int) -> int:
+  """Analytic multiply-accumulates of one forward pass of one 32x32 sample (spec §2 table)."""
+  f = get_family(family_name)
+  conv1 = 28 * 28 * 16 * (3 * 25)
+  conv2 = 10 * 10 * f.c2 * (16 * 25)
+  return conv1 + conv2 + f.c2 * 25 * f.fc1 + f.fc1 * REPR_DIM + REPR_DIM * num_classes
+
+
+# --- The header (spec §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
+
+def header_rows(params) -> jax.Array:
+  """fc3 as [num_classes, 501]: row s holds class s's weights and bias."""
+  fc3 = params['fc3']
+  return jnp.concatenate([fc3['kernel'].T, fc3['bias'][:, None]], axis=1)
+
+
+def with_header_rows(params, rows: jax.Array):
+  """Returns params with fc3 replaced by the [num_classes, 501] table `rows`."""
+  fc3 = {'kernel': rows[:, :-1].T, 'bias': rows[:, -1]}
+  return {**params, 'fc3': fc3}

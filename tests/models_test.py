@@ -1,0 +1,84 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedssa_jax import costs, models
+
+# spec FEDSSA.md §2: params (S=10), params (S=100), forward MACs per sample (S=10)
+SPEC = {
+    'cnn1': (2_621_558, 2_666_648, 4_825_800),
+    'cnn2': (1_815_142, 1_860_232, 3_385_800),
+    'cnn3': (1_320_558, 1_365_648, 3_525_800),
+    'cnn4': (1_060_358, 1_105_448, 3_265_800),
+    'cnn5': (670_058, 715_148, 2_875_800),
+}
+
+
+@pytest.mark.parametrize('family', models.FAMILY_NAMES)
+def test_parameter_counts_and_macs_match_spec(family):
+  p10, p100, macs = SPEC[family]
+  for s, want in ((10, p10), (100, p100)):
+    shapes = jax.eval_shape(lambda: models.init_params(models.make_model(family, s, 'xla'),
+                                                       jax.random.PRNGKey(0)))
+    assert models.param_count(shapes) == want
+  assert models.forward_macs(family, 10) == macs
+
+
+def test_pytorch_style_init_bounds():
+  params = models.init_params(models.make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
+  fan_in = {'conv1': 3 * 25, 'conv2': 16 * 25, 'fc1': 800, 'fc2': 500, 'fc3': 500}
+  for layer, fi in fan_in.items():
+    bound = 1 / np.sqrt(fi)
+    for name in ('kernel', 'bias'):
+      w = np.asarray(params[layer][name])
+      assert np.abs(w).max() <= bound
+      # Uniform on [-b, b]: the largest magnitude is close to the bound for big tensors.
+      if w.size > 1000:
+        assert np.abs(w).max() > 0.95 * bound
+        assert abs(w.std() - bound / np.sqrt(3)) < 0.05 * bound
+
+
+@pytest.mark.parametrize('family', ['cnn1', 'cnn2'])
+def test_im2col_equals_xla_convolution(family):
+  params = models.init_params(models.make_model(family, 10, 'xla'), jax.random.PRNGKey(1))
+  x = jax.random.normal(jax.random.PRNGKey(2), (3, 32, 32, 3))
+  out = {impl: models.make_model(family, 10, impl).apply({'params': params}, x)
+         for impl in ('xla', 'im2col')}
+  for a, b in zip(out['xla'], out['im2col']):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  # Gradients agree too (the im2col path is what trains on the CPU).
+  def loss(p, impl):
+    logits, rep = models.make_model(family, 10, impl).apply({'params': p}, x)
+    return jnp.sum(logits ** 2) + jnp.sum(rep)
+  ga, gb = (jax.grad(loss)(params, impl) for impl in ('xla', 'im2col'))
+  for a, b in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
+    np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4)
+
+
+def test_representation_is_500_dim_after_relu():
+  model = models.make_model('cnn3', 100, 'im2col')
+  params = models.init_params(model, jax.random.PRNGKey(0))
+  logits, rep = model.apply({'params': params}, jnp.ones((2, 32, 32, 3)))
+  assert logits.shape == (2, 100) and rep.shape == (2, 500)
+  assert (np.asarray(rep) >= 0).all()
+
+
+def test_header_rows_round_trip():
+  params = models.init_params(models.make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
+  rows = models.header_rows(params)
+  assert rows.shape == (10, 501)
+  np.testing.assert_array_equal(rows[3, :500], params['fc3']['kernel'][:, 3])
+  assert rows[3, 500] == params['fc3']['bias'][3]
+  back = models.with_header_rows(params, rows * 2)
+  np.testing.assert_allclose(back['fc3']['kernel'], params['fc3']['kernel'] * 2)
+  np.testing.assert_allclose(back['fc3']['bias'], params['fc3']['bias'] * 2)
+  assert back['fc2'] is params['fc2']
+
+
+@pytest.mark.parametrize('family', ['cnn1', 'cnn5'])
+def test_xla_flop_count_agrees_with_analytic(family):
+  xla = costs.xla_train_flops_per_sample(family, 10, batch_size=8)
+  analytic = costs.analytic_train_flops_per_sample(family, 10)
+  # XLA also counts elementwise work (ReLU, pooling, softmax): a little above the matmuls.
+  assert 1.0 <= xla / analytic < 1.03
