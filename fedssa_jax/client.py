@@ -1,0 +1,156 @@
+"""Local training of one client, written so that a vmapped group trains exactly like singletons.
+
+Spec FEDSSA.md §4: SGD (lr 0.005, momentum 0.9, L2 weight decay 5e-5 added to the gradient as
+torch does), global-norm clip 50, batch 512, E epochs over the shuffled training split, the last
+partial batch kept with its loss averaged over its real samples, optimizer state reset per round.
+
+Shapes are fixed per model family: a client's padded index array has `max_train` entries and
+the loops run `E` epochs of `ceil(n_k / B)` steps, where n_k is the client's own count. Under
+vmap the loop bound becomes the group's maximum; steps past a client's own last step, and steps
+with no valid sample, leave its parameters and momentum unchanged (`where(count > 0, new, old)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedssa_jax import augment
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Static local-training settings (hashable, so it can key a jit cache)."""
+  batch_size: int = 512
+  local_epochs: int = 1
+  lr: float = 0.005
+  momentum: float = 0.9
+  weight_decay: float = 5e-5
+  clip_norm: float = 50.0
+  augment: bool = True
+  mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+  std: tuple[float, ...] = (0.229, 0.224, 0.225)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceData:
+  """Images and per-client index sets, as device arrays (see data.ClientData)."""
+  images: jax.Array     # [M, 32, 32, 3] uint8
+  labels: jax.Array     # [M] int32
+  train_idx: jax.Array  # [N, max_train] int32
+  train_n: jax.Array    # [N] int32
+  test_idx: jax.Array   # [N, max_test] int32
+  test_n: jax.Array     # [N] int32
+
+
+jax.tree_util.register_dataclass(
+    DeviceData, data_fields=[f.name for f in dataclasses.fields(DeviceData)], meta_fields=[])
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  # torch order: clip_grad_norm_ on the raw gradient, then SGD adds wd*p and applies momentum.
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.add_decayed_weights(cfg.weight_decay),
+      optax.sgd(cfg.lr, momentum=cfg.momentum if cfg.momentum else None),
+  )
+
+
+def cross_entropy_loss(apply_fn: Callable, params, x, y, valid):
+  """Mean CE over the valid samples of a batch; also returns the number of correct ones."""
+  logits, _ = apply_fn({'params': params}, x)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  count = jnp.maximum(valid.sum(), 1)
+  loss = jnp.sum(jnp.where(valid, ce, 0.0)) / count
+  correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+  return loss, correct
+
+
+def epoch_order(key, n, padded_len):
+  """A random order of positions 0..n-1 followed by the padding positions n..padded_len-1."""
+  r = jax.random.uniform(key, (padded_len,))
+  return jnp.argsort(jnp.where(jnp.arange(padded_len) < n, r, 2.0))
+
+
+def local_train(params: PyTree, key: jax.Array, train_idx: jax.Array, n: jax.Array,
+                data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
+                loss_fn: Callable = cross_entropy_loss):
+  """Trains one client for E epochs. Returns (params, stats).
+
+  `train_idx` is the client's padded [max_train] index row, `n` its true count (0 for a masked
+  dummy client, which then runs no step and stays unchanged). stats = dict(loss_sum, samples,
+  correct, steps): sums over the samples and steps actually run.
+  """
+  tx = make_optimizer(cfg)
+  b = cfg.batch_size
+  padded_len = -(-train_idx.shape[0] // b) * b
+  idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
+  steps = (n + b - 1) // b
+  zero = jnp.zeros((), jnp.float32)
+
+  def grad_step(step, carry, order, aug_key):
+    params, opt_state, stats = carry
+    pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
+    valid = step * b + jnp.arange(b) < n
+    idx = idx_pad[pos]
+    x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
+    if cfg.augment:
+      x = augment.augment_batch(jax.random.fold_in(aug_key, step), x)
+    y = data.labels[idx]
+    (loss, correct), grads = jax.value_and_grad(
+        lambda p: loss_fn(apply_fn, p, x, y, valid), has_aux=True)(params)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    count = valid.sum()
+    # A step without a valid sample is a no-op, momentum included.
+    keep = lambda new, old: jax.tree_util.tree_map(lambda a, o: jnp.where(count > 0, a, o), new, old)
+    stats = {
+        'loss_sum': stats['loss_sum'] + loss * count,
+        'samples': stats['samples'] + count,
+        'correct': stats['correct'] + correct,
+        'steps': stats['steps'] + (count > 0),
+    }
+    return keep(new_params, params), keep(new_opt_state, opt_state), stats
+
+  def epoch(e, carry):
+    k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
+    order = epoch_order(k_order, n, padded_len)
+    return jax.lax.fori_loop(0, steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
+
+  stats = {'loss_sum': zero, 'samples': jnp.zeros((), jnp.int32),
+           'correct': jnp.zeros((), jnp.int32), 'steps': jnp.zeros((), jnp.int32)}
+  params, _, stats = jax.lax.fori_loop(
+      0, cfg.local_epochs, epoch, (params, tx.init(params), stats))
+  return params, stats
+
+
+def evaluate(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData, *,
+             apply_fn: Callable, cfg: TrainConfig, eval_batch_size: int):
+  """One client's test results: correct, count, and the sum/number of per-batch accuracies.
+
+  The per-batch sums give the reference code's metric (mean of per-batch accuracies).
+  """
+  b = eval_batch_size
+  padded_len = -(-test_idx.shape[0] // b) * b
+  idx_pad = jnp.pad(test_idx, (0, padded_len - test_idx.shape[0]))
+
+  def body(step, acc):
+    idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
+    valid = step * b + jnp.arange(b) < n
+    x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
+    logits, _ = apply_fn({'params': params}, x)
+    correct = jnp.sum((jnp.argmax(logits, -1) == data.labels[idx]) & valid)
+    batch_acc = correct / jnp.maximum(valid.sum(), 1)
+    return acc[0] + correct, acc[1] + batch_acc, acc[2] + 1
+
+  batches = (n + b - 1) // b
+  correct, batch_acc_sum, num_batches = jax.lax.fori_loop(
+      0, batches, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32),
+                         jnp.zeros((), jnp.int32)))
+  return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
+          'num_batches': num_batches}

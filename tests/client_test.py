@@ -1,0 +1,111 @@
+"""Local training: vmapped == one client at a time == a plain torch-style SGD loop."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedssa_jax import augment, client, data, models
+
+SIZES = [5, 13, 0, 20]  # uneven clients, one empty (a dummy)
+
+
+def setup(ds, cfg):
+  cd = data.partition(ds, 4, 'dirichlet', dirichlet_gamma=5.0, dirichlet_min_train=1, seed=0)
+  idx = np.zeros((4, max(SIZES)), np.int32)
+  for c, n in enumerate(SIZES):
+    idx[c, :n] = cd.train_idx[c, :n] if n <= cd.train_n[c] else np.arange(n)
+  dd = client.DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
+                         jnp.asarray(SIZES), jnp.asarray(idx), jnp.asarray(SIZES))
+  model = models.make_model('cnn5', 10, 'im2col')
+  params = jax.vmap(functools.partial(models.init_params, model))(
+      jax.random.split(jax.random.PRNGKey(0), 4))
+  keys = jax.random.split(jax.random.PRNGKey(1), 4)
+  train = functools.partial(client.local_train, apply_fn=model.apply, cfg=cfg)
+  return dd, model, params, keys, train
+
+
+def tree_allclose(a, b, **kw):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
+@pytest.mark.parametrize('use_augment', [True, False])
+def test_vmapped_group_equals_singletons(small_ds, use_augment):
+  cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=use_augment,
+                           clip_norm=1.0, weight_decay=1e-3)
+  dd, _, params, keys, train = setup(small_ds, cfg)
+  vm_params, vm_stats = jax.jit(jax.vmap(train, in_axes=(0, 0, 0, 0, None)))(
+      params, keys, dd.train_idx, dd.train_n, dd)
+  one = jax.jit(train)
+  for c, n in enumerate(SIZES):
+    p_c = jax.tree_util.tree_map(lambda x: x[c], params)
+    single, stats = one(p_c, keys[c], dd.train_idx[c], dd.train_n[c], dd)
+    tree_allclose(jax.tree_util.tree_map(lambda x: x[c], vm_params), single, rtol=2e-4,
+                  atol=2e-6)
+    assert int(stats['samples']) == int(vm_stats['samples'][c]) == 2 * n
+    assert int(stats['steps']) == int(vm_stats['steps'][c]) == 2 * -(-n // 8)
+  # The empty client is bit-for-bit unchanged.
+  tree_allclose(jax.tree_util.tree_map(lambda x: x[2], vm_params),
+                jax.tree_util.tree_map(lambda x: x[2], params), rtol=0, atol=0)
+
+
+def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
+  """torch-style SGD written out: clip, L2 added to the gradient, momentum buffer, lr step."""
+  images = np.asarray(augment.normalize(ds.images, cfg.mean, cfg.std))
+  b = cfg.batch_size
+  padded = -(-len(idx_row) // b) * b
+
+  @jax.jit
+  def grad_of_mean_ce(p, x, y):
+    return jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        apply_fn({'params': p}, x)[0], y).mean())(p)
+
+  buf = jax.tree_util.tree_map(np.zeros_like, params)
+  for e in range(cfg.local_epochs):
+    k_order, _ = jax.random.split(jax.random.fold_in(key, e))
+    order = np.asarray(client.epoch_order(k_order, n, padded))[:n]
+    for start in range(0, n, b):
+      sel = idx_row[order[start:start + b]]   # the last batch is partial
+      g = grad_of_mean_ce(params, images[sel], ds.labels[sel])
+      norm = np.sqrt(sum(float(np.sum(np.square(x))) for x in jax.tree_util.tree_leaves(g)))
+      scale = min(1.0, cfg.clip_norm / norm)
+      d = jax.tree_util.tree_map(lambda gi, p: gi * scale + cfg.weight_decay * p, g, params)
+      buf = jax.tree_util.tree_map(lambda m, di: cfg.momentum * m + di, buf, d)
+      params = jax.tree_util.tree_map(lambda p, m: p - cfg.lr * m, params, buf)
+  return params
+
+
+def test_matches_plain_torch_style_sgd(small_ds):
+  cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
+                           clip_norm=0.5, weight_decay=1e-2, mean=small_ds.mean,
+                           std=small_ds.std)
+  dd, model, params, keys, train = setup(small_ds, cfg)
+  c = 1  # 13 samples: a full and a partial batch per epoch
+  p_c = jax.tree_util.tree_map(lambda x: x[c], params)
+  got, _ = jax.jit(train)(p_c, keys[c], dd.train_idx[c], dd.train_n[c], dd)
+  want = plain_sgd(p_c, keys[c], np.asarray(dd.train_idx[c]), SIZES[c], small_ds,
+                   model.apply, cfg)
+  tree_allclose(got, want, rtol=1e-3, atol=1e-5)
+  # And training did move the parameters.
+  assert not np.allclose(got['fc3']['kernel'], p_c['fc3']['kernel'])
+
+
+def test_epoch_order_is_a_permutation_of_the_valid_positions():
+  order = np.asarray(client.epoch_order(jax.random.PRNGKey(0), 13, 16))
+  assert sorted(order[:13]) == list(range(13)) and sorted(order[13:]) == [13, 14, 15]
+
+
+def test_augmentation_shapes_and_invariants():
+  x = jax.random.normal(jax.random.PRNGKey(0), (64, 32, 32, 3))
+  y = augment.augment_batch(jax.random.PRNGKey(1), x)
+  assert y.shape == x.shape
+  y = np.asarray(y)
+  # Zeros appear (erasing / crop padding) in some images, and some images are untouched flips.
+  zero_frac = (y == 0).all(axis=-1).mean(axis=(1, 2))
+  assert (zero_frac > 0).mean() > 0.5
+  assert (zero_frac <= 0.2 + 2 * 8 * 32 / 1024 + 1e-6).all()
+  # Deterministic for a key.
+  np.testing.assert_array_equal(y, augment.augment_batch(jax.random.PRNGKey(1), x))
