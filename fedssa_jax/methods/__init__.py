@@ -1,0 +1,12 @@
+"""Federated methods. Each is one module implementing methods.base.Method."""
+from fedssa_jax.methods.base import Method
+from fedssa_jax.methods.fedssa import FedSSA
+from fedssa_jax.methods.standalone import Standalone
+
+METHODS = {m.name: m for m in (FedSSA, Standalone)}
+
+
+def get_method(name: str):
+  if name not in METHODS:
+    raise ValueError(f'Unknown method {name!r}; choose one of {sorted(METHODS)}.')
+  return METHODS[name]

@@ -1,0 +1,108 @@
+"""FedSSA: semantic-similarity-based, class-wise header aggregation (spec FEDSSA.md §5).
+
+Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
+- Stabilise (global -> local), before training, on seen classes that have a global row:
+    convex     theta_k^s <- mu_t * theta_k^s + (1 - mu_t) * theta^s     (paper; default)
+    reference  theta_k^s <- mu_t * theta_k^s + theta^s                  (official code)
+  with mu_t = mu0 * cos(t * pi / (2 * T_stable)) for t <= T_stable, else 0.
+- Upload the seen rows; the server keeps a table U [N, S, 501] of every client's latest upload.
+- Aggregate per class: theta^s = unweighted mean of U_k^s over contributing owners of s
+  (`all_owners`: every owner that has uploaded at least once; `participants`: this round's).
+  A class with no contributor keeps its previous global row.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedssa_jax import models
+from fedssa_jax.methods import base
+
+ROW = models.REPR_DIM + 1  # 501 numbers per class row
+
+
+def mu_schedule(round_index, mu0: float, t_stable: int):
+  """mu_t = mu0 * cos(t * pi / (2 T)) for t <= T, else 0 (t is the global round index)."""
+  t = jnp.asarray(round_index, jnp.float32)
+  mu = mu0 * jnp.cos(t * jnp.pi / (2.0 * max(t_stable, 1)))
+  return jnp.where(t <= t_stable, mu, 0.0)
+
+
+def stabilize(rows, global_rows, mask, mu, fusion: str):
+  """Fuses a client's [S, 501] header rows with the global rows where `mask` [S] holds."""
+  if fusion == 'convex':
+    fused = mu * rows + (1.0 - mu) * global_rows
+  elif fusion == 'reference':
+    fused = mu * rows + global_rows
+  else:
+    raise ValueError(f"fedssa.fusion must be 'convex' or 'reference', got {fusion!r}.")
+  return jnp.where(mask[:, None], fused, rows)
+
+
+def aggregate_headers(table, contrib, global_rows, avail):
+  """Class-wise masked mean. table [N, S, 501], contrib [N, S] bool -> (global, avail)."""
+  w = contrib.astype(table.dtype)
+  sums = jnp.einsum('ns,nsd->sd', w, table)
+  counts = w.sum(axis=0)
+  has = counts > 0
+  new = sums / jnp.maximum(counts, 1.0)[:, None]
+  return jnp.where(has[:, None], new, global_rows), avail | has
+
+
+class FedSSA(base.Method):
+  name = 'fedssa'
+
+  def __init__(self, config, num_clients, num_classes):
+    super().__init__(config, num_clients, num_classes)
+    c = config.fedssa
+    self.mu0, self.t_stable = float(c.mu0), int(c.t_stable)
+    self.fusion, self.scope = c.fusion, c.scope
+    if self.fusion not in ('convex', 'reference'):
+      raise ValueError(f"fedssa.fusion must be 'convex' or 'reference', got {self.fusion!r}.")
+    if self.scope not in ('all_owners', 'participants'):
+      raise ValueError(
+          f"fedssa.scope must be 'all_owners' or 'participants', got {self.scope!r}.")
+
+  def init_server(self, seen):
+    n, s = seen.shape
+    return {
+        'seen': jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
+        'table': jnp.zeros((n, s, ROW), jnp.float32),   # latest upload per client
+        'uploaded': jnp.zeros((n,), bool),              # has the client ever uploaded?
+        'global': jnp.zeros((s, ROW), jnp.float32),     # theta^s
+        'avail': jnp.zeros((s,), bool),                 # does theta^s exist yet?
+    }
+
+  def client_prepare(self, params, server, client_id, seen, round_index):
+    mu = mu_schedule(round_index, self.mu0, self.t_stable)
+    rows = stabilize(models.header_rows(params), server['global'], seen & server['avail'], mu,
+                     self.fusion)
+    return models.with_header_rows(params, rows)
+
+  def client_upload(self, params, seen):
+    return jnp.where(seen[:, None], models.header_rows(params), 0.0)
+
+  def server_receive(self, server, client_ids, uploads, active):
+    ids = jnp.where(active, client_ids, self.num_clients)  # out of range: dropped
+    return {**server,
+            'table': server['table'].at[ids].set(uploads, mode='drop'),
+            'uploaded': server['uploaded'].at[ids].set(True, mode='drop')}
+
+  def server_aggregate(self, server, participants, round_index):
+    del round_index
+    owners = server['uploaded'] if self.scope == 'all_owners' else participants
+    contrib = server['seen'] & owners[:, None]
+    g, avail = aggregate_headers(server['table'], contrib, server['global'], server['avail'])
+    return {**server, 'global': g, 'avail': avail}
+
+  def comm_floats(self, server, cohort, seen):
+    avail = np.asarray(server['avail'])
+    up = ROW * seen[cohort].sum(axis=1)
+    down = ROW * (seen[cohort] & avail).sum(axis=1)
+    return up.astype(np.int64), down.astype(np.int64)
+
+  def extra_client_flops(self, server, cohort, seen):
+    fused_rows = (seen[cohort] & np.asarray(server['avail'])).sum(axis=1)
+    per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
+    return (per_element * ROW * fused_rows).astype(np.float64)

@@ -1,0 +1,6 @@
+"""Standalone: local training only, no exchange. The lower bound and the control."""
+from fedssa_jax.methods import base
+
+
+class Standalone(base.Method):
+  name = 'standalone'
