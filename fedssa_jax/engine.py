@@ -1,0 +1,257 @@
+"""The round engine: family groups, cohort sampling, vmapped local training, server, evaluation.
+
+Clients that share a model family form a group; a group's parameters are one pytree whose leaves
+have a leading axis over the group's members. A round:
+
+1. samples the cohort on the host (K = max(1, floor(C N)) clients, uniform without replacement);
+2. for each group, splits its sampled members into chunks of a fixed size `clients_per_call`
+   (padded with masked dummy clients), and for each chunk runs one jitted call that gathers the
+   chunk's states, applies the method's download, trains all of them under `vmap`, uploads to
+   the server, and scatters the states back in place (donated buffers);
+3. runs the method's server rule once, under jit.
+
+Shapes never depend on the round, so each family compiles its training call once. Dummy clients
+train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
+change nothing.
+
+The run state is a plain dict of arrays (`RunState`), ready to checkpoint or shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedssa_jax import client, costs, data, methods, models
+
+PyTree = Any
+RunState = dict  # {'round': int, 'params': tuple per group, 'server': pytree, 'costs': dict}
+
+# Independent random streams, all derived from the config's seed.
+STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  family: str
+  members: np.ndarray  # sorted client ids
+  model: models.CNN
+  clients_per_call: int
+
+  @property
+  def size(self) -> int:
+    return len(self.members)
+
+
+def cohort_size(num_clients: int, participation: float) -> int:
+  return max(1, int(np.floor(participation * num_clients)))
+
+
+def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.ndarray:
+  """The round's participants, sorted; a pure function of (seed, round)."""
+  rng = np.random.default_rng([seed, STREAM_SAMPLE, round_index])
+  return np.sort(rng.choice(num_clients, size=k, replace=False))
+
+
+def train_config(config, ds: data.Dataset) -> client.TrainConfig:
+  o = config.optimizer
+  return client.TrainConfig(
+      batch_size=config.batch_size, local_epochs=config.local_epochs, lr=o.lr,
+      momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
+      augment=config.augment, mean=tuple(ds.mean), std=tuple(ds.std))
+
+
+class Simulator:
+  """Holds the static parts of a run (data, groups, compiled steps); state is passed in/out."""
+
+  def __init__(self, config, ds: data.Dataset, cd: data.ClientData):
+    self.config = config
+    self.num_clients = cd.num_clients
+    self.num_classes = ds.num_classes
+    self.k = cohort_size(self.num_clients, config.participation)
+    self.seen = cd.seen
+    self.train_n = cd.train_n
+    self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes)
+    self.train_cfg = train_config(config, ds)
+    self.root_key = jax.random.PRNGKey(config.seed)
+    self.data = client.DeviceData(
+        images=jnp.asarray(ds.images), labels=jnp.asarray(ds.labels),
+        train_idx=jnp.asarray(cd.train_idx), train_n=jnp.asarray(cd.train_n),
+        test_idx=jnp.asarray(cd.test_idx), test_n=jnp.asarray(cd.test_n))
+    self.seen_dev = jnp.asarray(cd.seen)
+
+    families = tuple(config.model.families)
+    for f in families:
+      models.get_family(f)
+    self.client_family = np.array([i % len(families) for i in range(self.num_clients)])
+    backend = jax.default_backend()
+    self.groups: list[Group] = []
+    for gi, fam in enumerate(families):
+      members = np.flatnonzero(self.client_family == gi)
+      if not len(members):
+        continue
+      per_call = config.engine.clients_per_call or (1 if backend == 'cpu' else len(members))
+      per_call = int(min(per_call, len(members), self.k))
+      model = models.make_model(fam, ds.num_classes, config.model.conv_impl)
+      self.groups.append(Group(fam, members, model, per_call))
+    # client id -> (group index, slot within the group)
+    self.group_of = np.empty(self.num_clients, int)
+    self.slot_of = np.empty(self.num_clients, int)
+    for gi, g in enumerate(self.groups):
+      self.group_of[g.members] = gi
+      self.slot_of[g.members] = np.arange(g.size)
+
+    self.flops_per_sample = {}
+    for g in self.groups:
+      xla = costs.xla_train_flops_per_sample(g.family, ds.num_classes, config.batch_size)
+      analytic = costs.analytic_train_flops_per_sample(g.family, ds.num_classes)
+      if not 0.9 < xla / analytic < 1.15:
+        logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
+                        g.family, xla, analytic)
+      self.flops_per_sample[g.family] = xla
+
+    self._train_calls = [self._make_train_call(g) for g in self.groups]
+    self._eval_calls = [self._make_eval_call(g) for g in self.groups]
+    self._aggregate = jax.jit(self.method.server_aggregate, donate_argnums=0)
+
+  # ------------------------------------------------------------------------------------------
+  # State
+  # ------------------------------------------------------------------------------------------
+  def init_state(self) -> RunState:
+    """Each client's model from its own key (no aliasing across clients, spec §2)."""
+    init_key = jax.random.fold_in(self.root_key, STREAM_INIT)
+    params = []
+    for g in self.groups:
+      keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(jnp.asarray(g.members))
+      params.append(jax.jit(jax.vmap(functools.partial(models.init_params, g.model)))(keys))
+    return {
+        'round': 0,
+        'params': tuple(params),
+        'server': self.method.init_server(self.seen_dev),
+        'costs': {'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0},
+    }
+
+  # ------------------------------------------------------------------------------------------
+  # Training
+  # ------------------------------------------------------------------------------------------
+  def _make_train_call(self, g: Group):
+    method, cfg = self.method, self.train_cfg
+    members = jnp.asarray(g.members)
+    train_one = functools.partial(client.local_train, apply_fn=g.model.apply, cfg=cfg,
+                                  loss_fn=method.loss_fn)
+
+    def call(group_params, server, data_: client.DeviceData, seen, slots, active, round_index,
+             root_key):
+      """Trains one chunk. slots [P] index the group (g.size = dummy), active [P] bool."""
+      safe = jnp.minimum(slots, g.size - 1)
+      cids = members[safe]
+      params = jax.tree_util.tree_map(lambda p: p[safe], group_params)
+      params = jax.vmap(method.client_prepare, in_axes=(0, None, 0, 0, None))(
+          params, server, cids, seen[cids], round_index)
+      round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
+      keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(cids)
+      n = jnp.where(active, data_.train_n[cids], 0)
+      params, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, None))(
+          params, keys, data_.train_idx[cids], n, data_)
+      uploads = jax.vmap(method.client_upload)(params, seen[cids])
+      server = method.server_receive(server, cids, uploads, active)
+      dest = jnp.where(active, slots, g.size)  # dummies scatter out of range: dropped
+      group_params = jax.tree_util.tree_map(
+          lambda gp, p: gp.at[dest].set(p, mode='drop'), group_params, params)
+      return group_params, server, stats
+
+    return jax.jit(call, donate_argnums=(0, 1))
+
+  def cohort_chunks(self, cohort: np.ndarray):
+    """Yields (group index, slots, active) chunks of fixed size per group."""
+    for gi, g in enumerate(self.groups):
+      slots = self.slot_of[cohort[self.group_of[cohort] == gi]]
+      p = g.clients_per_call
+      for start in range(0, len(slots), p):
+        chunk = slots[start:start + p]
+        active = np.arange(p) < len(chunk)
+        yield gi, np.pad(chunk, (0, p - len(chunk)), constant_values=g.size), active
+
+  def run_round(self, state: RunState):
+    """One round. Returns (new state, info) with the cohort and per-client training stats."""
+    t = state['round']
+    cohort = sample_cohort(self.config.seed, t, self.num_clients, self.k)
+    server = state['server']
+    up, down = self.method.comm_floats(server, cohort, self.seen)
+    extra_flops = self.method.extra_client_flops(server, cohort, self.seen)
+
+    params = list(state['params'])
+    chunk_stats = []
+    for gi, slots, active in self.cohort_chunks(cohort):
+      params[gi], server, stats = self._train_calls[gi](
+          params[gi], server, self.data, self.seen_dev, jnp.asarray(slots, jnp.int32),
+          jnp.asarray(active), jnp.asarray(t, jnp.int32), self.root_key)
+      chunk_stats.append((gi, slots, active, stats))
+    participants = np.zeros(self.num_clients, bool)
+    participants[cohort] = True
+    server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
+
+    # Per-client training stats, in cohort order (one host transfer per chunk).
+    train = {k: np.zeros(self.num_clients) for k in ('loss_sum', 'samples', 'correct', 'steps')}
+    for gi, slots, active, stats in chunk_stats:
+      cids = self.groups[gi].members[slots[active]]
+      for k, v in jax.device_get(stats).items():
+        train[k][cids] = np.asarray(v)[active]
+    family_fps = np.array([self.flops_per_sample[self.groups[self.group_of[c]].family]
+                           for c in cohort])
+    # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
+    flops = family_fps * train['samples'][cohort] + extra_flops
+    new_costs = dict(state['costs'])
+    new_costs['up_floats'] += float(up.sum())
+    new_costs['down_floats'] += float(down.sum())
+    new_costs['client_flops'] += float(flops.sum())
+    info = {
+        'cohort': cohort,
+        'up_floats': float(up.sum()), 'down_floats': float(down.sum()),
+        'client_flops': float(flops.sum()),
+        'train_loss': float(train['loss_sum'][cohort].sum() /
+                            max(train['samples'][cohort].sum(), 1)),
+        'train_accuracy': float(train['correct'][cohort].sum() /
+                                max(train['samples'][cohort].sum(), 1)),
+        'train_samples': train['samples'][cohort],
+        'train_steps': train['steps'][cohort],
+    }
+    return {'round': t + 1, 'params': tuple(params), 'server': server, 'costs': new_costs}, info
+
+  # ------------------------------------------------------------------------------------------
+  # Evaluation
+  # ------------------------------------------------------------------------------------------
+  def _make_eval_call(self, g: Group):
+    method, cfg = self.method, self.train_cfg
+    members = jnp.asarray(g.members)
+    per_call = self.config.engine.eval_clients_per_call or (
+        1 if jax.default_backend() == 'cpu' else g.size)
+
+    def call(group_params, server, data_: client.DeviceData):
+      def one(args):
+        params, cid = args
+        params = method.eval_params(params, server, cid)
+        return client.evaluate(params, data_.test_idx[cid], data_.test_n[cid], data_,
+                               apply_fn=g.model.apply, cfg=cfg,
+                               eval_batch_size=self.config.eval_batch_size)
+      return jax.lax.map(one, (group_params, members), batch_size=min(per_call, g.size))
+
+    return jax.jit(call)
+
+  def evaluate(self, state: RunState) -> dict[str, np.ndarray]:
+    """Every client's test results with its current model: per-client arrays of length N."""
+    out = {k: np.zeros(self.num_clients) for k in
+           ('correct', 'count', 'batch_acc_sum', 'num_batches')}
+    results = [(g, call(p, state['server'], self.data))
+               for g, call, p in zip(self.groups, self._eval_calls, state['params'])]
+    for g, r in results:
+      for k, v in jax.device_get(r).items():
+        out[k][g.members] = v
+    out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)
+    out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)
+    return out
