@@ -1,0 +1,105 @@
+"""Default configuration and the variant strings of configs/*.py.
+
+`configs/cifar10.py:hetero,n100` calls `get_config('hetero,n100')`, which is
+`build('cifar10', 'hetero,n100')` here. Variants (comma-separated, applied left to right):
+
+  hetero   client k gets family CNN-((k mod 5)+1); reference hetero script: E=25, T_stable=2
+  homo     every client gets CNN-1; reference homo script: E=10, T_stable=45
+  n10      N=10,  C=100%     (the paper's three (N, C) settings)
+  n50      N=50,  C=20%
+  n100     N=100, C=10%
+  dir      Dirichlet partition (gamma = partition.dirichlet_gamma, 0.5)
+  paper    the paper's 8:1:1 per-client split instead of the reference's pools
+  tiny     a few clients, rounds and steps: for tests and smoke runs
+"""
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from fedssa_jax import models
+
+DATASET_DEFAULTS = {
+    # classes per client (paper's pathological setting) and a target accuracy for cost reports
+    'cifar10': dict(classes_per_client=2, target_accuracy=0.8),
+    'cifar100': dict(classes_per_client=10, target_accuracy=0.5),
+}
+
+
+def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
+  if dataset not in DATASET_DEFAULTS:
+    raise ValueError(f'Unknown dataset {dataset!r}; choose one of {sorted(DATASET_DEFAULTS)}.')
+  d = DATASET_DEFAULTS[dataset]
+  c = ml_collections.ConfigDict()
+  c.dataset = dataset                 # a TFDS name
+  c.data_dir = config_dict.placeholder(str)  # TFDS data_dir; None = TFDS's default
+  c.method = 'fedssa'                 # 'fedssa' or 'standalone'
+  c.num_clients = 10                  # N
+  c.participation = 1.0               # C: K = max(1, floor(C*N)) clients per round
+  c.num_rounds = 500
+  c.local_epochs = 25                 # E
+  c.batch_size = 512                  # B
+  c.seed = 0                          # model init, sampling, shuffling, augmentation
+  c.eval_every = 1                    # rounds between all-client evaluations (the last is always)
+  c.target_accuracy = d['target_accuracy']  # mean accuracy for "costs to target"
+
+  c.model = ml_collections.ConfigDict()
+  c.model.families = models.FAMILY_NAMES  # client k gets families[k % len(families)]
+  c.model.conv_impl = 'auto'          # 'auto' (im2col on CPU, xla elsewhere), 'im2col', 'xla'
+
+  c.partition = ml_collections.ConfigDict()
+  c.partition.kind = 'pathological'   # 'pathological' or 'dirichlet'
+  c.partition.classes_per_client = d['classes_per_client']  # k (pathological)
+  c.partition.dirichlet_gamma = 0.5   # gamma (dirichlet)
+  c.partition.dirichlet_min_train = 10  # redraw while a client has fewer training samples
+  c.partition.scheme = 'reference'    # 'reference' (40k/10k/test pools) or 'paper' (8:1:1)
+  c.partition.seed = -1               # partition seed; -1 = use `seed`
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.lr = 0.005
+  c.optimizer.momentum = 0.9
+  c.optimizer.weight_decay = 5e-5     # L2 added to the gradient (torch SGD)
+  c.optimizer.clip_norm = 50.0        # global gradient-norm clip
+
+  c.augment = True                    # flip + RandomErasing + pad-4 crop, on device
+
+  c.fedssa = ml_collections.ConfigDict()
+  c.fedssa.mu0 = 0.5                  # initial weight of the local header rows
+  c.fedssa.t_stable = 2               # rounds until mu_t reaches 0
+  c.fedssa.fusion = 'convex'          # 'convex' (paper) or 'reference' (official code)
+  c.fedssa.scope = 'all_owners'       # 'all_owners' (latest uploads) or 'participants'
+
+  c.eval_batch_size = 512             # also the batch of the reference's per-batch metric
+  c.engine = ml_collections.ConfigDict()
+  c.engine.clients_per_call = 0       # clients vmapped per training call; 0 = auto by backend
+  c.engine.eval_clients_per_call = 0  # clients vmapped per evaluation step; 0 = auto
+  return c
+
+
+def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
+  if name == 'hetero':
+    c.model.families = models.FAMILY_NAMES
+    c.local_epochs, c.fedssa.t_stable = 25, 2
+  elif name == 'homo':
+    c.model.families = ('cnn1',)
+    c.local_epochs, c.fedssa.t_stable = 10, 45
+  elif name in ('n10', 'n50', 'n100'):
+    c.num_clients, c.participation = {'n10': (10, 1.0), 'n50': (50, 0.2),
+                                      'n100': (100, 0.1)}[name]
+  elif name == 'dir':
+    c.partition.kind = 'dirichlet'
+  elif name == 'paper':
+    c.partition.scheme = 'paper'
+  elif name == 'tiny':
+    c.num_clients, c.participation = 5, 0.6
+    c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 3, 1, 16, 32
+  else:
+    raise ValueError(f'Unknown config variant {name!r}; known: hetero, homo, n10, n50, n100, '
+                     'dir, paper, tiny.')
+
+
+def build(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
+  c = base_config(dataset)
+  for name in filter(None, (arg or 'hetero,n10').split(',')):
+    apply_variant(c, name.strip())
+  return c

@@ -1,0 +1,29 @@
+"""Runs one federated experiment. Intentionally kept short: flags, logging and the workdir.
+
+  python -m fedssa_jax.main --config=configs/cifar10.py:hetero,n10 --workdir=runs/demo \
+      --config.num_rounds=20 --config.local_epochs=1
+"""
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from fedssa_jax import train
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'Config file, with an optional :variant.',
+                                lock_config=True)
+flags.DEFINE_string('workdir', None, 'Where config.json, metrics.jsonl, events and '
+                    'summary.json are written.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.INFO)
+  train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == '__main__':
+  app.run(main)
