@@ -33,6 +33,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.dataset = dataset                 # a TFDS name
   c.data_dir = config_dict.placeholder(str)  # TFDS data_dir; None = TFDS's default
+  c.download = False                  # let TFDS download a data set missing from data_dir
   c.method = 'fedssa'                 # 'fedssa' or 'standalone'
   c.num_clients = 10                  # N
   c.participation = 1.0               # C: K = max(1, floor(C*N)) clients per round
@@ -103,3 +104,33 @@ def build(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
   for name in filter(None, (arg or 'hetero,n10').split(',')):
     apply_variant(c, name.strip())
   return c
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work, with the fix in its message."""
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Cheap checks that run before any data is loaded or any compile starts."""
+  def need(ok, msg):
+    if not ok:
+      raise ConfigError(msg)
+  need(c.dataset in DATASET_DEFAULTS,
+       f'Unknown dataset {c.dataset!r}; choose one of {sorted(DATASET_DEFAULTS)}.')
+  need(c.method in ('fedssa', 'standalone'),
+       f"Unknown method {c.method!r}; choose 'fedssa' or 'standalone'.")
+  need(c.num_clients >= 1, f'num_clients must be >= 1, got {c.num_clients}.')
+  need(0 < c.participation <= 1, f'participation must be in (0, 1], got {c.participation}.')
+  need(c.num_rounds >= 0, f'num_rounds must be >= 0, got {c.num_rounds}.')
+  need(c.local_epochs >= 0, f'local_epochs must be >= 0, got {c.local_epochs}.')
+  need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
+  need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
+  need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
+  need(0 < c.target_accuracy <= 1,
+       f'target_accuracy must be in (0, 1], got {c.target_accuracy}.')
+  need(c.fedssa.t_stable >= 0, f'fedssa.t_stable must be >= 0, got {c.fedssa.t_stable}.')
+  need(0 <= c.fedssa.mu0 <= 1, f'fedssa.mu0 must be in [0, 1], got {c.fedssa.mu0}.')
+  need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+  for f in c.model.families:
+    need(f in models.FAMILY_NAMES,
+         f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')

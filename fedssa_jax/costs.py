@@ -3,8 +3,8 @@
 Training FLOPs of a client in a round = (forward + backward FLOPs per sample) x (samples actually
 processed, E * n_k), spec FEDSSA.md §6. The per-sample figure is XLA's count for one gradient
 step of the family's model, at the run's batch size, divided by the batch size. It is taken from
-the standard-convolution formulation so that it does not depend on the backend's choice of
-kernel (im2col would count its patch copies).
+the standard-convolution formulation, analysed by the CPU backend, so that it does not depend on
+the backend or its choice of kernel (im2col would count its patch copies).
 """
 from __future__ import annotations
 
@@ -25,9 +25,16 @@ def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int) -
   def grad(p, x, y, valid):
     return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
 
-  analysis = jax.jit(grad).lower(params, x, y, valid).cost_analysis()
+  # Counted on the CPU backend on every machine, so the figure does not depend on where the run
+  # is (GPU backends give no count for the lowered program, and hide convolutions in library
+  # calls once compiled).
+  with jax.default_device(jax.devices('cpu')[0]):
+    lowered = jax.jit(grad).lower(params, x, y, valid)
+    analysis = lowered.cost_analysis() or lowered.compile().cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older JAX returns one dict per device
     analysis = analysis[0]
+  if not analysis or 'flops' not in analysis:
+    raise RuntimeError(f'XLA gave no FLOP count on {jax.default_backend()}: {analysis!r}')
   return float(analysis['flops']) / batch_size
 
 

@@ -58,21 +58,39 @@ class DataError(ValueError):
 # Loading
 # --------------------------------------------------------------------------------------------
 
-def _read_split(name: str, split: str, data_dir: str | None):
+def _missing_data_error(name, split, data_dir, e):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  where = data_dir or '~/tensorflow_datasets'
+  if not tfds.builder(name, data_dir=data_dir).is_prepared():
+    e = f'no prepared copy in {where}; downloading it failed: {type(e).__name__}'
+  hint = ''
+  if name == 'cifar10':
+    hint = (' Offline, prepare one with: python ../shared/data/cifar10/prepare.py '
+            f'--tfds_data_dir {where}')
+  return DataError(
+      f'TFDS data set {name!r} (split {split!r}) cannot be read from data_dir={where!r} ({e}). Set --config.data_dir to a folder that holds a prepared '
+      f'{name!r}, or, with network access, set --config.download=True so that TFDS downloads '
+      f'and prepares it.{hint}')
+
+
+def _read_split(name: str, split: str, data_dir: str | None, download: bool):
+  """Reads a whole split as (uint8 images, int32 labels)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  builder = tfds.builder(name, data_dir=data_dir)
+  if download and not builder.is_prepared():
+    try:
+      builder.download_and_prepare(file_format='array_record')
+    except Exception as e:  # pylint: disable=broad-except
+      raise _missing_data_error(name, split, data_dir, e) from e
+  if builder.is_prepared() and 'TFRECORD' in str(builder.info.file_format).upper():
+    # tfrecord data dirs (tfds.load's classic format) are read through tf.data in one batch.
+    arrays = tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir, batch_size=-1,
+                                     download=False))
+    return arrays['image'].astype(np.uint8), arrays['label'].astype(np.int32)
   try:
     source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
   except Exception as e:  # pylint: disable=broad-except
-    where = data_dir or '~/tensorflow_datasets'
-    hint = ''
-    if name == 'cifar10':
-      hint = (' Offline, prepare one with: python ../shared/data/cifar10/prepare.py '
-              f'--tfds_data_dir {where}')
-    raise DataError(
-        f'TFDS data set {name!r} (split {split!r}) is not prepared under data_dir={where!r}: '
-        f'{type(e).__name__}: {e}. Set --config.data_dir to a folder holding a prepared '
-        f'{name!r} in array_record format, or run once with network access so TFDS can '
-        f'download it.{hint}') from e
+    raise _missing_data_error(name, split, data_dir, e) from e
   n = len(source)
   images = np.empty((n, *IMAGE_SHAPE), np.uint8)
   labels = np.empty((n,), np.int32)
@@ -89,14 +107,18 @@ def _read_split(name: str, split: str, data_dir: str | None):
   return images, labels
 
 
-def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
-  """Loads a TFDS image-classification data set ('train' and 'test') into memory."""
+def load_dataset(name: str, data_dir: str | None = None, download: bool = False) -> Dataset:
+  """Loads a TFDS image-classification data set ('train' and 'test') into memory.
+
+  With `download`, a data set that is not prepared under `data_dir` is downloaded and
+  prepared (array_record) first, as tfds.load would.
+  """
   if name not in NORMALIZATION:
     raise DataError(f'Unknown dataset {name!r}; choose one of {sorted(NORMALIZATION)}.')
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   parts, offsets, start = [], {}, 0
   for split in ('train', 'test'):
-    x, y = _read_split(name, split, data_dir)
+    x, y = _read_split(name, split, data_dir, download)
     if x.shape[1:] != IMAGE_SHAPE:
       raise DataError(f'{name} images have shape {x.shape[1:]}, the models need {IMAGE_SHAPE}.')
     parts.append((x, y))
@@ -282,3 +304,12 @@ def fingerprint(cd: ClientData) -> str:
   for a in (cd.train_idx, cd.train_n, cd.val_idx, cd.val_n, cd.test_idx, cd.test_n):
     h.update(np.ascontiguousarray(a).tobytes())
   return h.hexdigest()[:16]
+
+
+def partition_from_config(config, ds: Dataset) -> ClientData:
+  """The partition a config asks for (`partition.seed` < 0 means: use `seed`)."""
+  p = config.partition
+  seed = config.seed if p.seed < 0 else p.seed
+  return partition(ds, config.num_clients, p.kind, classes_per_client=p.classes_per_client,
+                   dirichlet_gamma=p.dirichlet_gamma, dirichlet_min_train=p.dirichlet_min_train,
+                   scheme=p.scheme, seed=seed)

@@ -95,7 +95,11 @@ class Simulator:
       members = np.flatnonzero(self.client_family == gi)
       if not len(members):
         continue
-      per_call = config.engine.clients_per_call or (1 if backend == 'cpu' else len(members))
+      # Auto: one client per call on the CPU, where vmapping over clients gains nothing; on
+      # accelerators, the group's expected share of the cohort, so that a typical round needs
+      # one call per family and few dummies. A family sampled more often takes more calls.
+      per_call = config.engine.clients_per_call or (
+          1 if backend == 'cpu' else -(-self.k // len(families)))
       per_call = int(min(per_call, len(members), self.k))
       model = models.make_model(fam, ds.num_classes, config.model.conv_impl)
       self.groups.append(Group(fam, members, model, per_call))

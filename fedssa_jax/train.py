@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 from clu import metric_writers
 
-from fedssa_jax import data, engine
+from fedssa_jax import config_lib, data, engine
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
@@ -32,42 +32,6 @@ SUMMARY_FIELDS = (
     'final_client_accuracy', 'target_accuracy', 'to_target', 'cum_up_floats',
     'cum_down_floats', 'cum_client_flops', 'seconds_per_round_steady', 'first_round_seconds',
     'wall_seconds')
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work, with the fix in its message."""
-
-
-def validate_config(c: ml_collections.ConfigDict) -> None:
-  """Cheap checks that run before any data is loaded or any compile starts."""
-  def need(ok, msg):
-    if not ok:
-      raise ConfigError(msg)
-  need(c.num_clients >= 1, f'num_clients must be >= 1, got {c.num_clients}.')
-  need(0 < c.participation <= 1,
-       f'participation must be in (0, 1], got {c.participation}.')
-  need(c.num_rounds >= 0, f'num_rounds must be >= 0, got {c.num_rounds}.')
-  need(c.local_epochs >= 0, f'local_epochs must be >= 0, got {c.local_epochs}.')
-  need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
-  need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
-  need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
-  need(0 < c.target_accuracy <= 1,
-       f'target_accuracy must be in (0, 1], got {c.target_accuracy}.')
-  need(c.fedssa.t_stable >= 0, f'fedssa.t_stable must be >= 0, got {c.fedssa.t_stable}.')
-  need(0 <= c.fedssa.mu0 <= 1, f'fedssa.mu0 must be in [0, 1], got {c.fedssa.mu0}.')
-  need(len(c.model.families) >= 1, 'model.families must name at least one family.')
-
-
-def partition_seed(c) -> int:
-  return c.seed if c.partition.seed < 0 else c.partition.seed
-
-
-def build_client_data(c, ds: data.Dataset) -> data.ClientData:
-  p = c.partition
-  return data.partition(
-      ds, c.num_clients, p.kind, classes_per_client=p.classes_per_client,
-      dirichlet_gamma=p.dirichlet_gamma, dirichlet_min_train=p.dirichlet_min_train,
-      scheme=p.scheme, seed=partition_seed(c))
 
 
 def _jsonable(x):
@@ -89,11 +53,11 @@ def _dump(obj) -> str:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: data.Dataset | None = None) -> dict:
   """Runs `config` and writes its outputs to `workdir`. Returns the summary dict."""
-  validate_config(config)
+  config_lib.validate(config)
   os.makedirs(workdir, exist_ok=True)
   start = time.time()
-  ds = dataset or data.load_dataset(config.dataset, config.data_dir)
-  cd = build_client_data(config, ds)
+  ds = dataset or data.load_dataset(config.dataset, config.data_dir, config.download)
+  cd = data.partition_from_config(config, ds)
   sim = engine.Simulator(config, ds, cd)
   is_main = jax.process_index() == 0
 

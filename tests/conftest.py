@@ -1,8 +1,13 @@
 """Shared fixtures: small synthetic data sets that need no TFDS."""
+import jax
 import numpy as np
 import pytest
 
 from fedssa_jax import data
+
+# Full float32 matmuls and convolutions: on GPUs JAX's default (TF32) rounds to ~1e-3, which
+# would blur the vectorised-equals-plain comparisons. Runs keep the backend's default.
+jax.config.update('jax_default_matmul_precision', 'highest')
 
 
 def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name='cifar10'):

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, train
+from fedssa_jax import config_lib, data, engine
 
 ROUNDS = 3
 
@@ -20,7 +20,7 @@ def small_config(method='fedssa', clients_per_call=1):
 
 
 def run(config, ds):
-  sim = engine.Simulator(config, ds, train.build_client_data(config, ds))
+  sim = engine.Simulator(config, ds, data.partition_from_config(config, ds))
   state = sim.init_state()
   infos = []
   for _ in range(config.num_rounds):
@@ -95,7 +95,7 @@ def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
 
 def test_every_client_has_its_own_initialisation(small_ds):
   config = small_config()
-  sim = engine.Simulator(config, small_ds, train.build_client_data(config, small_ds))
+  sim = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
   kernels = np.asarray(sim.init_state()['params'][0]['conv1']['kernel'])
   assert len({k.tobytes() for k in kernels}) == len(kernels)
 

@@ -76,8 +76,11 @@ def test_bad_config_values_are_rejected_before_compute():
   from fedssa_jax import config_lib
   for field, value, needle in [('participation', 0.0, 'participation'),
                                ('batch_size', 0, 'batch_size'),
-                               ('target_accuracy', 1.5, 'target_accuracy')]:
+                               ('target_accuracy', 1.5, 'target_accuracy'),
+                               ('method', 'fedavg', 'method'),
+                               ('fedssa.mu0', 1.5, 'mu0'),
+                               ('model.families', ('cnn9',), 'cnn9')]:
     c = config_lib.build('cifar10', 'tiny')
-    c[field] = value
-    with pytest.raises(train.ConfigError, match=needle):
-      train.validate_config(c)
+    c.update_from_flattened_dict({field: value})
+    with pytest.raises(config_lib.ConfigError, match=needle):
+      config_lib.validate(c)
