@@ -106,3 +106,21 @@ def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
   np.testing.assert_array_equal(a, engine.sample_cohort(0, 5, 100, 10))
   assert not np.array_equal(a, engine.sample_cohort(0, 6, 100, 10))
   assert engine.cohort_size(100, 0.1) == 10 and engine.cohort_size(10, 0.01) == 1
+
+
+def test_evaluation_equals_plain_per_client_loop(runs, small_ds):
+  sim, state, _, ev = runs[3]
+  images = np.asarray(jax.numpy.asarray(small_ds.images, np.float32) / 255.0)
+  images = (images - np.array(small_ds.mean)) / np.array(small_ds.std)
+  for c in range(sim.num_clients):
+    g, slot = sim.group_of[c], sim.slot_of[c]
+    params = jax.tree_util.tree_map(lambda p: p[slot], state['params'][g])
+    idx = sim.data.test_idx[c, :sim.data.test_n[c]]
+    logits, _ = sim.groups[g].model.apply({'params': params}, images[np.asarray(idx)])
+    correct = np.argmax(logits, -1) == small_ds.labels[np.asarray(idx)]
+    assert ev['count'][c] == len(idx)
+    assert ev['accuracy'][c] == pytest.approx(correct.mean())
+    # The reference's per-batch metric: mean over batches of eval_batch_size.
+    b = sim.config.eval_batch_size
+    batches = [correct[i:i + b].mean() for i in range(0, len(correct), b)]
+    assert ev['batch_accuracy'][c] == pytest.approx(np.mean(batches))
