@@ -116,22 +116,27 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
   if name not in NORMALIZATION:
     raise DataError(f'Unknown dataset {name!r}; choose one of {sorted(NORMALIZATION)}.')
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  parts, offsets, start = [], {}, 0
-  for split in ('train', 'test'):
-    x, y = _read_split(name, split, data_dir, download)
-    if x.shape[1:] != IMAGE_SHAPE:
-      raise DataError(f'{name} images have shape {x.shape[1:]}, the models need {IMAGE_SHAPE}.')
-    parts.append((x, y))
-    offsets[split] = np.arange(start, start + len(y))
-    start += len(y)
-  images = np.concatenate([p[0] for p in parts])
-  labels = np.concatenate([p[1] for p in parts])
-  builder = tfds.builder(name, data_dir=data_dir)
-  num_classes = builder.info.features['label'].num_classes
+  parts = [_read_split(name, split, data_dir, download) for split in ('train', 'test')]
+  num_classes = tfds.builder(name, data_dir=data_dir).info.features['label'].num_classes
+  logging.info('Loaded %s: %d train + %d test images, %d classes.', name, len(parts[0][1]),
+               len(parts[1][1]), num_classes)
+  return from_arrays(name, *parts[0], *parts[1], num_classes)
+
+
+def from_arrays(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+                y_test: np.ndarray, num_classes: int) -> Dataset:
+  """A Dataset from in-memory uint8 images and integer labels (normalised as `name`)."""
+  if name not in NORMALIZATION:
+    raise DataError(f'Unknown dataset {name!r}; choose one of {sorted(NORMALIZATION)}.')
+  images = np.concatenate([x_train, x_test]).astype(np.uint8)
+  if images.shape[1:] != IMAGE_SHAPE:
+    raise DataError(f'{name} images have shape {images.shape[1:]}, the models need '
+                    f'{IMAGE_SHAPE}.')
+  labels = np.concatenate([y_train, y_test]).astype(np.int32)
+  n = len(y_train)
   mean, std = NORMALIZATION[name]
-  logging.info('Loaded %s: %d train + %d test images, %d classes.', name, len(offsets['train']),
-               len(offsets['test']), num_classes)
-  return Dataset(name, images, labels, num_classes, mean, std, offsets)
+  return Dataset(name, images, labels, num_classes, mean, std,
+                 {'train': np.arange(n), 'test': np.arange(n, len(labels))})
 
 
 # --------------------------------------------------------------------------------------------

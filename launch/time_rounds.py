@@ -1,15 +1,17 @@
-"""Times FedSSA rounds with no output files: training, server and evaluation separately.
+"""Times rounds with no output files: training + server, and evaluation, separately.
 
-Reads CIFAR from TFDS (`--config.data_dir`), or, with `--synthetic`, uses random images of the
-same shape and class balance, which needs neither TFDS nor the data (e.g. on an accelerator
-machine that can't see the data set).
+Data, in order of preference: `--jpeg_npz` (the offline CIFAR-10 JPEG archive of
+../shared/data/cifar10, decoded here with Pillow; needs no TFDS or TensorFlow), `--synthetic`
+(random images of CIFAR's shape and class balance), or TFDS (`--config.data_dir`).
+`--methods` runs several methods on the same data and partition, one after another.
 
   python launch/time_rounds.py --config=configs/cifar10.py:hetero,n100 \
-      --config.local_epochs=1 --rounds=3 [--synthetic]
+      --config.local_epochs=1 --rounds=3 [--synthetic] [--methods=fedssa,standalone]
 """
+import io
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 import jax
 import numpy as np
 from ml_collections import config_flags
@@ -20,39 +22,66 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file with variants.', lock_config=True)
 flags.DEFINE_integer('rounds', 3, 'Rounds to time; the first one compiles.')
 flags.DEFINE_bool('synthetic', False, 'Random CIFAR-shaped data instead of TFDS.')
+flags.DEFINE_string('jpeg_npz', None, 'Path of cifar10_jpeg.npz to read instead of TFDS.')
+flags.DEFINE_list('methods', [], 'Methods to run in turn; default: the config\'s method.')
+flags.DEFINE_integer('eval_every', 1, 'Evaluate all clients every this many rounds.')
 
 
 def synthetic_cifar(num_classes):
   rng = np.random.default_rng(0)
-  labels = np.concatenate([np.arange(50000), np.arange(10000)]) % num_classes
-  images = rng.integers(0, 256, (60000, 32, 32, 3), dtype=np.uint8)
-  mean, std = data.NORMALIZATION['cifar10' if num_classes == 10 else 'cifar100']
-  return data.Dataset('synthetic', images, labels.astype(np.int32), num_classes, mean, std,
-                      {'train': np.arange(50000), 'test': np.arange(50000, 60000)})
+  y_train, y_test = np.arange(50000) % num_classes, np.arange(10000) % num_classes
+  x = rng.integers(0, 256, (60000, 32, 32, 3), dtype=np.uint8)
+  name = 'cifar10' if num_classes == 10 else 'cifar100'
+  return data.from_arrays(name, x[:50000], y_train, x[50000:], y_test, num_classes)
+
+
+def jpeg_cifar10(path):
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  z = np.load(path)
+  arrays = []
+  for split in ('train', 'test'):
+    blob, off = z[f'{split}_jpeg'], z[f'{split}_offsets']
+    x = np.stack([np.asarray(Image.open(io.BytesIO(blob[off[i]:off[i + 1]].tobytes()))
+                             .convert('RGB')) for i in range(len(off) - 1)])
+    arrays += [x, z[f'{split}_labels']]
+  return data.from_arrays('cifar10', *arrays, 10)
+
+
+def time_method(c, ds):
+  t0 = time.time()
+  sim = engine.Simulator(c, ds, data.partition_from_config(c, ds))
+  state = sim.init_state()
+  jax.block_until_ready(state)
+  print(f'{c.method}: backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '
+        f'{time.time() - t0:.1f} s, groups: '
+        + ', '.join(f'{g.family} x{g.size} ({g.clients_per_call}/call)' for g in sim.groups))
+  for r in range(1, FLAGS.rounds + 1):
+    t0 = time.time()
+    state, info = sim.run_round(state)
+    jax.block_until_ready(state)
+    t1 = time.time()
+    line = (f'{c.method} round {r}: train+server {t1 - t0:.2f} s '
+            f'({info["train_samples"].sum() / (t1 - t0):.0f} img/s)')
+    if r % FLAGS.eval_every == 0 or r == FLAGS.rounds:
+      ev = sim.evaluate(state)
+      line += f', eval {time.time() - t1:.2f} s, mean acc {ev["accuracy"].mean():.4f}'
+    print(line, flush=True)
 
 
 def main(_):
   c = FLAGS.config
   config_lib.validate(c)
-  ds = (synthetic_cifar(10 if c.dataset == 'cifar10' else 100) if FLAGS.synthetic
-        else data.load_dataset(c.dataset, c.data_dir, c.download))
-  t0 = time.time()
-  sim = engine.Simulator(c, ds, data.partition_from_config(c, ds))
-  state = sim.init_state()
-  jax.block_until_ready(state)
-  print(f'backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '
-        f'{time.time() - t0:.1f} s, groups: '
-        + ', '.join(f'{g.family} x{g.size} ({g.clients_per_call}/call)' for g in sim.groups))
-  for r in range(FLAGS.rounds):
-    t0 = time.time()
-    state, info = sim.run_round(state)
-    jax.block_until_ready(state)
-    t1 = time.time()
-    ev = sim.evaluate(state)
-    t2 = time.time()
-    samples = info['train_samples'].sum()
-    print(f'round {r + 1}: train+server {t1 - t0:.2f} s ({samples / (t1 - t0):.0f} img/s), '
-          f'eval {t2 - t1:.2f} s, total {t2 - t0:.2f} s, mean acc {ev["accuracy"].mean():.4f}')
+  num_classes = 10 if c.dataset == 'cifar10' else 100
+  if FLAGS.jpeg_npz:
+    ds = jpeg_cifar10(FLAGS.jpeg_npz)
+  elif FLAGS.synthetic:
+    ds = synthetic_cifar(num_classes)
+  else:
+    ds = data.load_dataset(c.dataset, c.data_dir, c.download)
+  for method in FLAGS.methods or [c.method]:
+    with c.unlocked():
+      c.method = method
+    time_method(c, ds)
 
 
 if __name__ == '__main__':
