@@ -17,6 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 from clu import metric_writers
+from clu import periodic_actions
 
 from fedssa_jax import config_lib, data, engine
 
@@ -83,6 +84,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   metrics_path = os.path.join(workdir, 'metrics.jsonl')
   if is_main:
     open(metrics_path, 'w').close()
+  # Rounds per second and an ETA, in the logs and TensorBoard ('steps' are rounds here).
+  progress = periodic_actions.ReportProgress(num_train_steps=config.num_rounds, writer=writer,
+                                             every_steps=1)
   state = sim.init_state()
   history = []
   target = None
@@ -131,6 +135,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         scalars['accuracy_q25'], scalars['accuracy_median'], scalars['accuracy_q75'] = (
             np.quantile(record['client_accuracy'], [0.25, 0.5, 0.75]).tolist())
         writer.write_scalars(rounds_done, scalars)
+    progress(rounds_done)
     # Steady-state seconds per round exclude round 1, which compiles.
     steady = np.mean(round_times[1:]) if len(round_times) > 1 else dt
     eta = steady * (config.num_rounds - rounds_done)
