@@ -118,6 +118,8 @@ class Simulator:
         logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
                         g.family, xla, analytic)
       self.flops_per_sample[g.family] = xla
+    self.client_flops_per_sample = np.array(
+        [self.flops_per_sample[self.groups[g].family] for g in self.group_of])
 
     self._train_calls = [self._make_train_call(g) for g in self.groups]
     self._eval_calls = [self._make_eval_call(g) for g in self.groups]
@@ -206,10 +208,8 @@ class Simulator:
       cids = self.groups[gi].members[slots[active]]
       for k, v in jax.device_get(stats).items():
         train[k][cids] = np.asarray(v)[active]
-    family_fps = np.array([self.flops_per_sample[self.groups[self.group_of[c]].family]
-                           for c in cohort])
     # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
-    flops = family_fps * train['samples'][cohort] + extra_flops
+    flops = self.client_flops_per_sample[cohort] * train['samples'][cohort] + extra_flops
     new_costs = dict(state['costs'])
     new_costs['up_floats'] += float(up.sum())
     new_costs['down_floats'] += float(down.sum())

@@ -64,8 +64,8 @@ def test_costs_match_hand_counts(runs):
   assert state['costs']['up_floats'] == up
   # Round 0 downloads nothing (no global rows yet); later rounds download available seen rows.
   assert infos[0]['down_floats'] == 0 and infos[1]['down_floats'] > 0
-  fps = np.array([sim.flops_per_sample[sim.groups[sim.group_of[c]].family]
-                  for c in range(sim.num_clients)])
+  fps = np.array([sim.flops_per_sample[sim.config.model.families[c % 2]]
+                  for c in range(sim.num_clients)])  # client k has families[k % 2]
   train_flops = sum((fps[i['cohort']] * cfg.local_epochs * sim.train_n[i['cohort']]).sum()
                     for i in infos)
   fusion = state['costs']['client_flops'] - train_flops
