@@ -5,9 +5,11 @@ torch does), global-norm clip 50, batch 512, E epochs over the shuffled training
 partial batch kept with its loss averaged over its real samples, optimizer state reset per round.
 
 Shapes are fixed per model family: a client's padded index array has `max_train` entries and
-the loops run `E` epochs of `ceil(n_k / B)` steps, where n_k is the client's own count. Under
-vmap the loop bound becomes the group's maximum; steps past a client's own last step, and steps
-with no valid sample, leave its parameters and momentum unchanged (`where(count > 0, new, old)`).
+the loops run `E` epochs of `ceil(n_k / B)` steps, where n_k is the client's own count, so every
+step has at least one valid sample. Under vmap the loop runs to the group's largest bound, and
+JAX's batching of `while_loop` keeps each client's carry (parameters and momentum) unchanged once
+its own predicate is false: steps past a client's last step are no-ops, and a dummy client with
+n_k = 0 runs none. tests/client_test.py checks both against one-client-at-a-time training.
 """
 from __future__ import annotations
 
@@ -107,15 +109,13 @@ def local_train(params: PyTree, key: jax.Array, train_idx: jax.Array, n: jax.Arr
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     count = valid.sum()
-    # A step without a valid sample is a no-op, momentum included.
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, o: jnp.where(count > 0, a, o), new, old)
     stats = {
         'loss_sum': stats['loss_sum'] + loss * count,
         'samples': stats['samples'] + count,
         'correct': stats['correct'] + correct,
         'steps': stats['steps'] + (count > 0),
     }
-    return keep(new_params, params), keep(new_opt_state, opt_state), stats
+    return new_params, new_opt_state, stats
 
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))

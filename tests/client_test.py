@@ -78,9 +78,10 @@ def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
   return params
 
 
-def test_matches_plain_torch_style_sgd(small_ds):
+@pytest.mark.parametrize('clip_norm', [0.5, 1e6])  # clipping active, and never active
+def test_matches_plain_torch_style_sgd(small_ds, clip_norm):
   cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
-                           clip_norm=0.5, weight_decay=1e-2, mean=small_ds.mean,
+                           clip_norm=clip_norm, weight_decay=1e-2, mean=small_ds.mean,
                            std=small_ds.std)
   dd, model, params, keys, train = setup(small_ds, cfg)
   c = 1  # 13 samples: a full and a partial batch per epoch
