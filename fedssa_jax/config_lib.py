@@ -74,6 +74,9 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.engine = ml_collections.ConfigDict()
   c.engine.clients_per_call = 0       # clients vmapped per training call; 0 = auto by backend
   c.engine.eval_clients_per_call = 0  # clients vmapped per evaluation step; 0 = auto
+  # float32 matmul/conv precision: 'default' is the backend's (TF32 on recent NVIDIA GPUs),
+  # 'highest' is full float32 everywhere, for numbers comparable across backends.
+  c.engine.matmul_precision = 'default'
   return c
 
 
@@ -131,6 +134,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   need(c.fedssa.t_stable >= 0, f'fedssa.t_stable must be >= 0, got {c.fedssa.t_stable}.')
   need(0 <= c.fedssa.mu0 <= 1, f'fedssa.mu0 must be in [0, 1], got {c.fedssa.mu0}.')
   need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+  need(c.engine.matmul_precision in ('default', 'high', 'highest'),
+       f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
+       f'{c.engine.matmul_precision!r}.')
   for f in c.model.families:
     need(f in models.FAMILY_NAMES,
          f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')

@@ -55,6 +55,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: data.Dataset | None = None) -> dict:
   """Runs `config` and writes its outputs to `workdir`. Returns the summary dict."""
   config_lib.validate(config)
+  precision = config.engine.matmul_precision
+  with jax.default_matmul_precision(None if precision == 'default' else precision):
+    return _train_and_evaluate(config, workdir, dataset)
+
+
+def _train_and_evaluate(config, workdir, dataset):
   os.makedirs(workdir, exist_ok=True)
   start = time.time()
   ds = dataset or data.load_dataset(config.dataset, config.data_dir, config.download)

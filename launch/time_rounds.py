@@ -78,10 +78,12 @@ def main(_):
     ds = synthetic_cifar(num_classes)
   else:
     ds = data.load_dataset(c.dataset, c.data_dir, c.download)
+  precision = c.engine.matmul_precision
   for method in FLAGS.methods or [c.method]:
     with c.unlocked():
       c.method = method
-    time_method(c, ds)
+    with jax.default_matmul_precision(None if precision == 'default' else precision):
+      time_method(c, ds)
 
 
 if __name__ == '__main__':

@@ -43,6 +43,7 @@ def test_end_to_end_on_tfds_mock_data_writes_documented_outputs(tmp_path):
   c.model.families = ('cnn5',)
   c.num_clients, c.participation, c.num_rounds = 10, 0.5, 2
   c.batch_size, c.target_accuracy = 32, 0.01
+  c.engine.matmul_precision = 'highest'
   with tfds.testing.mock_data(num_examples=300):
     train.train_and_evaluate(c, workdir)
 
@@ -79,7 +80,8 @@ def test_bad_config_values_are_rejected_before_compute():
                                ('target_accuracy', 1.5, 'target_accuracy'),
                                ('method', 'fedavg', 'method'),
                                ('fedssa.mu0', 1.5, 'mu0'),
-                               ('model.families', ('cnn9',), 'cnn9')]:
+                               ('model.families', ('cnn9',), 'cnn9'),
+                               ('engine.matmul_precision', 'fp64', 'matmul_precision')]:
     c = config_lib.build('cifar10', 'tiny')
     c.update_from_flattened_dict({field: value})
     with pytest.raises(config_lib.ConfigError, match=needle):
