@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import jax
 import ml_collections
 from ml_collections import config_dict
 
@@ -107,6 +108,12 @@ def build(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
   for name in filter(None, (arg or 'hetero,n10').split(',')):
     apply_variant(c, name.strip())
   return c
+
+
+def matmul_precision(c: ml_collections.ConfigDict):
+  """A context that applies `engine.matmul_precision` to everything traced inside it."""
+  p = c.engine.matmul_precision
+  return jax.default_matmul_precision(None if p == 'default' else p)
 
 
 class ConfigError(ValueError):

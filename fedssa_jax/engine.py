@@ -202,11 +202,12 @@ class Simulator:
     participants[cohort] = True
     server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
 
-    # Per-client training stats, in cohort order (one host transfer per chunk).
+    # Per-client training stats: one host transfer for the whole round.
     train = {k: np.zeros(self.num_clients) for k in ('loss_sum', 'samples', 'correct', 'steps')}
-    for gi, slots, active, stats in chunk_stats:
+    all_stats = jax.device_get([stats for *_, stats in chunk_stats])
+    for (gi, slots, active, _), stats in zip(chunk_stats, all_stats):
       cids = self.groups[gi].members[slots[active]]
-      for k, v in jax.device_get(stats).items():
+      for k, v in stats.items():
         train[k][cids] = np.asarray(v)[active]
     # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
     flops = self.client_flops_per_sample[cohort] * train['samples'][cohort] + extra_flops

@@ -55,8 +55,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: data.Dataset | None = None) -> dict:
   """Runs `config` and writes its outputs to `workdir`. Returns the summary dict."""
   config_lib.validate(config)
-  precision = config.engine.matmul_precision
-  with jax.default_matmul_precision(None if precision == 'default' else precision):
+  with config_lib.matmul_precision(config):
     return _train_and_evaluate(config, workdir, dataset)
 
 

@@ -78,11 +78,10 @@ def main(_):
     ds = synthetic_cifar(num_classes)
   else:
     ds = data.load_dataset(c.dataset, c.data_dir, c.download)
-  precision = c.engine.matmul_precision
   for method in FLAGS.methods or [c.method]:
     with c.unlocked():
       c.method = method
-    with jax.default_matmul_precision(None if precision == 'default' else precision):
+    with config_lib.matmul_precision(c):
       time_method(c, ds)
 
 
