@@ -63,14 +63,17 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   )
 
 
-def cross_entropy_loss(apply_fn: Callable, params, x, y, valid):
-  """Mean CE over the valid samples of a batch; also returns the number of correct ones."""
-  logits, _ = apply_fn({'params': params}, x)
+def ce_and_correct(logits, y, valid):
+  """Mean cross-entropy over the valid samples of a batch, and the number of correct ones."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  count = jnp.maximum(valid.sum(), 1)
-  loss = jnp.sum(jnp.where(valid, ce, 0.0)) / count
-  correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
-  return loss, correct
+  loss = jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(valid.sum(), 1)
+  return loss, jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+
+
+def cross_entropy_loss(apply_fn: Callable, params, x, y, valid):
+  """The plain local objective: mean CE of the model on the valid samples."""
+  logits, _ = apply_fn({'params': params}, x)
+  return ce_and_correct(logits, y, valid)
 
 
 def epoch_order(key, n, padded_len):
@@ -79,14 +82,16 @@ def epoch_order(key, n, padded_len):
   return jnp.argsort(jnp.where(jnp.arange(padded_len) < n, r, 2.0))
 
 
-def local_train(params: PyTree, key: jax.Array, train_idx: jax.Array, n: jax.Array,
-                data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
-                loss_fn: Callable = cross_entropy_loss):
-  """Trains one client for E epochs. Returns (params, stats).
+def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
+                n: jax.Array, data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
+                method) -> tuple[dict, PyTree, dict]:
+  """Trains one client for E epochs with `method.loss`. Returns (trainable, acc, stats).
 
-  `train_idx` is the client's padded [max_train] index row, `n` its true count (0 for a masked
-  dummy client, which then runs no step and stays unchanged). stats = dict(loss_sum, samples,
-  correct, steps): sums over the samples and steps actually run.
+  `trainable` is {'model': params, **aux}; each entry has its own optimizer (and clip), as
+  separate torch optimizers would. `train_idx` is the client's padded [max_train] index row, `n`
+  its true count (0 for a masked dummy client, which then runs no step and stays unchanged).
+  `acc` sums the loss's per-step statistics (method.init_acc() to start). stats = dict(loss_sum,
+  samples, correct, steps): sums over the samples and steps actually run.
   """
   tx = make_optimizer(cfg)
   b = cfg.batch_size
@@ -96,18 +101,23 @@ def local_train(params: PyTree, key: jax.Array, train_idx: jax.Array, n: jax.Arr
   zero = jnp.zeros((), jnp.float32)
 
   def grad_step(step, carry, order, aug_key):
-    params, opt_state, stats = carry
+    trainable, opt_state, acc, stats = carry
     pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
     valid = step * b + jnp.arange(b) < n
     idx = idx_pad[pos]
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
-    if cfg.augment:
-      x = augment.augment_batch(jax.random.fold_in(aug_key, step), x)
+    step_key = jax.random.fold_in(aug_key, step)
+    views = tuple(
+        augment.augment_batch(step_key if v == 0 else jax.random.fold_in(step_key, v), x)
+        if cfg.augment else x for v in range(method.num_views))
     y = data.labels[idx]
-    (loss, correct), grads = jax.value_and_grad(
-        lambda p: loss_fn(apply_fn, p, x, y, valid), has_aux=True)(params)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    (loss, (correct, acc_update)), grads = jax.value_and_grad(
+        lambda t: method.loss(apply_fn, t, ctx, views, y, valid), has_aux=True)(trainable)
+    new_trainable, new_opt_state = {}, {}
+    for part in trainable:  # one optimizer per model
+      updates, new_opt_state[part] = tx.update(grads[part], opt_state[part], trainable[part])
+      new_trainable[part] = optax.apply_updates(trainable[part], updates)
+    acc = jax.tree_util.tree_map(jnp.add, acc, acc_update)
     count = valid.sum()
     stats = {
         'loss_sum': stats['loss_sum'] + loss * count,
@@ -115,7 +125,7 @@ def local_train(params: PyTree, key: jax.Array, train_idx: jax.Array, n: jax.Arr
         'correct': stats['correct'] + correct,
         'steps': stats['steps'] + (count > 0),
     }
-    return new_params, new_opt_state, stats
+    return new_trainable, new_opt_state, acc, stats
 
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
@@ -124,16 +134,19 @@ def local_train(params: PyTree, key: jax.Array, train_idx: jax.Array, n: jax.Arr
 
   stats = {'loss_sum': zero, 'samples': jnp.zeros((), jnp.int32),
            'correct': jnp.zeros((), jnp.int32), 'steps': jnp.zeros((), jnp.int32)}
-  params, _, stats = jax.lax.fori_loop(
-      0, cfg.local_epochs, epoch, (params, tx.init(params), stats))
-  return params, stats
+  opt_state = {part: tx.init(p) for part, p in trainable.items()}
+  trainable, _, acc, stats = jax.lax.fori_loop(
+      0, cfg.local_epochs, epoch, (trainable, opt_state, method.init_acc(), stats))
+  return trainable, acc, stats
 
 
 def evaluate(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData, *,
-             apply_fn: Callable, cfg: TrainConfig, eval_batch_size: int):
+             apply_fn: Callable, cfg: TrainConfig, eval_batch_size: int,
+             extra_fn: Callable | None = None, extra_names: tuple[str, ...] = ()):
   """One client's test results: correct, count, and the sum/number of per-batch accuracies.
 
   The per-batch sums give the reference code's metric (mean of per-batch accuracies).
+  `extra_fn(logits, rep, y, valid)` returns further int32 counts named `extra_names` (summed).
   """
   b = eval_batch_size
   padded_len = -(-test_idx.shape[0] // b) * b
@@ -143,14 +156,18 @@ def evaluate(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData
     idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
     valid = step * b + jnp.arange(b) < n
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
-    logits, _ = apply_fn({'params': params}, x)
-    correct = jnp.sum((jnp.argmax(logits, -1) == data.labels[idx]) & valid)
+    logits, rep = apply_fn({'params': params}, x)
+    y = data.labels[idx]
+    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
     batch_acc = correct / jnp.maximum(valid.sum(), 1)
-    return acc[0] + correct, acc[1] + batch_acc, acc[2] + 1
+    extra = extra_fn(logits, rep, y, valid) if extra_fn else {}
+    return (acc[0] + correct, acc[1] + batch_acc, acc[2] + 1,
+            jax.tree_util.tree_map(jnp.add, acc[3], extra))
 
   batches = (n + b - 1) // b
-  correct, batch_acc_sum, num_batches = jax.lax.fori_loop(
+  extra0 = {name: jnp.zeros((), jnp.int32) for name in extra_names}
+  correct, batch_acc_sum, num_batches, extra = jax.lax.fori_loop(
       0, batches, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32),
-                         jnp.zeros((), jnp.int32)))
+                         jnp.zeros((), jnp.int32), extra0))
   return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
-          'num_batches': num_batches}
+          'num_batches': num_batches, **extra}

@@ -6,8 +6,9 @@ have a leading axis over the group's members. A round:
 1. samples the cohort on the host (K = max(1, floor(C N)) clients, uniform without replacement);
 2. for each group, splits its sampled members into chunks of a fixed size `clients_per_call`
    (padded with masked dummy clients), and for each chunk runs one jitted call that gathers the
-   chunk's states, applies the method's download, trains all of them under `vmap`, uploads to
-   the server, and scatters the states back in place (donated buffers);
+   chunk's states, applies the method's download, trains all of them under `vmap` with the
+   method's loss, uploads to the server, and scatters the states back in place (donated
+   buffers);
 3. runs the method's server rule once, under jit.
 
 Shapes never depend on the round, so each family compiles its training call once. Dummy clients
@@ -30,10 +31,12 @@ import numpy as np
 from fedssa_jax import client, costs, data, methods, models
 
 PyTree = Any
-RunState = dict  # {'round': int, 'params': tuple per group, 'server': pytree, 'costs': dict}
+# {'round': int, 'params': tuple per group, 'client_state': pytree over all N clients,
+#  'server': pytree, 'costs': dict}
+RunState = dict
 
 # Independent random streams, all derived from the config's seed.
-STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN = 0, 1, 2
+STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +113,13 @@ class Simulator:
       self.group_of[g.members] = gi
       self.slot_of[g.members] = np.arange(g.size)
 
+    # Training FLOPs per processed sample: the family's own model, plus what the method adds
+    # (e.g. a jointly trained CNN-5).
+    self._flops_memo = {}
     self.flops_per_sample = {}
     for g in self.groups:
-      xla = costs.xla_train_flops_per_sample(g.family, ds.num_classes, config.batch_size)
-      analytic = costs.analytic_train_flops_per_sample(g.family, ds.num_classes)
-      if not 0.9 < xla / analytic < 1.15:
-        logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
-                        g.family, xla, analytic)
-      self.flops_per_sample[g.family] = xla
+      self.flops_per_sample[g.family] = self.method.train_flops_per_sample(
+          self._model_flops(g.family), self._model_flops)
     self.client_flops_per_sample = np.array(
         [self.flops_per_sample[self.groups[g].family] for g in self.group_of])
 
@@ -125,20 +127,39 @@ class Simulator:
     self._eval_calls = [self._make_eval_call(g) for g in self.groups]
     self._aggregate = jax.jit(self.method.server_aggregate, donate_argnums=0)
 
+  def _model_flops(self, family: str) -> float:
+    """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
+    if family in self._flops_memo:
+      return self._flops_memo[family]
+    xla = costs.xla_train_flops_per_sample(family, self.num_classes, self.config.batch_size)
+    analytic = costs.analytic_train_flops_per_sample(family, self.num_classes)
+    if not 0.9 < xla / analytic < 1.15:
+      logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
+                      family, xla, analytic)
+    self._flops_memo[family] = xla
+    return xla
+
   # ------------------------------------------------------------------------------------------
   # State
   # ------------------------------------------------------------------------------------------
+  def _client_keys(self, stream: int, client_ids) -> jax.Array:
+    stream_key = jax.random.fold_in(self.root_key, stream)
+    return jax.vmap(lambda c: jax.random.fold_in(stream_key, c))(jnp.asarray(client_ids))
+
   def init_state(self) -> RunState:
     """Each client's model from its own key (no aliasing across clients, spec §2)."""
-    init_key = jax.random.fold_in(self.root_key, STREAM_INIT)
     params = []
     for g in self.groups:
-      keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(jnp.asarray(g.members))
+      keys = self._client_keys(STREAM_INIT, g.members)
       params.append(jax.jit(jax.vmap(functools.partial(models.init_params, g.model)))(keys))
+    client_state = jax.jit(jax.vmap(self.method.init_client_state))(
+        self._client_keys(STREAM_CLIENT_STATE, np.arange(self.num_clients)))
+    server_key = jax.random.fold_in(self.root_key, STREAM_SERVER)
     return {
         'round': 0,
         'params': tuple(params),
-        'server': self.method.init_server(self.seen_dev),
+        'client_state': client_state,
+        'server': jax.jit(self.method.init_server)(server_key, self.seen_dev),
         'costs': {'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0},
     }
 
@@ -149,29 +170,35 @@ class Simulator:
     method, cfg = self.method, self.train_cfg
     members = jnp.asarray(g.members)
     train_one = functools.partial(client.local_train, apply_fn=g.model.apply, cfg=cfg,
-                                  loss_fn=method.loss_fn)
+                                  method=method)
 
-    def call(group_params, server, data_: client.DeviceData, seen, slots, active, round_index,
-             root_key):
+    def call(group_params, client_state, server, data_: client.DeviceData, seen, slots, active,
+             round_index, root_key):
       """Trains one chunk. slots [P] index the group (g.size = dummy), active [P] bool."""
       safe = jnp.minimum(slots, g.size - 1)
       cids = members[safe]
-      params = jax.tree_util.tree_map(lambda p: p[safe], group_params)
-      params = jax.vmap(method.client_prepare, in_axes=(0, None, 0, 0, None))(
-          params, server, cids, seen[cids], round_index)
+      take = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
+      params, state = take(group_params, safe), take(client_state, cids)
+      down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
+          params, state, server, cids, seen[cids], round_index)
       round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
       keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(cids)
       n = jnp.where(active, data_.train_n[cids], 0)
-      params, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, None))(
-          params, keys, data_.train_idx[cids], n, data_)
-      uploads = jax.vmap(method.client_upload)(params, seen[cids])
-      server = method.server_receive(server, cids, uploads, active)
-      dest = jnp.where(active, slots, g.size)  # dummies scatter out of range: dropped
-      group_params = jax.tree_util.tree_map(
-          lambda gp, p: gp.at[dest].set(p, mode='drop'), group_params, params)
-      return group_params, server, stats
+      trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
+          {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[cids], n, data_)
+      up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
+          trainable, acc, down.ctx, state, seen[cids], n, round_index)
+      server = method.server_receive(server, cids, up.payload, active)
+      # Dummies scatter out of range, so their writes are dropped.
+      put = lambda tree, new, dest: jax.tree_util.tree_map(
+          lambda a, b: a.at[dest].set(b, mode='drop'), tree, new)
+      group_params = put(group_params, up.params, jnp.where(active, slots, g.size))
+      client_state = put(client_state, up.state, jnp.where(active, cids, self.num_clients))
+      stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
+               'extra_flops': down.flops + up.flops}
+      return group_params, client_state, server, stats
 
-    return jax.jit(call, donate_argnums=(0, 1))
+    return jax.jit(call, donate_argnums=(0, 1, 2))
 
   def cohort_chunks(self, cohort: np.ndarray):
     """Yields (group index, slots, active) chunks of fixed size per group."""
@@ -187,46 +214,48 @@ class Simulator:
     """One round. Returns (new state, info) with the cohort and per-client training stats."""
     t = state['round']
     cohort = sample_cohort(self.config.seed, t, self.num_clients, self.k)
-    server = state['server']
-    up, down = self.method.comm_floats(server, cohort, self.seen)
-    extra_flops = self.method.extra_client_flops(server, cohort, self.seen)
-
-    params = list(state['params'])
+    params, client_state, server = list(state['params']), state['client_state'], state['server']
     chunk_stats = []
     for gi, slots, active in self.cohort_chunks(cohort):
-      params[gi], server, stats = self._train_calls[gi](
-          params[gi], server, self.data, self.seen_dev, jnp.asarray(slots, jnp.int32),
-          jnp.asarray(active), jnp.asarray(t, jnp.int32), self.root_key)
+      params[gi], client_state, server, stats = self._train_calls[gi](
+          params[gi], client_state, server, self.data, self.seen_dev,
+          jnp.asarray(slots, jnp.int32), jnp.asarray(active), jnp.asarray(t, jnp.int32),
+          self.root_key)
       chunk_stats.append((gi, slots, active, stats))
     participants = np.zeros(self.num_clients, bool)
     participants[cohort] = True
     server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
 
-    # Per-client training stats: one host transfer for the whole round.
-    train = {k: np.zeros(self.num_clients) for k in ('loss_sum', 'samples', 'correct', 'steps')}
+    # Per-client stats and counts: one host transfer for the whole round.
+    per_client = {}
     all_stats = jax.device_get([stats for *_, stats in chunk_stats])
     for (gi, slots, active, _), stats in zip(chunk_stats, all_stats):
       cids = self.groups[gi].members[slots[active]]
       for k, v in stats.items():
-        train[k][cids] = np.asarray(v)[active]
+        per_client.setdefault(k, np.zeros(self.num_clients))[cids] = np.asarray(v)[active]
+    c = {k: v[cohort] for k, v in per_client.items()}
     # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
-    flops = self.client_flops_per_sample[cohort] * train['samples'][cohort] + extra_flops
+    flops = self.client_flops_per_sample[cohort] * c['samples'] + c['extra_flops']
+    up, down = float(c['up_floats'].sum()), float(c['down_floats'].sum())
     new_costs = dict(state['costs'])
-    new_costs['up_floats'] += float(up.sum())
-    new_costs['down_floats'] += float(down.sum())
+    new_costs['up_floats'] += up
+    new_costs['down_floats'] += down
     new_costs['client_flops'] += float(flops.sum())
+    samples = max(c['samples'].sum(), 1)
     info = {
         'cohort': cohort,
-        'up_floats': float(up.sum()), 'down_floats': float(down.sum()),
-        'client_flops': float(flops.sum()),
-        'train_loss': float(train['loss_sum'][cohort].sum() /
-                            max(train['samples'][cohort].sum(), 1)),
-        'train_accuracy': float(train['correct'][cohort].sum() /
-                                max(train['samples'][cohort].sum(), 1)),
-        'train_samples': train['samples'][cohort],
-        'train_steps': train['steps'][cohort],
+        'up_floats': up, 'down_floats': down, 'client_flops': float(flops.sum()),
+        'train_loss': float(c['loss_sum'].sum() / samples),
+        'train_accuracy': float(c['correct'].sum() / samples),
+        'train_samples': c['samples'],
+        'train_steps': c['steps'],
+        'client_up_floats': c['up_floats'],
+        'client_down_floats': c['down_floats'],
+        'client_flops_per_client': flops,
     }
-    return {'round': t + 1, 'params': tuple(params), 'server': server, 'costs': new_costs}, info
+    new_state = {'round': t + 1, 'params': tuple(params), 'client_state': client_state,
+                 'server': server, 'costs': new_costs}
+    return new_state, info
 
   # ------------------------------------------------------------------------------------------
   # Evaluation
@@ -246,8 +275,10 @@ class Simulator:
       def one(args):
         params, cid = args
         params = method.eval_params(params, server, cid)
+        extra = functools.partial(method.eval_extra, server, cid)
         return client.evaluate(params, data_.test_idx[cid], data_.test_n[cid], data_,
-                               apply_fn=g.model.apply, cfg=cfg, eval_batch_size=eval_batch)
+                               apply_fn=g.model.apply, cfg=cfg, eval_batch_size=eval_batch,
+                               extra_fn=extra, extra_names=method.eval_metrics)
       return jax.lax.map(one, (group_params, members), batch_size=min(per_call, g.size))
 
     return jax.jit(call)
@@ -255,7 +286,7 @@ class Simulator:
   def evaluate(self, state: RunState) -> dict[str, np.ndarray]:
     """Every client's test results with its current model: per-client arrays of length N."""
     out = {k: np.zeros(self.num_clients) for k in
-           ('correct', 'count', 'batch_acc_sum', 'num_batches')}
+           ('correct', 'count', 'batch_acc_sum', 'num_batches', *self.method.eval_metrics)}
     results = [(g, call(p, state['server'], self.data))
                for g, call, p in zip(self.groups, self._eval_calls, state['params'])]
     for g, r in results:
@@ -263,4 +294,6 @@ class Simulator:
         out[k][g.members] = v
     out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)
     out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)
+    for name in self.method.eval_metrics:  # extra metrics, as accuracies
+      out[name] = out[name] / np.maximum(out['count'], 1)
     return out

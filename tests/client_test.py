@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from fedssa_jax import augment, client, data, models
+from fedssa_jax.methods import standalone
 
 SIZES = [5, 13, 0, 20]  # uneven clients, one empty (a dummy)
 
@@ -23,7 +24,12 @@ def setup(ds, cfg):
   params = jax.vmap(functools.partial(models.init_params, model))(
       jax.random.split(jax.random.PRNGKey(0), 4))
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
-  train = functools.partial(client.local_train, apply_fn=model.apply, cfg=cfg)
+  method = standalone.Standalone(None, 4, 10)  # plain cross-entropy
+
+  def train(params, key, idx, n, dd):
+    trainable, _, stats = client.local_train({'model': params}, (), key, idx, n, dd,
+                                             apply_fn=model.apply, cfg=cfg, method=method)
+    return trainable['model'], stats
   return dd, model, params, keys, train
 
 

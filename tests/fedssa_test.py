@@ -1,12 +1,13 @@
 """FedSSA's stabilisation and class-wise aggregation against plain per-class loops."""
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedssa
 
 
@@ -49,7 +50,7 @@ def test_server_round_equals_per_class_loop(scope):
   seen = rng.random((n, s)) < 0.5
   seen[:, 4] = False  # a class nobody owns
   method = make_method(scope, n, s)
-  server = method.init_server(jnp.asarray(seen))
+  server = method.init_server(None, jnp.asarray(seen))
   prev_global = rng.normal(size=(s, 501)).astype(np.float32)
   server['global'] = jnp.asarray(prev_global)
   server['avail'] = jnp.asarray([True, False, True, True, True])
@@ -83,10 +84,14 @@ def test_server_round_equals_per_class_loop(scope):
 
 def test_comm_and_fusion_counts():
   method = make_method('all_owners', 3, 4)
-  seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 0, 1]], bool)
-  server = {'avail': np.array([True, False, True, True])}
-  up, down = method.comm_floats(server, np.array([0, 2]), seen)
-  np.testing.assert_array_equal(up, [2 * 501, 2 * 501])
-  np.testing.assert_array_equal(down, [1 * 501, 2 * 501])
-  np.testing.assert_array_equal(method.extra_client_flops(server, np.array([1]), seen),
-                                [3 * 501 * 2])
+  seen = jnp.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 0, 1]], bool)
+  server = method.init_server(jax.random.PRNGKey(0), seen)
+  server['avail'] = jnp.array([True, False, True, True])
+  model = models.make_model('cnn5', 4)
+  params = models.init_params(model, jax.random.PRNGKey(1))
+  for k, (want_down, want_up) in enumerate([(1, 2), (2, 3), (2, 2)]):
+    down = method.download(params, {}, server, k, seen[k], 0)
+    assert int(down.floats) == 501 * want_down
+    assert float(down.flops) == 3 * 501 * want_down  # convex fusion: 3 ops per element
+    up = method.upload({'model': down.params}, {}, (), {}, seen[k], 5, 0)
+    assert int(up.floats) == 501 * want_up

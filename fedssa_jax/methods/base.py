@@ -1,67 +1,145 @@
 """The interface every federated method implements, and that the engine drives.
 
-A round, as the engine runs it (engine.py):
+A round, as the engine runs it (engine.py), for each sampled client k (vmapped within a chunk of
+one model family) and then once on the server:
 
-    server' = server
-    for each family group, for each fixed-size chunk of its sampled clients (vmapped):
-        params  = method.client_prepare(params, server, client_id, seen, round)  # download
-        params  = local training with method's loss
-        upload  = method.client_upload(params, seen)
-        server' = method.server_receive(server', client_ids, uploads, active)
-    server = method.server_aggregate(server', participants, round)
+    d        = method.download(params_k, state_k, server, k, seen_k, t)     # Download
+    trained  = local training of {'model': d.params, **d.aux} with method.loss(..., d.ctx, ...),
+               summing the loss's per-step statistics into an accumulator (method.init_acc())
+    u        = method.upload(trained..., acc, d.ctx, state_k, seen_k, n_k, t)  # Upload
+    server   = method.server_receive(server, client_ids, u.payload, active)
+    ...
+    server   = method.server_aggregate(server, participants, t)             # once per round
 
-Everything but `comm_floats` and `extra_client_flops` runs under jit, on one client (the
-`client_*` hooks, vmapped by the engine) or on the whole population (the `server_*` hooks).
-Server state is a pytree of arrays, so it can be checkpointed and sharded.
+- `params_k` is the client's own model (its family's architecture, kept by the engine);
+  `state_k` is any other per-client state the method keeps (the same shape for every client, so
+  the engine stores it as one array over all N clients), e.g. FedKD's W_h.
+- `d.aux` holds extra models trained jointly with the client's own (FML's meme, FedKD's
+  mentee): every top-level entry of {'model': ..., **aux} gets its own optimizer state.
+- `d.ctx` holds constants of the round's loss (global logits, prototypes, the global header).
+- The floats each side sends are counted where the exchange happens (`Download.floats`,
+  `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`).
+
+Everything runs under jit: the client hooks on one client (the engine vmaps them), the server
+hooks on the whole population. Server and client states are pytrees of arrays, so they can be
+checkpointed and sharded.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax import client
 
 PyTree = Any
 
+# numpy, not jax: importing a method must not start a backend (jax.distributed comes first).
+ZERO_I = np.zeros((), np.int32)
+ZERO_F = np.zeros((), np.float32)
+
+
+class Download(NamedTuple):
+  params: PyTree          # the client's own model after the download (e.g. fused header)
+  aux: dict = {}          # extra trainable models, trained jointly with `params`
+  ctx: PyTree = ()        # constants of the local loss
+  floats: jax.Array = ZERO_I  # floats received
+  flops: jax.Array = ZERO_F   # client FLOPs spent on the download (e.g. fusion)
+
+
+class Upload(NamedTuple):
+  params: PyTree          # the client's own model, as it keeps it
+  state: PyTree = {}      # the client's persistent state
+  payload: PyTree = {}    # what the server receives
+  floats: jax.Array = ZERO_I  # floats sent
+  flops: jax.Array = ZERO_F   # client FLOPs spent on the upload (e.g. FedKD's SVDs)
+
+
+def class_sums(values, y, valid, num_classes):
+  """Per-class sums and counts of `values` [B, D] (spec V1: one one-hot matmul)."""
+  onehot = jax.nn.one_hot(y, num_classes, dtype=values.dtype) * valid[:, None]
+  return {'sum': onehot.T @ values, 'count': onehot.sum(axis=0)}
+
+
+def masked_mean(uploads, mask, weights=None):
+  """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
+
+  `weights` [N] (e.g. sample counts) turns it into a weighted mean."""
+  w = mask.astype(uploads.dtype)
+  if weights is not None:
+    w = w * weights[:, None]
+  total = w.sum(axis=0)
+  mean = jnp.einsum('nc,ncd->cd', w, uploads) / jnp.where(total > 0, total, 1.0)[:, None]
+  return mean, total > 0
+
+
+def store_rows(table, client_ids, rows, active):
+  """Writes each active client's row into `table` [N, ...]; padding (dummy) clients are dropped."""
+  ids = jnp.where(active, client_ids, table.shape[0])
+  return table.at[ids].set(rows, mode='drop')
+
 
 class Method:
-  """Defaults: no exchange at all (which is Standalone)."""
+  """Defaults: no exchange and plain cross-entropy (which is Standalone)."""
   name = 'base'
-  loss_fn = staticmethod(client.cross_entropy_loss)
+  num_views = 1  # augmented views of each training batch the loss receives
 
   def __init__(self, config, num_clients: int, num_classes: int):
     self.config = config
     self.num_clients = num_clients
     self.num_classes = num_classes
 
-  # --- server state -------------------------------------------------------------------------
-  def init_server(self, seen: jax.Array) -> PyTree:
-    """The server's initial state. `seen` is the static [N, S] seen-class mask."""
-    del seen
+  # --- state ---------------------------------------------------------------------------------
+  def init_server(self, key: jax.Array, seen: jax.Array) -> PyTree:
+    """The server's initial state. `seen` is the static [N, C] seen-class mask."""
+    del key, seen
     return {}
 
-  # --- client side (one client; vmapped by the engine) --------------------------------------
-  def client_prepare(self, params, server, client_id, seen, round_index):
-    """What a sampled client does with its download before training."""
-    del server, client_id, seen, round_index
-    return params
-
-  def client_upload(self, params, seen) -> PyTree:
-    """What a client sends after training (a pytree with no leading client axis)."""
-    del params, seen
+  def init_client_state(self, key: jax.Array) -> PyTree:
+    """One client's persistent state beyond its own model (the engine vmaps this over N)."""
+    del key
     return {}
+
+  # --- client side (one client; vmapped by the engine) ---------------------------------------
+  def download(self, params, state, server, client_id, seen, round_index) -> Download:
+    del state, server, client_id, seen, round_index
+    return Download(params)
+
+  def init_acc(self) -> PyTree:
+    """The accumulator of per-step statistics the loss returns (e.g. per-class logit sums)."""
+    return {}
+
+  def loss(self, apply_fn: Callable, trainable: dict, ctx, views, y, valid):
+    """The local objective on one batch. `trainable` is {'model': params, **aux}; `views` holds
+    `num_views` augmented copies of the batch [B, 32, 32, 3]; `valid` [B] masks padding.
+    Returns (loss, (correct, accumulator update))."""
+    del ctx
+    loss, correct = client.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
+    return loss, (correct, {})
+
+  def upload(self, trainable: dict, acc, ctx, state, seen, num_samples, round_index) -> Upload:
+    del acc, ctx, seen, num_samples, round_index
+    return Upload(trainable['model'], state)
 
   def eval_params(self, params, server, client_id):
     """The parameters a client is evaluated with (its current personalised model)."""
     del server, client_id
     return params
 
-  # --- server side ---------------------------------------------------------------------------
-  def server_receive(self, server, client_ids, uploads, active):
+  eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
+
+  def eval_extra(self, server, client_id, logits, rep, y, valid) -> dict:
+    """Extra per-client test metrics as int32 correct counts named `eval_metrics`, e.g.
+    FedProto's nearest-prototype accuracy. Reported as accuracies per client."""
+    del server, client_id, logits, rep, y, valid
+    return {}
+
+  # --- server side -----------------------------------------------------------------------------
+  def server_receive(self, server, client_ids, payloads, active):
     """Stores one chunk's uploads. `active` is False for padding (dummy) clients."""
-    del client_ids, uploads, active
+    del client_ids, payloads, active
     return server
 
   def server_aggregate(self, server, participants, round_index):
@@ -69,15 +147,9 @@ class Method:
     del participants, round_index
     return server
 
-  # --- accounting (host side, numpy) -----------------------------------------------------------
-  def comm_floats(self, server, cohort: np.ndarray, seen: np.ndarray):
-    """Floats sent (up, down) per cohort client this round; `server` is the state at the
-    round's start, as numpy arrays."""
-    del server, seen
-    zeros = np.zeros(len(cohort), np.int64)
-    return zeros, zeros
-
-  def extra_client_flops(self, server, cohort: np.ndarray, seen: np.ndarray) -> np.ndarray:
-    """Client FLOPs beyond local training (e.g. FedSSA's fusion), per cohort client."""
-    del server, seen
-    return np.zeros(len(cohort), np.float64)
+  # --- accounting (host side) ------------------------------------------------------------------
+  def train_flops_per_sample(self, own: float, flops_of: Callable[[str], float]) -> float:
+    """Training FLOPs per processed sample, given the client's own model's (`own`);
+    `flops_of(family)` gives another family's, e.g. for a jointly trained CNN-5."""
+    del flops_of
+    return own

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedssa_jax import models
 from fedssa_jax.methods import base
@@ -42,11 +41,7 @@ def stabilize(rows, global_rows, mask, mu, fusion: str):
 
 def aggregate_headers(table, contrib, global_rows, avail):
   """Class-wise masked mean. table [N, S, 501], contrib [N, S] bool -> (global, avail)."""
-  w = contrib.astype(table.dtype)
-  sums = jnp.einsum('ns,nsd->sd', w, table)
-  counts = w.sum(axis=0)
-  has = counts > 0
-  new = sums / jnp.maximum(counts, 1.0)[:, None]
+  new, has = base.masked_mean(table, contrib)
   return jnp.where(has[:, None], new, global_rows), avail | has
 
 
@@ -64,7 +59,8 @@ class FedSSA(base.Method):
       raise ValueError(
           f"fedssa.scope must be 'all_owners' or 'participants', got {self.scope!r}.")
 
-  def init_server(self, seen):
+  def init_server(self, key, seen):
+    del key  # nothing random: no global row exists before the first aggregation
     n, s = seen.shape
     return {
         'seen': jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
@@ -74,20 +70,26 @@ class FedSSA(base.Method):
         'avail': jnp.zeros((s,), bool),                 # does theta^s exist yet?
     }
 
-  def client_prepare(self, params, server, client_id, seen, round_index):
+  def download(self, params, state, server, client_id, seen, round_index):
+    del state, client_id
     mu = mu_schedule(round_index, self.mu0, self.t_stable)
-    rows = stabilize(models.header_rows(params), server['global'], seen & server['avail'], mu,
-                     self.fusion)
-    return models.with_header_rows(params, rows)
+    fused = seen & server['avail']  # the rows downloaded and fused
+    rows = stabilize(models.header_rows(params), server['global'], fused, mu, self.fusion)
+    per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
+    n_fused = fused.sum()
+    return base.Download(models.with_header_rows(params, rows), floats=ROW * n_fused,
+                         flops=(per_element * ROW * n_fused).astype(jnp.float32))
 
-  def client_upload(self, params, seen):
-    return jnp.where(seen[:, None], models.header_rows(params), 0.0)
+  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
+    del acc, ctx, num_samples, round_index
+    params = trainable['model']
+    rows = jnp.where(seen[:, None], models.header_rows(params), 0.0)
+    return base.Upload(params, state, payload=rows, floats=ROW * seen.sum())
 
-  def server_receive(self, server, client_ids, uploads, active):
-    ids = jnp.where(active, client_ids, self.num_clients)  # out of range: dropped
+  def server_receive(self, server, client_ids, payloads, active):
     return {**server,
-            'table': server['table'].at[ids].set(uploads, mode='drop'),
-            'uploaded': server['uploaded'].at[ids].set(True, mode='drop')}
+            'table': base.store_rows(server['table'], client_ids, payloads, active),
+            'uploaded': base.store_rows(server['uploaded'], client_ids, active, active)}
 
   def server_aggregate(self, server, participants, round_index):
     del round_index
@@ -95,14 +97,3 @@ class FedSSA(base.Method):
     contrib = server['seen'] & owners[:, None]
     g, avail = aggregate_headers(server['table'], contrib, server['global'], server['avail'])
     return {**server, 'global': g, 'avail': avail}
-
-  def comm_floats(self, server, cohort, seen):
-    avail = np.asarray(server['avail'])
-    up = ROW * seen[cohort].sum(axis=1)
-    down = ROW * (seen[cohort] & avail).sum(axis=1)
-    return up.astype(np.int64), down.astype(np.int64)
-
-  def extra_client_flops(self, server, cohort, seen):
-    fused_rows = (seen[cohort] & np.asarray(server['avail'])).sum(axis=1)
-    per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
-    return (per_element * ROW * fused_rows).astype(np.float64)
