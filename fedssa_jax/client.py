@@ -30,10 +30,13 @@ class TrainConfig:
   """Static local-training settings (hashable, so it can key a jit cache)."""
   batch_size: int = 512
   local_epochs: int = 1
+  optimizer: str = 'sgd'  # or 'adam'
   lr: float = 0.005
   momentum: float = 0.9
   weight_decay: float = 5e-5
   clip_norm: float = 50.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
   augment: bool = True
   mean: tuple[float, ...] = (0.485, 0.456, 0.406)
   std: tuple[float, ...] = (0.229, 0.224, 0.225)
@@ -55,12 +58,15 @@ jax.tree_util.register_dataclass(
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  # torch order: clip_grad_norm_ on the raw gradient, then SGD adds wd*p and applies momentum.
-  return optax.chain(
-      optax.clip_by_global_norm(cfg.clip_norm),
-      optax.add_decayed_weights(cfg.weight_decay),
-      optax.sgd(cfg.lr, momentum=cfg.momentum if cfg.momentum else None),
-  )
+  # torch order: clip_grad_norm_ on the raw gradient, then SGD (or Adam) adds wd*p to it.
+  if cfg.optimizer == 'sgd':
+    step = optax.sgd(cfg.lr, momentum=cfg.momentum if cfg.momentum else None)
+  elif cfg.optimizer == 'adam':
+    step = optax.adam(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2)
+  else:
+    raise ValueError(f"optimizer.name must be 'sgd' or 'adam', got {cfg.optimizer!r}.")
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.add_decayed_weights(cfg.weight_decay), step)
 
 
 def ce_and_correct(logits, y, valid):

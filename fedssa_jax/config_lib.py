@@ -35,7 +35,8 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.dataset = dataset                 # a TFDS name
   c.data_dir = config_dict.placeholder(str)  # TFDS data_dir; None = TFDS's default
   c.download = False                  # let TFDS download a data set missing from data_dir
-  c.method = 'fedssa'                 # 'fedssa' or 'standalone'
+  c.method = 'fedssa'                 # fedssa, standalone, fd, fedproto, fml, fedkd, lg_fedavg,
+                                      # fedclassavg (fedssa_jax/methods/)
   c.num_clients = 10                  # N
   c.participation = 1.0               # C: K = max(1, floor(C*N)) clients per round
   c.num_rounds = 500
@@ -58,10 +59,13 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.partition.seed = -1               # partition seed; -1 = use `seed`
 
   c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = 'sgd'            # 'sgd' (every method's default) or 'adam' (torch Adam)
   c.optimizer.lr = 0.005
   c.optimizer.momentum = 0.9
   c.optimizer.weight_decay = 5e-5     # L2 added to the gradient (torch SGD)
-  c.optimizer.clip_norm = 50.0        # global gradient-norm clip
+  c.optimizer.clip_norm = 50.0        # global gradient-norm clip, per model
+  c.optimizer.adam_b1 = 0.9           # Adam's betas (FedClassAvg's official code: 0.5, 0.999)
+  c.optimizer.adam_b2 = 0.999
 
   c.augment = True                    # flip + RandomErasing + pad-4 crop, on device
 
@@ -70,6 +74,30 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.fedssa.t_stable = 2               # rounds until mu_t reaches 0
   c.fedssa.fusion = 'convex'          # 'convex' (paper) or 'reference' (official code)
   c.fedssa.scope = 'all_owners'       # 'all_owners' (latest uploads) or 'participants'
+
+  # The baselines' hyperparameters (spec BASELINES.md; defaults are its first section's).
+  c.fd = ml_collections.ConfigDict()
+  c.fd.lam = 1.0                      # weight of the distillation term
+  c.fd.exclude_own = False            # the FD paper's global logits without the client's own
+  c.fedproto = ml_collections.ConfigDict()
+  c.fedproto.lam = 1.0                # weight of the prototype (MSE) term
+  c.fedproto.weighting = 'uniform'    # 'uniform' over holders, or 'samples' (class counts)
+  c.fedproto.inference = 'classifier'  # headline accuracy: 'classifier' or 'prototype'
+  c.fml = ml_collections.ConfigDict()
+  c.fml.alpha = 0.5                   # local model: alpha CE + (1 - alpha) KL(meme || local)
+  c.fml.beta = 0.5                    # meme: beta CE + (1 - beta) KL(local || meme)
+  c.fedkd = ml_collections.ConfigDict()
+  c.fedkd.energy_start = 0.95         # SVD energy threshold T, from round 0 ...
+  c.fedkd.energy_end = 0.98           # ... to the last round
+  c.lg_fedavg = ml_collections.ConfigDict()
+  c.lg_fedavg.weighting = 'samples'   # header mean: 'samples' (n_k) or 'uniform'
+  c.fedclassavg = ml_collections.ConfigDict()
+  c.fedclassavg.tau = 0.07            # SupCon temperature
+  c.fedclassavg.base_tau = 0.07       # SupCon's base temperature (loss scale tau / base_tau)
+  c.fedclassavg.normalize = True      # L2-normalise representations (official code: False,
+                                      # with tau = 100)
+  c.fedclassavg.mu = 0.1              # proximal weight towards the global header
+  c.fedclassavg.weighting = 'samples'  # header mean: 'samples' (n_k) or 'uniform'
 
   c.eval_batch_size = 512             # also the batch of the reference's per-batch metric
   c.engine = ml_collections.ConfigDict()

@@ -64,8 +64,9 @@ def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.n
 def train_config(config, ds: data.Dataset) -> client.TrainConfig:
   o = config.optimizer
   return client.TrainConfig(
-      batch_size=config.batch_size, local_epochs=config.local_epochs, lr=o.lr,
-      momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
+      batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
+      lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
+      adam_b1=o.adam_b1, adam_b2=o.adam_b2,
       augment=config.augment, mean=tuple(ds.mean), std=tuple(ds.std))
 
 
@@ -296,4 +297,7 @@ class Simulator:
     out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)
     for name in self.method.eval_metrics:  # extra metrics, as accuracies
       out[name] = out[name] / np.maximum(out['count'], 1)
+    out['classifier_accuracy'] = out['accuracy']
+    if self.method.headline_metric != 'accuracy':  # e.g. FedProto's nearest prototype
+      out['accuracy'] = out[self.method.headline_metric]
     return out

@@ -129,6 +129,7 @@ class Method:
     return params
 
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
+  headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
 
   def eval_extra(self, server, client_id, logits, rep, y, valid) -> dict:
     """Extra per-client test metrics as int32 correct counts named `eval_metrics`, e.g.
