@@ -18,7 +18,7 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from fedssa_jax import models
+from fedssa_jax import methods, models
 
 DATASET_DEFAULTS = {
     # classes per client (paper's pathological setting) and a target accuracy for cost reports
@@ -155,8 +155,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
       raise ConfigError(msg)
   need(c.dataset in DATASET_DEFAULTS,
        f'Unknown dataset {c.dataset!r}; choose one of {sorted(DATASET_DEFAULTS)}.')
-  need(c.method in ('fedssa', 'standalone'),
-       f"Unknown method {c.method!r}; choose 'fedssa' or 'standalone'.")
+  need(c.method in methods.METHODS,
+       f'Unknown method {c.method!r}; choose one of {sorted(methods.METHODS)}.')
   need(c.num_clients >= 1, f'num_clients must be >= 1, got {c.num_clients}.')
   need(0 < c.participation <= 1, f'participation must be in (0, 1], got {c.participation}.')
   need(c.num_rounds >= 0, f'num_rounds must be >= 0, got {c.num_rounds}.')

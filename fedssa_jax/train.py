@@ -26,8 +26,8 @@ from fedssa_jax import config_lib, data, engine
 METRICS_FIELDS = (
     'round', 'mean_accuracy', 'client_accuracy', 'participant_accuracy_reference',
     'train_loss', 'train_accuracy', 'participants', 'up_floats', 'down_floats', 'client_flops',
-    'cum_up_floats', 'cum_down_floats', 'cum_floats', 'cum_client_flops', 'round_seconds',
-    'elapsed_seconds')
+    'cum_up_floats', 'cum_down_floats', 'cum_floats', 'cum_client_flops', 'method_metrics',
+    'round_seconds', 'elapsed_seconds')
 SUMMARY_FIELDS = (
     'method', 'dataset', 'rounds', 'final_mean_accuracy', 'best_mean_accuracy', 'best_round',
     'final_client_accuracy', 'target_accuracy', 'to_target', 'cum_up_floats',
@@ -120,6 +120,8 @@ def _train_and_evaluate(config, workdir, dataset):
           'cum_down_floats': state['costs']['down_floats'],
           'cum_floats': state['costs']['up_floats'] + state['costs']['down_floats'],
           'cum_client_flops': state['costs']['client_flops'],
+          # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
+          'method_metrics': {name: float(ev[name].mean()) for name in sim.method.eval_metrics},
       }
     jax.block_until_ready(state['params'])
     dt = time.time() - t0
@@ -137,6 +139,7 @@ def _train_and_evaluate(config, workdir, dataset):
         with open(metrics_path, 'a') as f:
           f.write(_dump(record) + '\n')
         scalars = {k: v for k, v in record.items() if isinstance(v, float)}
+        scalars.update(record['method_metrics'])
         scalars['accuracy_q25'], scalars['accuracy_median'], scalars['accuracy_q75'] = (
             np.quantile(record['client_accuracy'], [0.25, 0.5, 0.75]).tolist())
         writer.write_scalars(rounds_done, scalars)
