@@ -1,9 +1,13 @@
 """Federated methods. Each is one module implementing methods.base.Method."""
 from fedssa_jax.methods.base import Method
+from fedssa_jax.methods.fd import FD
+from fedssa_jax.methods.fedclassavg import FedClassAvg
+from fedssa_jax.methods.fedproto import FedProto
 from fedssa_jax.methods.fedssa import FedSSA
+from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
-METHODS = {m.name: m for m in (FedSSA, Standalone)}
+METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, LGFedAvg, FedClassAvg)}
 
 
 def get_method(name: str):

@@ -66,7 +66,8 @@ def class_sums(values, y, valid, num_classes):
 def masked_mean(uploads, mask, weights=None):
   """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
 
-  `weights` [N] (e.g. sample counts) turns it into a weighted mean."""
+  `mask` may also hold non-negative per-(client, class) weights (e.g. class sample counts);
+  `weights` [N] (e.g. sample counts) weights whole clients."""
   w = mask.astype(uploads.dtype)
   if weights is not None:
     w = w * weights[:, None]

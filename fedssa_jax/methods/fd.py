@@ -1,0 +1,112 @@
+"""FD, federated distillation (Jeong et al. 2018; spec BASELINES.md §3 and Decisions).
+
+Unlike FedSSA, no parameters leave the client: the exchange is per-class mean *logits*.
+- Up: L_k[c] in R^C, the mean over all E epochs of the logits of the client's training forward
+  passes on samples of class c, for c in S_k (accumulated on the fly, spec V1; no extra pass).
+- Server (no memory): over the round's participants P_t holding c,
+    cnt_c = |{j in P_t : c in S_j}|,  G[c] = sum_j L_j[c] / cnt_c,  g[c] = [cnt_c > 0].
+  `fd.exclude_own` (the FD paper): client k gets G_k[c] = (sum_j L_j[c] - L_k[c]) / (cnt_c - 1),
+  subtracting its own upload only if k was among those participants; a class with
+  cnt_c - 1 = 0 then has no global value (g_k[c] = 0). The server keeps last round's sums and
+  counts, and (only when excluding) each participant's upload.
+- Objective: L = mean_i [ CE(z_i, y_i) + lam * g[y_i] * D(z_i, G[y_i]) ] with
+  D(z, t) = -sum_c softmax(t)_c log softmax(z)_c, the targets constants. Round 0 has no global,
+  so it is CE only; so is any sample whose class has no global row (g = 0).
+- Inference: the local model (the default eval_params).
+Floats per participating client and round: up C * s_k; down C * |{c in S_k : g_k[c]}|, i.e.
+only the rows the client uses (its seen classes that have a global value), the spec's minimum
+(HtFLlib would broadcast every available row, up to C^2). Class indices are metadata.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedssa_jax import client
+from fedssa_jax.methods import base
+
+
+def distill_loss(logits, y, valid, targets, has_target, lam):
+  """mean_i [CE(z_i, y_i) + lam * g[y_i] * CE(softmax(G[y_i]), softmax(z_i))] and #correct.
+
+  targets [C, C] (row c is G[c]) and has_target [C] (g) are constants (spec V3 lookup)."""
+  ce, correct = client.ce_and_correct(logits, y, valid)
+  soft = jax.nn.softmax(jax.lax.stop_gradient(targets)[y], axis=-1)
+  dist = optax.softmax_cross_entropy(logits, soft) * has_target.astype(logits.dtype)[y]
+  dist = jnp.sum(jnp.where(valid, dist, 0.0)) / jnp.maximum(valid.sum(), 1)
+  return ce + lam * dist, correct
+
+
+class FD(base.Method):
+  name = 'fd'
+
+  def __init__(self, config, num_clients, num_classes):
+    super().__init__(config, num_clients, num_classes)
+    self.lam = float(config.fd.lam)
+    self.exclude_own = bool(config.fd.exclude_own)  # a bool field (the config is type-safe)
+
+  def init_server(self, key, seen):
+    del key, seen
+    n, c = self.num_clients, self.num_classes
+    server = {
+        'inbox': jnp.zeros((n, c, c), jnp.float32),  # this round's uploads (server_receive)
+        'inbox_has': jnp.zeros((n, c), bool),
+        'sum': jnp.zeros((c, c), jnp.float32),       # last round: sum_j L_j[c] ...
+        'cnt': jnp.zeros((c,), jnp.float32),         # ... and cnt_c (server_aggregate)
+    }
+    if self.exclude_own:  # last round's contributions, to subtract a client's own
+      server['own'] = jnp.zeros((n, c, c), jnp.float32)
+      server['own_has'] = jnp.zeros((n, c), bool)
+    return server
+
+  def global_logits(self, server, client_id):
+    """(G_k [C, C], g_k [C]) for client k, from the last aggregation only."""
+    total, cnt = server['sum'], server['cnt']
+    if self.exclude_own:
+      own_has = server['own_has'][client_id]
+      total = total - jnp.where(own_has[:, None], server['own'][client_id], 0.0)
+      cnt = cnt - own_has
+    return total / jnp.maximum(cnt, 1.0)[:, None], cnt > 0
+
+  def download(self, params, state, server, client_id, seen, round_index):
+    del state, round_index
+    targets, has = self.global_logits(server, client_id)
+    rows = (seen & has).sum()
+    return base.Download(params, ctx={'targets': targets, 'has': has},
+                         floats=(self.num_classes * rows).astype(jnp.int32))
+
+  def init_acc(self):
+    c = self.num_classes
+    return {'sum': jnp.zeros((c, c), jnp.float32), 'count': jnp.zeros((c,), jnp.float32)}
+
+  def loss(self, apply_fn, trainable, ctx, views, y, valid):
+    logits, _ = apply_fn({'params': trainable['model']}, views[0])
+    loss, correct = distill_loss(logits, y, valid, ctx['targets'], ctx['has'], self.lam)
+    acc = base.class_sums(jax.lax.stop_gradient(logits), y, valid, self.num_classes)
+    return loss, (correct, acc)
+
+  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
+    del ctx, num_samples, round_index
+    has = seen & (acc['count'] > 0)  # = S_k for any client that trained
+    means = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+    payload = {'logits': jnp.where(has[:, None], means, 0.0), 'has': has}
+    return base.Upload(trainable['model'], state, payload,
+                       floats=(self.num_classes * has.sum()).astype(jnp.int32))
+
+  def server_receive(self, server, client_ids, payloads, active):
+    return {**server,
+            'inbox': base.store_rows(server['inbox'], client_ids, payloads['logits'], active),
+            'inbox_has': base.store_rows(server['inbox_has'], client_ids, payloads['has'],
+                                         active)}
+
+  def server_aggregate(self, server, participants, round_index):
+    del round_index
+    contrib = server['inbox_has'] & participants[:, None]  # stale rows of absentees drop out
+    w = contrib.astype(jnp.float32)
+    server = {**server, 'sum': jnp.einsum('nc,ncd->cd', w, server['inbox']),
+              'cnt': w.sum(axis=0)}
+    if self.exclude_own:
+      server['own'] = jnp.where(contrib[:, :, None], server['inbox'], 0.0)
+      server['own_has'] = contrib
+    return server

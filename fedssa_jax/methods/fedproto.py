@@ -1,0 +1,120 @@
+"""FedProto (Tan et al., AAAI 2022; spec BASELINES.md §4 and Decisions).
+
+Unlike FedSSA, no parameters leave the client: the exchange is per-class *prototypes*, means of
+the 500-d representation r = F_k(x).
+- Up: p_k[c], the mean over all E epochs of the training-pass representations of class c, for
+  c in S_k (accumulated on the fly, spec V1; no extra pass), with the class sample counts n_k[c]
+  as metadata.
+- Server (V2, no memory): P[c] = mean of p_k[c] over this round's participants holding c,
+  unweighted (`fedproto.weighting='uniform'`, both codes) or weighted by n_k[c] ('samples', the
+  paper). g[c] = [some participant holds c]; P is recomputed from the round's uploads only.
+- Objective: L = mean_i CE(z_i, y_i) + lam * 1/(B d) * sum_i g[y_i] * ||r_i - P[y_i]||^2, with
+  B the number of valid samples (torch MSELoss 'mean'): samples without a global prototype add 0
+  but count in B. Round 0 has no prototype, so it is CE only.
+- Inference: the local classifier is the headline (`inference='classifier'`). The accuracy of
+  the nearest global prototype, argmin over c with g[c] of ||r||^2 - 2 r.P[c] + ||P[c]||^2 (one
+  [B, C] matmul, unavailable classes at +inf; 0 while no prototype exists), is always logged as
+  `prototype_accuracy`, against the server's latest P; `inference='prototype'` makes it the
+  headline.
+Floats per participating client and round: up 500 * s_k; down 500 * |S_k & avail| with
+'classifier' (training needs only its own classes; the logged prototype accuracy is a
+diagnostic, not charged) and 500 * |avail| with 'prototype'. Sample counts are metadata.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedssa_jax import client, models
+from fedssa_jax.methods import base
+
+D = models.REPR_DIM
+
+
+def proto_loss(logits, rep, y, valid, protos, avail, lam):
+  """mean CE + lam / (B d) * sum_i g[y_i] ||r_i - P[y_i]||^2 over valid samples, and #correct."""
+  ce, correct = client.ce_and_correct(logits, y, valid)
+  sq = jnp.sum((rep - jax.lax.stop_gradient(protos)[y]) ** 2, axis=-1)
+  sq = jnp.where(valid & avail[y], sq, 0.0)
+  return ce + lam * sq.sum() / (jnp.maximum(valid.sum(), 1) * rep.shape[-1]), correct
+
+
+def nearest_prototype(rep, protos, avail):
+  """argmin_c ||r - P[c]||^2 over available classes, as ||r||^2 - 2 r.P^T + ||P||^2."""
+  dist = (jnp.sum(rep ** 2, -1, keepdims=True) - 2.0 * rep @ protos.T
+          + jnp.sum(protos ** 2, -1)[None, :])
+  return jnp.argmin(jnp.where(avail[None, :], dist, jnp.inf), axis=-1)
+
+
+class FedProto(base.Method):
+  name = 'fedproto'
+  eval_metrics = ('prototype_accuracy',)
+
+  def __init__(self, config, num_clients, num_classes):
+    super().__init__(config, num_clients, num_classes)
+    c = config.fedproto
+    self.lam, self.weighting, self.inference = float(c.lam), c.weighting, c.inference
+    if self.weighting not in ('uniform', 'samples'):
+      raise ValueError(
+          f"fedproto.weighting must be 'uniform' or 'samples', got {self.weighting!r}.")
+    if self.inference not in ('classifier', 'prototype'):
+      raise ValueError(
+          f"fedproto.inference must be 'classifier' or 'prototype', got {self.inference!r}.")
+    self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'
+    self.local_epochs = int(config.local_epochs)
+
+  def init_server(self, key, seen):
+    del key, seen
+    n, c = self.num_clients, self.num_classes
+    return {
+        'inbox': jnp.zeros((n, c, D), jnp.float32),   # this round's uploads (server_receive)
+        'inbox_n': jnp.zeros((n, c), jnp.float32),    # their class sample counts (0: not held)
+        'protos': jnp.zeros((c, D), jnp.float32),     # P, from the last aggregation
+        'avail': jnp.zeros((c,), bool),               # g
+    }
+
+  def download(self, params, state, server, client_id, seen, round_index):
+    del state, client_id, round_index
+    avail = server['avail']
+    rows = (seen & avail).sum() if self.inference == 'classifier' else avail.sum()
+    return base.Download(params, ctx={'protos': server['protos'], 'avail': avail},
+                         floats=(D * rows).astype(jnp.int32))
+
+  def init_acc(self):
+    c = self.num_classes
+    return {'sum': jnp.zeros((c, D), jnp.float32), 'count': jnp.zeros((c,), jnp.float32)}
+
+  def loss(self, apply_fn, trainable, ctx, views, y, valid):
+    logits, rep = apply_fn({'params': trainable['model']}, views[0])
+    loss, correct = proto_loss(logits, rep, y, valid, ctx['protos'], ctx['avail'], self.lam)
+    acc = base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
+    return loss, (correct, acc)
+
+  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
+    del ctx, num_samples, round_index
+    has = seen & (acc['count'] > 0)  # = S_k for any client that trained
+    protos = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+    # Every epoch visits each sample once, so count / E is the class's sample count n_k[c].
+    payload = {'protos': jnp.where(has[:, None], protos, 0.0),
+               'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
+    return base.Upload(trainable['model'], state, payload,
+                       floats=(D * has.sum()).astype(jnp.int32))
+
+  def server_receive(self, server, client_ids, payloads, active):
+    return {**server,
+            'inbox': base.store_rows(server['inbox'], client_ids, payloads['protos'], active),
+            'inbox_n': base.store_rows(server['inbox_n'], client_ids, payloads['n'], active)}
+
+  def server_aggregate(self, server, participants, round_index):
+    del round_index
+    held = (server['inbox_n'] > 0) & participants[:, None]  # stale rows of absentees drop out
+    # masked_mean with a [N, C] weight mask: 1 per holder, or its class sample count.
+    weights = held * server['inbox_n'] if self.weighting == 'samples' else held
+    protos, avail = base.masked_mean(server['inbox'], weights)
+    return {**server, 'protos': protos, 'avail': avail}
+
+  def eval_extra(self, server, client_id, logits, rep, y, valid):
+    del client_id, logits
+    pred = nearest_prototype(rep, server['protos'], server['avail'])
+    hit = (pred == y) & valid & server['avail'].any()
+    return {'prototype_accuracy': hit.sum().astype(jnp.int32)}

@@ -1,0 +1,151 @@
+"""FD (spec BASELINES.md §3): the distillation loss, the accumulator, the server rule with and
+without the client's own contribution, and the float counts, against plain per-client loops."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax.methods import fd
+
+C = 4
+
+
+def make_method(n=5, exclude_own=False, lam=1.0):
+  c = config_lib.base_config('cifar10')
+  c.fd.exclude_own, c.fd.lam = exclude_own, lam
+  return fd.FD(c, n, C)
+
+
+def log_softmax(z):
+  z = z - z.max()
+  return z - np.log(np.exp(z).sum())
+
+
+def test_loss_and_accumulator_equal_per_sample_loop():
+  lam, k, b = 0.7, 3, 6
+  method = make_method(lam=lam)
+  model = models.make_model('cnn5', C, 'im2col')
+  params = jax.vmap(functools.partial(models.init_params, model))(
+      jax.random.split(jax.random.PRNGKey(0), k))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(k, b, 32, 32, 3)).astype(np.float32)
+  y = rng.integers(0, C, size=(k, b)).astype(np.int32)
+  valid = np.ones((k, b), bool)
+  valid[:, -2:] = False           # padding
+  valid[2, 1:] = False            # a nearly empty batch
+  targets = rng.normal(size=(k, C, C)).astype(np.float32) * 3
+  has = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], bool)  # client 1: round 0
+  ctx = {'targets': jnp.asarray(targets), 'has': jnp.asarray(has)}
+  loss, (correct, acc) = jax.jit(jax.vmap(
+      lambda p, ctx, v, y, m: method.loss(model.apply, {'model': p}, ctx, (v,), y, m)))(
+          params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
+  for i in range(k):
+    logits = np.asarray(model.apply({'params': jax.tree_util.tree_map(lambda a: a[i], params)},
+                                    jnp.asarray(x[i]))[0], np.float64)  # one client at a time
+    total, n, right = 0.0, 0, 0
+    sums, counts = np.zeros((C, C)), np.zeros(C)
+    for j in range(b):
+      if not valid[i, j]:
+        continue
+      yj, lp = y[i, j], log_softmax(logits[j])
+      term = -lp[yj]
+      if has[i, yj]:
+        t = np.exp(log_softmax(targets[i, yj].astype(np.float64)))
+        term += lam * -(t * lp).sum()
+      total, n, right = total + term, n + 1, right + (logits[j].argmax() == yj)
+      sums[yj] += logits[j]
+      counts[yj] += 1
+    assert float(loss[i]) == pytest.approx(total / n, rel=1e-5)
+    assert int(correct[i]) == right
+    np.testing.assert_allclose(np.asarray(acc['sum'][i]), sums, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(acc['count'][i]), counts)
+
+
+def test_upload_means_and_floats():
+  method = make_method()
+  rng = np.random.default_rng(1)
+  seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]], bool)
+  counts = np.where(seen, rng.integers(1, 9, size=seen.shape), 0).astype(np.float32)
+  sums = rng.normal(size=(3, C, C)).astype(np.float32) * counts[:, :, None]
+  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, s, 5, 1))(
+      {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}, jnp.asarray(seen))
+  for i in range(3):
+    assert int(up.floats[i]) == C * seen[i].sum()
+    for c in range(C):
+      want = sums[i, c] / counts[i, c] if seen[i, c] else np.zeros(C)
+      np.testing.assert_allclose(np.asarray(up.payload['logits'][i, c]), want, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(up.payload['has'][i]), seen[i])
+
+
+@pytest.mark.parametrize('exclude_own', [False, True])
+def test_server_rule_equals_loop(exclude_own):
+  n = 5
+  method = make_method(n, exclude_own)
+  seen = np.array([[1, 0, 1, 0],
+                   [1, 1, 1, 0],    # class 1: only client 1 of the round holds it
+                   [1, 0, 1, 0],
+                   [0, 0, 1, 1],    # uploads in round 0 only (class 3 then goes stale)
+                   [1, 0, 0, 1]], bool)  # never participates
+  server = method.init_server(None, jnp.asarray(seen))
+  down = jax.vmap(method.download, in_axes=(None, None, None, 0, 0, None))(
+      {}, {}, server, jnp.arange(n), jnp.asarray(seen), 0)
+  assert not np.asarray(down.ctx['has']).any() and not np.asarray(down.floats).any()  # round 0
+
+  rng = np.random.default_rng(2)
+  uploads = np.where(seen[:, :, None], rng.normal(size=(n, C, C)), 0).astype(np.float32)
+  def receive(server, ids, active):
+    ids = np.asarray(ids)
+    payload = {'logits': jnp.asarray(uploads[ids]), 'has': jnp.asarray(seen[ids])}
+    return method.server_receive(server, jnp.asarray(ids), payload, jnp.asarray(active))
+  server = receive(server, [3], [True])
+  server = method.server_aggregate(server, jnp.asarray(np.arange(n) == 3), 0)
+  # Round 1: clients 0, 1, 2 in two chunks, the first padded with a dummy (client 4's slot).
+  server = receive(server, [0, 1, 4], [True, True, False])
+  server = receive(server, [2], [True])
+  participants = np.isin(np.arange(n), [0, 1, 2])
+  server = method.server_aggregate(server, jnp.asarray(participants), 1)
+
+  down = jax.vmap(method.download, in_axes=(None, None, None, 0, 0, None))(
+      {}, {}, server, jnp.arange(n), jnp.asarray(seen), 2)
+  for k in range(n):
+    for c in range(C):
+      holders = [j for j in range(n) if participants[j] and seen[j, c]]
+      if exclude_own and k in holders:
+        holders.remove(k)
+      assert bool(down.ctx['has'][k, c]) == bool(holders)
+      if holders:
+        np.testing.assert_allclose(np.asarray(down.ctx['targets'][k, c]),
+                                   np.mean(uploads[holders, c], axis=0), rtol=1e-5, atol=1e-6)
+    rows = sum(1 for c in range(C) if seen[k, c] and down.ctx['has'][k, c])
+    assert int(down.floats[k]) == C * rows
+  if exclude_own:  # class 1 is held by client 1 alone: no global for it under exclusion
+    assert not bool(down.ctx['has'][1, 1]) and bool(down.ctx['has'][0, 1])
+
+
+def test_engine_smoke(small_ds, monkeypatch):
+  monkeypatch.setitem(methods.METHODS, 'fd', fd.FD)
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.method = 'fd'
+  c.model.families = ('cnn5', 'cnn4')
+  c.num_clients, c.participation = 5, 0.4  # K = 2; N a multiple of 5 for 2 classes each
+  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
+  c.fd.exclude_own = True
+  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+  state = sim.init_state()
+  state, info0 = sim.run_round(state)
+  state, info1 = sim.run_round(state)
+  ev = sim.evaluate(state)
+  nc = small_ds.num_classes
+  for info in (info0, info1):
+    assert np.isfinite(info['train_loss'])
+    np.testing.assert_array_equal(info['client_up_floats'], nc * sim.seen[info['cohort']].sum(1))
+  assert not info0['client_down_floats'].any()
+  # Round 1: rows of the client's seen classes held by another round-0 participant.
+  p0 = info0['cohort']
+  for k, got in zip(info1['cohort'], info1['client_down_floats']):
+    holders = sim.seen[p0].sum(0) - (sim.seen[k] if k in p0 else 0)
+    assert got == nc * (sim.seen[k] & (holders > 0)).sum()
+  assert np.isfinite(ev['accuracy']).all() and (ev['count'] > 0).all()
