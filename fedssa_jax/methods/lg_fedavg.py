@@ -1,0 +1,94 @@
+"""LG-FedAvg (Liang et al. 2020) sharing the whole header (spec BASELINES.md §7 and Decisions).
+
+Unlike FedSSA, which exchanges only the rows of a client's seen classes and averages them class
+by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c = (W[c], b[c])):
+
+- Server state: the global header H_g. It starts as one fresh header drawn from the server's key
+  with a client header's init (models.Dense: PyTorch's U(+-1/sqrt(500)) for weights and bias).
+  This is the common initial header (HtFLlib takes client 0's initial header; ours is an
+  independent draw from the same distribution).
+- Download: a participant overwrites its whole header with H_g, unseen-class rows included.
+- Objective: plain CE over the whole model (base.Method.loss).
+- Upload: the trained header, plus n_k as metadata for the weighting.
+- Server: H_g = sum_k n_k H_k / sum_k n_k over this round's participants (`weighting='samples'`,
+  the default, as HtFLlib) or their unweighted mean (`'uniform'`, the original code). The
+  uploads are summed as they arrive (an inbox kept apart from H_g, which clients download) and
+  divided once per round; a round with no upload keeps H_g.
+- Inference (spec §7.5, §9): every client's local extractor with the latest H_g.
+- Floats: 501*C down and 501*C up per participant (n_k is metadata, not counted). Evaluating
+  non-participants with H_g implies HtFLlib's broadcast to all N clients, which is not counted.
+
+`SharedHeader` holds this exchange; FedClassAvg (fedclassavg.py) reuses it with its own loss.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedssa_jax import models
+from fedssa_jax.methods import base
+
+ROW = models.REPR_DIM + 1  # 501 numbers per class row
+WEIGHTINGS = ('samples', 'uniform')
+
+
+def init_header(key, num_classes: int):
+  """A fresh [C, 501] header with exactly a client fc3's init (models.Dense)."""
+  fc3 = models.Dense(num_classes).init(key, jnp.zeros((1, models.REPR_DIM)))['params']
+  return models.header_rows({'fc3': fc3})
+
+
+class SharedHeader(base.Method):
+  """The whole-header exchange: download H_g over the header, upload it, weighted mean."""
+  config_section = 'lg_fedavg'  # the config block holding `weighting`
+
+  def __init__(self, config, num_clients, num_classes):
+    super().__init__(config, num_clients, num_classes)
+    self.weighting = config[self.config_section].weighting
+    if self.weighting not in WEIGHTINGS:
+      raise ValueError(f'{self.config_section}.weighting must be one of {WEIGHTINGS}, '
+                       f'got {self.weighting!r}.')
+    self.header_floats = ROW * num_classes
+
+  def init_server(self, key, seen):
+    del seen
+    c = self.num_classes
+    return {'global': init_header(key, c),                   # H_g, what clients download
+            'inbox': jnp.zeros((c, ROW), jnp.float32),       # sum_k w_k H_k of this round
+            'inbox_weight': jnp.zeros((), jnp.float32)}      # sum_k w_k of this round
+
+  def download(self, params, state, server, client_id, seen, round_index):
+    del state, client_id, seen, round_index
+    return base.Download(models.with_header_rows(params, server['global']),
+                         floats=jnp.int32(self.header_floats))
+
+  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
+    del acc, ctx, seen, round_index
+    params = trainable['model']
+    weight = jnp.asarray(num_samples if self.weighting == 'samples' else 1, jnp.float32)
+    return base.Upload(params, state,
+                       payload={'rows': models.header_rows(params), 'weight': weight},
+                       floats=jnp.int32(self.header_floats))
+
+  def server_receive(self, server, client_ids, payloads, active):
+    del client_ids
+    w = jnp.where(active, payloads['weight'], 0.0)
+    return {**server,
+            'inbox': server['inbox'] + jnp.einsum('k,kcd->cd', w, payloads['rows']),
+            'inbox_weight': server['inbox_weight'] + w.sum()}
+
+  def server_aggregate(self, server, participants, round_index):
+    del participants, round_index  # the inbox holds exactly this round's participants
+    total = server['inbox_weight']
+    mean = server['inbox'] / jnp.where(total > 0, total, 1.0)
+    return {'global': jnp.where(total > 0, mean, server['global']),
+            'inbox': jnp.zeros_like(server['inbox']),
+            'inbox_weight': jnp.zeros_like(total)}
+
+
+class LGFedAvg(SharedHeader):
+  name = 'lg_fedavg'
+
+  def eval_params(self, params, server, client_id):
+    del client_id
+    return models.with_header_rows(params, server['global'])
