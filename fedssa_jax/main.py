@@ -11,18 +11,28 @@ from ml_collections import config_flags
 from fedssa_jax import train
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file('config', None, 'Config file, with an optional :variant.',
-                                lock_config=True)
-flags.DEFINE_string('workdir', None, 'Where config.json, metrics.jsonl, events and '
-                    'summary.json are written.')
-flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+  config_flags.DEFINE_config_file('config', None, 'Config file, with an optional :variant.',
+                                  lock_config=True, flag_values=flag_values)
+  flags.DEFINE_string('workdir', None, 'Where config.json, metrics.jsonl, events and '
+                      'summary.json are written.', flag_values=flag_values)
+  flags.mark_flags_as_required(['config', 'workdir'], flag_values=flag_values)
+
+
+define_flags(FLAGS)
+
+
+def run(flag_values: flags.FlagValues):
+  logging.set_verbosity(logging.INFO)
+  return train.train_and_evaluate(flag_values.config, flag_values.workdir)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.set_verbosity(logging.INFO)
-  train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  run(FLAGS)
 
 
 if __name__ == '__main__':
