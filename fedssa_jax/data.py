@@ -139,6 +139,17 @@ def from_arrays(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.
                  {'train': np.arange(n), 'test': np.arange(n, len(labels))})
 
 
+def synthetic_cifar(num_classes: int = 10, num_train: int = 50_000,
+                    num_test: int = 10_000) -> Dataset:
+  """Random uint8 images with CIFAR's shapes and class balance: the same work per round as the
+  real data set, for timing where it is not at hand."""
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, (num_train + num_test, *IMAGE_SHAPE), dtype=np.uint8)
+  y_train, y_test = np.arange(num_train) % num_classes, np.arange(num_test) % num_classes
+  name = 'cifar10' if num_classes == 10 else 'cifar100'
+  return from_arrays(name, x[:num_train], y_train, x[num_train:], y_test, num_classes)
+
+
 # --------------------------------------------------------------------------------------------
 # Pools (split schemes)
 # --------------------------------------------------------------------------------------------

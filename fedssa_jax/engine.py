@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any
 
 import jax
@@ -73,8 +74,12 @@ def train_config(config, ds: data.Dataset) -> client.TrainConfig:
 class Simulator:
   """Holds the static parts of a run (data, groups, compiled steps); state is passed in/out."""
 
-  def __init__(self, config, ds: data.Dataset, cd: data.ClientData):
+  def __init__(self, config, ds: data.Dataset, cd: data.ClientData, profile: bool = False):
     self.config = config
+    # Profiling blocks on each phase's results to time it (`phase_seconds`, summed over
+    # rounds); off by default, since the syncs cost overlap.
+    self.profile = profile
+    self.phase_seconds: dict[str, float] = {}
     self.num_clients = cd.num_clients
     self.num_classes = ds.num_classes
     self.k = cohort_size(self.num_clients, config.participation)
@@ -201,11 +206,16 @@ class Simulator:
 
     return jax.jit(call, donate_argnums=(0, 1, 2))
 
-  def cohort_chunks(self, cohort: np.ndarray):
-    """Yields (group index, slots, active) chunks of fixed size per group."""
+  def cohort_chunks(self, cohort: np.ndarray, per_call: int | None = None):
+    """Yields (group index, slots, active) chunks of fixed size per group.
+
+    Within a group, clients are taken in decreasing order of training-set size, so that a
+    vmapped chunk holds clients of similar step counts (the chunk runs its largest one's)."""
     for gi, g in enumerate(self.groups):
-      slots = self.slot_of[cohort[self.group_of[cohort] == gi]]
-      p = g.clients_per_call
+      cids = cohort[self.group_of[cohort] == gi]
+      cids = cids[np.argsort(-self.train_n[cids], kind='stable')]
+      slots = self.slot_of[cids]
+      p = per_call or g.clients_per_call
       for start in range(0, len(slots), p):
         chunk = slots[start:start + p]
         active = np.arange(p) < len(chunk)
@@ -214,18 +224,23 @@ class Simulator:
   def run_round(self, state: RunState):
     """One round. Returns (new state, info) with the cohort and per-client training stats."""
     t = state['round']
+    tick = self._phase_timer()
     cohort = sample_cohort(self.config.seed, t, self.num_clients, self.k)
+    chunks = list(self.cohort_chunks(cohort))
+    tick('sample')
     params, client_state, server = list(state['params']), state['client_state'], state['server']
     chunk_stats = []
-    for gi, slots, active in self.cohort_chunks(cohort):
+    for gi, slots, active in chunks:
       params[gi], client_state, server, stats = self._train_calls[gi](
           params[gi], client_state, server, self.data, self.seen_dev,
           jnp.asarray(slots, jnp.int32), jnp.asarray(active), jnp.asarray(t, jnp.int32),
           self.root_key)
       chunk_stats.append((gi, slots, active, stats))
+    tick('train', params, server)
     participants = np.zeros(self.num_clients, bool)
     participants[cohort] = True
     server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
+    tick('aggregate', server)
 
     # Per-client stats and counts: one host transfer for the whole round.
     per_client = {}
@@ -256,7 +271,22 @@ class Simulator:
     }
     new_state = {'round': t + 1, 'params': tuple(params), 'client_state': client_state,
                  'server': server, 'costs': new_costs}
+    tick('host')
     return new_state, info
+
+  def _phase_timer(self):
+    """tick(name, *arrays): adds the time since the last tick to phase `name`, after waiting
+    for `arrays`; a no-op unless profiling."""
+    last = [time.perf_counter()]
+
+    def tick(name, *arrays):
+      if not self.profile:
+        return
+      jax.block_until_ready(arrays)
+      now = time.perf_counter()
+      self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + now - last[0]
+      last[0] = now
+    return tick
 
   # ------------------------------------------------------------------------------------------
   # Evaluation
@@ -288,11 +318,13 @@ class Simulator:
     """Every client's test results with its current model: per-client arrays of length N."""
     out = {k: np.zeros(self.num_clients) for k in
            ('correct', 'count', 'batch_acc_sum', 'num_batches', *self.method.eval_metrics)}
+    tick = self._phase_timer()
     results = [(g, call(p, state['server'], self.data))
                for g, call, p in zip(self.groups, self._eval_calls, state['params'])]
     for g, r in results:
       for k, v in jax.device_get(r).items():
         out[k][g.members] = v
+    tick('evaluate')
     out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)
     out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)
     for name in self.method.eval_metrics:  # extra metrics, as accuracies

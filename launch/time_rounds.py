@@ -27,14 +27,6 @@ flags.DEFINE_list('methods', [], 'Methods to run in turn; default: the config\'s
 flags.DEFINE_integer('eval_every', 1, 'Evaluate all clients every this many rounds.')
 
 
-def synthetic_cifar(num_classes):
-  rng = np.random.default_rng(0)
-  y_train, y_test = np.arange(50000) % num_classes, np.arange(10000) % num_classes
-  x = rng.integers(0, 256, (60000, 32, 32, 3), dtype=np.uint8)
-  name = 'cifar10' if num_classes == 10 else 'cifar100'
-  return data.from_arrays(name, x[:50000], y_train, x[50000:], y_test, num_classes)
-
-
 def jpeg_cifar10(path):
   from PIL import Image  # pylint: disable=g-import-not-at-top
   z = np.load(path)
@@ -75,7 +67,7 @@ def main(_):
   if FLAGS.jpeg_npz:
     ds = jpeg_cifar10(FLAGS.jpeg_npz)
   elif FLAGS.synthetic:
-    ds = synthetic_cifar(num_classes)
+    ds = data.synthetic_cifar(num_classes)
   else:
     ds = data.load_dataset(c.dataset, c.data_dir, c.download)
   for method in FLAGS.methods or [c.method]:

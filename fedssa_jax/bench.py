@@ -1,0 +1,243 @@
+"""The benchmark harness: speed figures, each beside a reference measured in the same run.
+
+  python -m fedssa_jax.bench [--quick] [--out=bench.json]
+
+Prints one table per section and writes all figures as JSON:
+- roofline: the machine's matmul rate (large jitted float32 matmuls), the reference for every
+  FLOP/s figure below;
+- local training: images/s per model family at batch 512 and 64, for one client and vmapped
+  groups of 2, 5 and 10, with achieved FLOP/s as a share of the roofline;
+- rounds: FedSSA's whole-round wall time at `cifar10:hetero,n10`, `:hetero,n100` and
+  `:homo,n50`, E=1, split into phases (sampling, training calls, of which gather/download/
+  upload/scatter, aggregation, host transfers, evaluation), compile count and seconds (none after
+  round 1), peak memory;
+- padding: the share of padded training work at `:hetero,n100`, pathological and Dirichlet
+  0.1 / 0.5, under the backend's chunking.
+
+Data are synthetic CIFAR-shaped images (data.synthetic_cifar): the work is that of the real data
+set. `--quick` (CI smoke) runs small cases only, in well under two minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import resource
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedssa_jax import client, config_lib, costs, data, engine, models
+from fedssa_jax.methods import standalone
+
+FLAGS = flags.FLAGS
+
+
+class CompileCounter:
+  """Counts XLA compilations and their seconds, from JAX's monitoring events."""
+
+  def __init__(self):
+    self.count, self.seconds = 0, 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, name, seconds, **_):
+    if name == '/jax/core/compile/backend_compile_duration':
+      self.count += 1
+      self.seconds += seconds
+
+
+def best_time(fn, repeats: int) -> float:
+  """The fastest of `repeats` calls of fn() (which must block), in seconds."""
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def matmul_roofline(quick: bool) -> dict:
+  """float32 matmul FLOP/s: the best over a few large shapes."""
+  shapes = [(512, 800, 2000)] if quick else [(512, 800, 2000), (1024, 1024, 1024),
+                                             (2048, 2048, 2048)]
+  best = 0.0
+  for m, k, n in shapes:
+    a = jax.random.normal(jax.random.PRNGKey(0), (m, k))
+    b = jax.random.normal(jax.random.PRNGKey(1), (k, n))
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    reps = max(1, int(2e10 // (2 * m * k * n)))  # about 20 GFLOP per timing
+
+    def run():
+      for _ in range(reps):
+        out = f(a, b)
+      out.block_until_ready()
+    best = max(best, reps * 2 * m * k * n / best_time(run, 3))
+  return {'flops_per_s': best, 'shapes': shapes}
+
+
+def train_throughput(family: str, batch: int, clients: int, steps: int, roofline: float,
+                     ds: data.Dataset) -> dict:
+  """Images/s of local training (the engine's vmapped local_train) for a group of clients."""
+  model = models.make_model(family, ds.num_classes)
+  cfg = client.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std)
+  n = batch * steps
+  idx = np.stack([np.arange(n) + c * n for c in range(clients)]).astype(np.int32)
+  dd = client.DeviceData(jnp.asarray(ds.images[:clients * n]), jnp.asarray(ds.labels[:clients * n]),
+                         jnp.asarray(idx), jnp.full((clients,), n), jnp.asarray(idx),
+                         jnp.full((clients,), n))
+  keys = jax.random.split(jax.random.PRNGKey(0), clients)
+  params = jax.vmap(functools.partial(models.init_params, model))(keys)
+  method = standalone.Standalone(None, clients, ds.num_classes)
+  train = functools.partial(client.local_train, apply_fn=model.apply, cfg=cfg, method=method)
+  call = jax.jit(jax.vmap(lambda p, k, i, n: train({'model': p}, (), k, i, n, dd)))
+  run = lambda: jax.block_until_ready(call(params, keys, dd.train_idx, dd.train_n))
+  run()
+  seconds = best_time(run, 3)
+  images_per_s = clients * n / seconds
+  flops = costs.xla_train_flops_per_sample(family, ds.num_classes, batch) * images_per_s
+  return {'family': family, 'batch': batch, 'clients': clients, 'images_per_s': images_per_s,
+          'flops_per_s': flops, 'roofline_share': flops / roofline}
+
+
+def padding_share(sim: engine.Simulator, rounds: int, per_call: int | None = None) -> float:
+  """Share of training rows that are padding, over the cohorts of `rounds` rounds: a chunk runs
+  its largest client's step count for all its slots, each step a full batch."""
+  b, useful, total = sim.config.batch_size, 0, 0
+  for t in range(rounds):
+    cohort = engine.sample_cohort(sim.config.seed, t, sim.num_clients, sim.k)
+    for gi, slots, active in sim.cohort_chunks(cohort, per_call):
+      n = sim.train_n[sim.groups[gi].members[slots[active]]]
+      useful += n.sum()
+      total += len(slots) * (-(-n.max() // b)) * b
+  return 1.0 - useful / max(total, 1)
+
+
+def peak_memory() -> dict:
+  dev = jax.devices()[0]
+  stats = dev.memory_stats() if hasattr(dev, 'memory_stats') else None
+  if stats and 'peak_bytes_in_use' in stats:
+    return {'peak_device_bytes': stats['peak_bytes_in_use']}
+  return {'peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCounter,
+                 overhead: bool) -> dict:
+  """FedSSA's rounds at `cifar10:<arg>`, E=1: per-phase seconds over rounds 2..R."""
+  c = config_lib.build('cifar10', arg)
+  c.local_epochs, c.num_rounds = 1, rounds
+  with config_lib.matmul_precision(c):
+    sim = engine.Simulator(c, ds, data.partition_from_config(c, ds), profile=True)
+    state = sim.init_state()
+    before = compiles.count, compiles.seconds
+    t0 = time.perf_counter()
+    state, _ = sim.run_round(state)
+    sim.evaluate(state)
+    first = time.perf_counter() - t0
+    first_compiles = (compiles.count - before[0], compiles.seconds - before[1])
+    sim.phase_seconds.clear()
+    before = compiles.count
+    t0 = time.perf_counter()
+    for _ in range(rounds - 1):
+      state, _ = sim.run_round(state)
+      sim.evaluate(state)
+    steady = (time.perf_counter() - t0) / (rounds - 1)
+    phases = {k: v / (rounds - 1) for k, v in sim.phase_seconds.items()}
+    later_compiles = compiles.count - before
+    if overhead:  # the training calls' own non-training work: the same calls with E = 0
+      c0 = c.copy_and_resolve_references()
+      c0.local_epochs = 0
+      sim0 = engine.Simulator(c0, ds, data.partition_from_config(c0, ds), profile=True)
+      s0 = sim0.init_state()
+      s0, _ = sim0.run_round(s0)
+      sim0.phase_seconds.clear()
+      for _ in range(rounds - 1):
+        s0, _ = sim0.run_round(s0)
+      phases['train: gather/download/upload/scatter'] = (
+          sim0.phase_seconds['train'] / (rounds - 1))
+  return {'config': f'cifar10:{arg}', 'E': 1, 'first_round_s': first,
+          'first_round_compiles': first_compiles[0],
+          'first_round_compile_s': first_compiles[1], 'later_compiles': later_compiles,
+          'steady_round_s': steady, 'phases_s': phases, **peak_memory()}
+
+
+def print_table(title, header, rows):
+  print(f'\n## {title}\n')
+  print('| ' + ' | '.join(header) + ' |')
+  print('|' + '---|' * len(header))
+  for r in rows:
+    print('| ' + ' | '.join(r) + ' |')
+
+
+def run(quick: bool, rounds: int) -> dict:
+  compiles = CompileCounter()
+  out = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]),
+         'jax_version': jax.__version__, 'quick': quick}
+  roof = matmul_roofline(quick)
+  out['roofline'] = roof
+  print_table('Roofline', ['float32 matmul GFLOP/s'], [[f"{roof['flops_per_s'] / 1e9:.1f}"]])
+
+  ds = data.synthetic_cifar(10, 50_000 if not quick else 6_000, 10_000 if not quick else 1_000)
+  cases = ([('cnn1', 64, 1, 4), ('cnn5', 64, 2, 4)] if quick else
+           [(f, b, k, max(2, 2048 // b)) for f in models.FAMILY_NAMES for b in (512, 64)
+            for k in (1, 2, 5, 10)])
+  out['training'] = [train_throughput(f, b, k, s, roof['flops_per_s'], ds)
+                     for f, b, k, s in cases]
+  print_table('Local training', ['family', 'batch', 'clients', 'images/s', 'GFLOP/s',
+                                 'share of roofline'],
+              [[r['family'], str(r['batch']), str(r['clients']), f"{r['images_per_s']:.0f}",
+                f"{r['flops_per_s'] / 1e9:.1f}", f"{r['roofline_share']:.0%}"]
+               for r in out['training']])
+
+  configs = ['hetero,tiny'] if quick else ['hetero,n10', 'hetero,n100', 'homo,n50']
+  out['rounds'] = [round_phases(a, rounds, ds, compiles, overhead=not quick) for a in configs]
+  rows = []
+  for r in out['rounds']:
+    total = sum(v for k, v in r['phases_s'].items() if not k.startswith('train:'))
+    shares = ', '.join(f'{k} {v / total:.0%}' for k, v in r['phases_s'].items())
+    rows.append([r['config'], f"{r['steady_round_s']:.2f}", f"{r['first_round_s']:.1f}",
+                 f"{r['first_round_compiles']} / {r['first_round_compile_s']:.1f} s",
+                 str(r['later_compiles']), shares])
+  print_table('FedSSA rounds, E=1 (rounds after the first)',
+              ['config', 's/round', 'round 1 s', 'round 1 compiles', 'later compiles',
+               'phases (share of the round)'], rows)
+
+  pad_rows = []
+  out['padding'] = []
+  cases = [('tiny', None)] if quick else [('hetero,n100', None), ('hetero,n100,dir', 0.1),
+                                          ('hetero,n100,dir', 0.5)]
+  for arg, gamma in cases:
+    c = config_lib.build('cifar10', arg)
+    if gamma is not None:
+      c.partition.dirichlet_gamma = gamma
+    kind = f'dirichlet {gamma}' if gamma is not None else c.partition.kind
+    sim = engine.Simulator(c, ds, data.partition_from_config(c, ds))
+    row = {'config': f'cifar10:{arg}', 'partition': kind,
+           'padded_share': padding_share(sim, 20),
+           'padded_share_vmapped': padding_share(sim, 20, -(-sim.k // len(sim.groups)))}
+    out['padding'].append(row)
+    pad_rows.append([row['config'], kind, f"{row['padded_share']:.1%}",
+                     f"{row['padded_share_vmapped']:.1%}"])
+  print_table('Padded share of training work (20 rounds of cohorts)',
+              ['config', 'partition', 'this backend\'s chunks', 'chunks of ceil(K/families)'],
+              pad_rows)
+  return out
+
+
+def main(argv):
+  del argv
+  out = run(FLAGS.quick, FLAGS.rounds)
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as f:
+      json.dump(out, f, indent=2)
+    print(f'\nWrote {FLAGS.out}')
+
+
+if __name__ == '__main__':
+  flags.DEFINE_bool('quick', False, 'Small cases only (CI smoke, under two minutes).')
+  flags.DEFINE_integer('rounds', 3, 'Rounds per round-timing case (the first compiles).')
+  flags.DEFINE_string('out', 'bench.json', 'Where to write the figures as JSON.')
+  app.run(main)
