@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ NORMALIZATION = {
     'cifar100': ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = {'cifar10': 10, 'cifar100': 100}
 SPLITS = ('train', 'val', 'test')
 
 
@@ -111,16 +113,34 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
   """Loads a TFDS image-classification data set ('train' and 'test') into memory.
 
   With `download`, a data set that is not prepared under `data_dir` is downloaded and
-  prepared (array_record) first, as tfds.load would.
+  prepared (array_record) first, as tfds.load would. A `data_dir` ending in `.npz` is read as
+  plain arrays instead (x_train, y_train, x_test, y_test: what ../shared/data/cifar10/prepare.py
+  --npz writes), which needs neither TFDS nor TensorFlow.
   """
   if name not in NORMALIZATION:
     raise DataError(f'Unknown dataset {name!r}; choose one of {sorted(NORMALIZATION)}.')
+  if data_dir and data_dir.endswith('.npz'):
+    return load_npz(name, data_dir)
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   parts = [_read_split(name, split, data_dir, download) for split in ('train', 'test')]
   num_classes = tfds.builder(name, data_dir=data_dir).info.features['label'].num_classes
   logging.info('Loaded %s: %d train + %d test images, %d classes.', name, len(parts[0][1]),
                len(parts[1][1]), num_classes)
   return from_arrays(name, *parts[0], *parts[1], num_classes)
+
+
+def load_npz(name: str, path: str) -> Dataset:
+  """A data set from an .npz of uint8 images and integer labels (x_/y_ train and test)."""
+  if not os.path.exists(path):
+    raise DataError(f'{path} does not exist. Write it with ../shared/data/cifar10/prepare.py '
+                    f'--npz {path}, or point data_dir at a TFDS data_dir.')
+  z = np.load(path)
+  missing = {'x_train', 'y_train', 'x_test', 'y_test'} - set(z.files)
+  if missing:
+    raise DataError(f'{path} lacks the arrays {sorted(missing)}; it needs x_train, y_train, '
+                    'x_test and y_test.')
+  return from_arrays(name, z['x_train'], z['y_train'], z['x_test'], z['y_test'],
+                     NUM_CLASSES[name])
 
 
 def from_arrays(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
