@@ -76,6 +76,12 @@ def masked_mean(uploads, mask, weights=None):
   return mean, total > 0
 
 
+def masked_tree_sum(tree, active):
+  """Sums a chunk's uploads (leading axis) over the active clients, e.g. whole models."""
+  return jax.tree_util.tree_map(
+      lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0), tree)
+
+
 def store_rows(table, client_ids, rows, active):
   """Writes each active client's row into `table` [N, ...]; padding (dummy) clients are dropped."""
   ids = jnp.where(active, client_ids, table.shape[0])

@@ -1,0 +1,179 @@
+"""FedKD: adaptive mutual distillation with a shared CNN-5 mentee and SVD-compressed updates
+(spec BASELINES.md §6, with the defaults of its Decisions section).
+
+Where FedSSA exchanges header rows, FedKD exchanges a whole second model, the mentee (CNN-5 with
+its own C-way head), as low-rank updates. Each participant trains its own model f_k (the mentor),
+the mentee and a private projection W_h [500, 500] (no bias) jointly on every batch.
+- Objective (one joint loss, gradients through everything, soft targets not detached, the
+  denominator Q differentiated): with (z, h) the mentor's logits and 500-d representation and
+  (z_s, h_s) the mentee's,
+      Q = CE(z, y) + CE(z_s, y)
+      L = Q + [KL(s(z_s) || s(z)) + KL(s(z) || s(z_s)) + 2 MSE(h, h_s W_h)] / Q
+  KL with torch's 'mean' reduction (sum over valid samples and classes / (B_valid C)), MSE the
+  mean over B_valid * 500. W_h is stored [in, out] (a Dense kernel: h_s @ W_h).
+- Round: mentee <- theta_g; train; Delta_k = mentee - theta_g; compress each tensor (below) and
+  upload the reconstruction, which is exactly what the server can rebuild from what is sent.
+- Compression with energy T_t = start + (end - start)(t + 1)/R, R = num_rounds: 1-D tensors are
+  dense; a 2-D kernel [m, n] as it is, a conv kernel HWIO [5, 5, I, O] as [25 I, O] (the same
+  singular values as the spec's [O, 25 I]). Rank q = the smallest n >= 1 with
+  sum_{j<=n} s_j^2 >= T sum_j s_j^2, clamped to the full rank; the tensor is sent as
+  min(q (m + n + 1), m n) floats, dense when that is cheaper or when sum s^2 = 0. The SVD is
+  batched over clients by the engine's vmap; the kept rank is a fixed-shape mask on s, so the
+  reconstruction is U diag(s * mask) V^T.
+- Server: Delta_bar = unweighted mean of the participants' reconstructions; compress it with
+  T_t by the same rule; theta_g <- theta_g + recon. A round without participants keeps theta_g.
+- Floats. Up: the compressed Delta_k. Down: a client that holds theta_{t-1} needs only the
+  compressed Delta_bar of the last aggregation; any other one is charged P_5 dense (the spec's
+  default for a client that missed rounds). At t = 0 every client generates theta_0 from the
+  shared seed, so round 0 downloads 0 floats; the server records, per client, the round whose
+  theta it holds (0 for everyone at the start, t for a participant of round t).
+- Client FLOPs beyond training: the SVDs on upload (thin SVD, Golub & Van Loan's cost for
+  m >= n: min(Golub-Reinsch 14 m n^2 + 8 n^3, R-SVD 6 m n^2 + 20 n^3)); on download, rebuilding
+  theta_t from a compressed Delta_bar (2 q m n per compressed matrix, plus P_5 additions).
+- Inference: the local mentor f_k (§9). Client state: W_h (the mentee is re-synced each round).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedssa_jax import client, models
+from fedssa_jax.methods import base
+
+MENTEE_FAMILY = 'cnn5'
+D = models.REPR_DIM
+
+
+def energy(round_index, start: float, end: float, num_rounds: int):
+  """T_t = start + (end - start) (t + 1) / R."""
+  t = jnp.asarray(round_index, jnp.float32)
+  return start + (end - start) * (t + 1.0) / max(num_rounds, 1)
+
+
+def svd_flops(m: int, n: int) -> float:
+  """Golub & Van Loan's FLOPs for a thin SVD (U_1, S, V) of an m x n matrix."""
+  m, n = max(m, n), min(m, n)
+  return float(min(14 * m * n * n + 8 * n ** 3, 6 * m * n * n + 20 * n ** 3))
+
+
+def compress_matrix(a, threshold):
+  """Truncated SVD of a [m, n] matrix by the energy rule. Returns (what the receiver rebuilds,
+  floats sent, the rebuild's FLOPs if compressed else 0)."""
+  m, n = a.shape
+  u, s, vt = jnp.linalg.svd(a, full_matrices=False)
+  cum = jnp.cumsum(s * s)
+  total = cum[-1]
+  q = jnp.minimum(jnp.sum(cum < threshold * total) + 1, s.shape[0])  # clamped to [1, full]
+  compressed = (q * (m + n + 1) < m * n) & (total > 0)
+  recon = (u * jnp.where(jnp.arange(s.shape[0]) < q, s, 0.0)) @ vt
+  floats = jnp.where(compressed, q * (m + n + 1), m * n).astype(jnp.int32)
+  rebuild = jnp.where(compressed, 2.0 * q * m * n, 0.0)
+  return jnp.where(compressed, recon, a), floats, rebuild
+
+
+def compress_update(delta, threshold):
+  """Compresses every tensor of a CNN-5 update. Returns (reconstruction tree, floats, SVD FLOPs,
+  rebuild FLOPs)."""
+  leaves, treedef = jax.tree_util.tree_flatten(delta)
+  out, floats, svd, rebuild = [], jnp.int32(0), 0.0, jnp.float32(0)
+  for x in leaves:
+    if x.ndim == 1:
+      out.append(x)
+      floats += x.size
+      continue
+    mat = x.reshape(-1, x.shape[-1])  # HWIO [5, 5, I, O] -> [25 I, O]; Dense [in, out] as is
+    r, f, b = compress_matrix(mat, threshold)
+    out.append(r.reshape(x.shape))
+    floats, svd, rebuild = floats + f, svd + svd_flops(*mat.shape), rebuild + b
+  return jax.tree_util.tree_unflatten(treedef, out), floats, jnp.float32(svd), rebuild
+
+
+class FedKD(base.Method):
+  name = 'fedkd'
+
+  def __init__(self, config, num_clients, num_classes):
+    super().__init__(config, num_clients, num_classes)
+    c = config.fedkd
+    self.energy_start, self.energy_end = float(c.energy_start), float(c.energy_end)
+    for field, v in (('energy_start', self.energy_start), ('energy_end', self.energy_end)):
+      if not 0.0 < v <= 1.0:
+        raise ValueError(f'fedkd.{field} must be in (0, 1], got {v}.')
+    self.num_rounds = int(config.num_rounds)
+    self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl)
+    shapes = jax.eval_shape(lambda: models.init_params(self.mentee_model, jax.random.PRNGKey(0)))
+    self.mentee_floats = models.param_count(shapes)  # P_5
+
+  def threshold(self, round_index):
+    return energy(round_index, self.energy_start, self.energy_end, self.num_rounds)
+
+  def init_server(self, key, seen):
+    del seen
+    theta = models.init_params(self.mentee_model, key)
+    return {'theta': theta,
+            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, theta),
+            'inbox_count': jnp.zeros((), jnp.int32),
+            'held': jnp.zeros((self.num_clients,), jnp.int32),  # round of the theta a client has
+            'last_floats': jnp.zeros((), jnp.int32),    # the last compressed Delta_bar's floats
+            'last_rebuild': jnp.zeros((), jnp.float32)}  # ... and its rebuild FLOPs
+
+  def init_client_state(self, key):
+    return {'w_h': models.torch_uniform_init(D)(key, (D, D))}
+
+  def download(self, params, state, server, client_id, seen, round_index):
+    del seen
+    held = server['held'][client_id]
+    delta_only = held == round_index - 1
+    floats = jnp.where(held == round_index, 0,
+                       jnp.where(delta_only, server['last_floats'], self.mentee_floats))
+    flops = jnp.where(delta_only, server['last_rebuild'] + self.mentee_floats, 0.0)
+    return base.Download(params, aux={'mentee': server['theta'], 'w_h': state['w_h']},
+                         ctx=server['theta'], floats=floats.astype(jnp.int32),
+                         flops=flops.astype(jnp.float32))
+
+  def loss(self, apply_fn, trainable, ctx, views, y, valid):
+    del ctx
+    x = views[0]
+    z, h = apply_fn({'params': trainable['model']}, x)
+    z_s, h_s = self.mentee_model.apply({'params': trainable['mentee']}, x)
+    ce, correct = client.ce_and_correct(z, y, valid)
+    ce_s, _ = client.ce_and_correct(z_s, y, valid)
+    q = ce + ce_s
+    n_valid = jnp.maximum(valid.sum(), 1)
+    lp, lp_s = jax.nn.log_softmax(z), jax.nn.log_softmax(z_s)
+    kl = jnp.exp(lp_s) * (lp_s - lp) + jnp.exp(lp) * (lp - lp_s)  # both directions, [B, C]
+    kl = jnp.sum(jnp.where(valid[:, None], kl, 0.0)) / (n_valid * z.shape[-1])
+    se = jnp.sum((h - h_s @ trainable['w_h']) ** 2, axis=-1)
+    mse = jnp.sum(jnp.where(valid, se, 0.0)) / (n_valid * D)
+    return q + (kl + 2.0 * mse) / q, (correct, {})
+
+  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
+    del acc, seen, num_samples
+    delta = jax.tree_util.tree_map(jnp.subtract, trainable['mentee'], ctx)
+    recon, floats, svd, _ = compress_update(delta, self.threshold(round_index))
+    return base.Upload(trainable['model'], {'w_h': trainable['w_h']}, payload=recon,
+                       floats=floats, flops=svd)
+
+  def server_receive(self, server, client_ids, payloads, active):
+    del client_ids
+    inbox = jax.tree_util.tree_map(jnp.add, server['inbox_sum'],
+                                   base.masked_tree_sum(payloads, active))
+    return {**server, 'inbox_sum': inbox,
+            'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
+
+  def server_aggregate(self, server, participants, round_index):
+    count = server['inbox_count']
+    mean = jax.tree_util.tree_map(lambda s: s / jnp.maximum(count, 1), server['inbox_sum'])
+    recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
+    any_ = count > 0
+    return {'theta': jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t),
+                                            server['theta'], recon),
+            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, server['inbox_sum']),
+            'inbox_count': jnp.zeros((), jnp.int32),
+            'held': jnp.where(participants, round_index, server['held']).astype(jnp.int32),
+            'last_floats': jnp.where(any_, floats, 0).astype(jnp.int32),
+            'last_rebuild': jnp.where(any_, rebuild, 0.0).astype(jnp.float32)}
+
+  def train_flops_per_sample(self, own, flops_of):
+    # Mentor and mentee forward + backward, plus h_s @ W_h: 2 FLOPs per MAC for the forward and
+    # the two backward matmuls (grad of W_h and of h_s). KL/MSE elementwise work is ignored.
+    return own + flops_of(MENTEE_FAMILY) + 6.0 * D * D

@@ -1,0 +1,102 @@
+"""FML: federated mutual learning with a shared CNN-5 "meme" model (spec BASELINES.md §5).
+
+Where FedSSA exchanges header rows, FML exchanges a whole second model: every client trains its
+own heterogeneous model f_k jointly with a copy of the global meme (CNN-5 with its own C-way head),
+the two distilling into each other on every batch.
+- Exchange: the server's meme down, the trained meme up: P_5 floats each way (670,058 for C=10,
+  counted from the parameters), every participant, every round.
+- Objective, with z = f_k(x), z_m = meme(x), KL(p||q) = sum_c p_c (log p_c - log q_c) with
+  batchmean reduction (mean over the valid samples) and detached targets (the decisions):
+      L_loc  = alpha CE(z, y)  + (1 - alpha) KL(softmax(sg z_m) || softmax(z))
+      L_meme = beta  CE(z_m, y) + (1 - beta) KL(softmax(sg z)  || softmax(z_m))
+  The loss returned is L_loc + L_meme: the two parameter sets are disjoint and the targets are
+  detached, so each model's gradient is that of its own loss, and with one optimizer per model
+  (client.local_train) this is the official code's two separate optimizers.
+- Server: meme_g = unweighted mean of the participants' memes (an inbox sum and count written by
+  server_receive, read only by server_aggregate); a round without participants keeps the old one.
+- Inference: the local f_k (§9). Client state: none; the meme is re-downloaded every round with a
+  fresh optimizer, and at t = 0 it is the server's initial CNN-5 (from the init_server key).
+- Training cost: each step also runs forward and backward through the CNN-5.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedssa_jax import client, models
+from fedssa_jax.methods import base
+
+MEME_FAMILY = 'cnn5'
+
+
+def kl_batchmean(target_logits, logits, valid):
+  """KL(softmax(target) || softmax(logits)), summed over classes, mean over valid samples."""
+  log_p = jax.nn.log_softmax(target_logits)
+  kl = jnp.sum(jnp.exp(log_p) * (log_p - jax.nn.log_softmax(logits)), axis=-1)
+  return jnp.sum(jnp.where(valid, kl, 0.0)) / jnp.maximum(valid.sum(), 1)
+
+
+class FML(base.Method):
+  name = 'fml'
+
+  def __init__(self, config, num_clients, num_classes):
+    super().__init__(config, num_clients, num_classes)
+    self.alpha, self.beta = float(config.fml.alpha), float(config.fml.beta)
+    for field, v in (('alpha', self.alpha), ('beta', self.beta)):
+      if not 0.0 <= v <= 1.0:
+        raise ValueError(f'fml.{field} must be in [0, 1], got {v}.')
+    self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl)
+    shapes = jax.eval_shape(lambda: models.init_params(self.meme_model, jax.random.PRNGKey(0)))
+    self.meme_floats = models.param_count(shapes)  # P_5
+
+  def init_server(self, key, seen):
+    del seen
+    meme = models.init_params(self.meme_model, key)
+    return {'meme': meme,
+            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, meme),
+            'inbox_count': jnp.zeros((), jnp.int32)}
+
+  def download(self, params, state, server, client_id, seen, round_index):
+    del state, client_id, seen, round_index
+    return base.Download(params, aux={'meme': server['meme']},
+                         floats=jnp.int32(self.meme_floats))
+
+  def loss(self, apply_fn, trainable, ctx, views, y, valid):
+    del ctx
+    x = views[0]
+    z, _ = apply_fn({'params': trainable['model']}, x)
+    z_m, _ = self.meme_model.apply({'params': trainable['meme']}, x)
+    ce, correct = client.ce_and_correct(z, y, valid)
+    ce_m, _ = client.ce_and_correct(z_m, y, valid)
+    loss_loc = self.alpha * ce + (1 - self.alpha) * kl_batchmean(
+        jax.lax.stop_gradient(z_m), z, valid)
+    loss_meme = self.beta * ce_m + (1 - self.beta) * kl_batchmean(
+        jax.lax.stop_gradient(z), z_m, valid)
+    return loss_loc + loss_meme, (correct, {})
+
+  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
+    del acc, ctx, seen, num_samples, round_index
+    return base.Upload(trainable['model'], state, payload=trainable['meme'],
+                       floats=jnp.int32(self.meme_floats))
+
+  def server_receive(self, server, client_ids, payloads, active):
+    del client_ids
+    inbox = jax.tree_util.tree_map(jnp.add, server['inbox_sum'],
+                                   base.masked_tree_sum(payloads, active))
+    return {**server, 'inbox_sum': inbox,
+            'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
+
+  def server_aggregate(self, server, participants, round_index):
+    del participants, round_index
+    count = server['inbox_count']
+    meme = jax.tree_util.tree_map(
+        lambda s, old: jnp.where(count > 0, s / jnp.maximum(count, 1), old),
+        server['inbox_sum'], server['meme'])
+    return {'meme': meme,
+            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, server['inbox_sum']),
+            'inbox_count': jnp.zeros((), jnp.int32)}
+
+  def train_flops_per_sample(self, own, flops_of):
+    # The meme's forward and backward on every sample; the KL terms' elementwise work is ignored,
+    # as are the softmax and CE in the per-model counts.
+    return own + flops_of(MEME_FAMILY)

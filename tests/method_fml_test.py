@@ -1,0 +1,173 @@
+"""FML (spec BASELINES.md §5): the mutual-learning loss against a numpy hand computation, the meme
+average against a plain loop, the float counts, and one engine round trip."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax.methods import fml
+
+C = 4
+
+
+def make_method(num_clients=5, num_classes=C, alpha=0.3, beta=0.6):
+  c = config_lib.base_config('cifar10')
+  c.model.conv_impl = 'im2col'
+  c.fml.alpha, c.fml.beta = alpha, beta
+  return fml.FML(c, num_clients, num_classes)
+
+
+def log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def random_params(model, seed, scale=0.05):
+  """Random parameters of `model` without compiling its initialiser."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+  return jax.tree_util.tree_map(
+      lambda s: jnp.asarray(rng.normal(scale=scale, size=s.shape), jnp.float32), shapes)
+
+
+def test_p5_counted_from_params_and_floats_each_way():
+  assert make_method(num_classes=10).meme_floats == 670_058
+  method = make_method()
+  p5 = 665_048 + 501 * C
+  assert method.meme_floats == p5
+  server_shapes = jax.eval_shape(method.init_server, jax.random.PRNGKey(1),
+                                 jnp.ones((5, C), bool))
+  assert models.param_count(server_shapes['meme']) == p5
+  params = random_params(models.make_model('cnn4', C, 'im2col'), 0)
+  meme = random_params(method.meme_model, 1)
+  server = {'meme': meme, 'inbox_sum': meme, 'inbox_count': jnp.int32(0)}
+  down = method.download(params, {}, server, 2, jnp.ones(C, bool), 0)
+  assert int(down.floats) == p5 and down.floats.dtype == jnp.int32
+  assert down.aux['meme'] is meme and down.params is params
+  up = method.upload({'model': params, **down.aux}, {}, (), {}, jnp.ones(C, bool), 7, 0)
+  assert int(up.floats) == p5 and up.floats.dtype == jnp.int32
+  assert up.payload is meme and up.params is params and up.state == {}
+
+
+def test_bad_weights_rejected():
+  with pytest.raises(ValueError, match='fml.alpha'):
+    make_method(alpha=1.5)
+  with pytest.raises(ValueError, match='fml.beta'):
+    make_method(beta=-0.1)
+
+
+def test_loss_vmapped_equals_hand_computation_and_gradients_separate():
+  method = make_method()
+  own = models.make_model('cnn4', C, 'im2col')
+  stack = lambda ps: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ps)
+  models_ = stack([random_params(own, i) for i in range(2)])
+  memes = stack([random_params(method.meme_model, 2 + i) for i in range(2)])
+  rng = np.random.default_rng(0)
+  b = 6
+  x = jnp.asarray(rng.normal(size=(2, b, 32, 32, 3)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, C, size=(2, b)), jnp.int32)
+  valid = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
+
+  def loss(mp, mm, x, y, v):
+    return method.loss(own.apply, {'model': mp, 'meme': mm}, (), (x,), y, v)
+
+  (loss_v, (correct_v, acc_v)), grads = jax.vmap(
+      jax.value_and_grad(lambda mp, mm, *a: loss(mp, mm, *a), argnums=(0, 1), has_aux=True))(
+          models_, memes, x, y, valid)
+  assert acc_v == {}
+  take = lambda t, i: jax.tree_util.tree_map(lambda a: a[i], t)
+  logits = jax.jit(jax.vmap(lambda mp, mm, x: (own.apply({'params': mp}, x)[0],
+                                               method.meme_model.apply({'params': mm}, x)[0])))
+  zs, zms = map(np.asarray, logits(models_, memes, x))
+  for i in range(2):
+    z, zm = zs[i].astype(np.float64), zms[i].astype(np.float64)
+    yi, vi = np.asarray(y[i]), np.asarray(valid[i])
+    idx = np.flatnonzero(vi)
+    lz, lm = log_softmax(z), log_softmax(zm)
+    ce = -np.mean([lz[j, yi[j]] for j in idx])
+    ce_m = -np.mean([lm[j, yi[j]] for j in idx])
+    kl_loc = np.mean([np.sum(np.exp(lm[j]) * (lm[j] - lz[j])) for j in idx])
+    kl_meme = np.mean([np.sum(np.exp(lz[j]) * (lz[j] - lm[j])) for j in idx])
+    want = (0.3 * ce + 0.7 * kl_loc) + (0.6 * ce_m + 0.4 * kl_meme)
+    np.testing.assert_allclose(float(loss_v[i]), want, rtol=1e-5)
+    assert int(correct_v[i]) == sum(np.argmax(z[j]) == yi[j] for j in idx)
+
+  # Detached targets: the local model's gradient is that of L_loc alone (meme logits constant),
+  # so the joint loss trains the two models as separate optimisers would.
+  zm0 = jnp.asarray(zms[0])
+
+  def loss_loc(mp):
+    z, _ = own.apply({'params': mp}, x[0])
+    lz, lm = jax.nn.log_softmax(z), jax.nn.log_softmax(zm0)
+    v = valid[0]
+    ce = -jnp.sum(jnp.where(v, jnp.take_along_axis(lz, y[0][:, None], 1)[:, 0], 0)) / v.sum()
+    kl = jnp.sum(jnp.where(v[:, None], jnp.exp(lm) * (lm - lz), 0)) / v.sum()
+    return 0.3 * ce + 0.7 * kl
+
+  want_grad = jax.jit(jax.grad(loss_loc))(take(models_, 0))
+  for a, w in zip(jax.tree_util.tree_leaves(take(grads[0], 0)),
+                  jax.tree_util.tree_leaves(want_grad)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-7)
+
+
+def test_server_mean_over_two_chunks_with_dummy_equals_loop():
+  n = 5
+  method = make_method(num_clients=n)
+  meme = random_params(method.meme_model, 0)
+  server = {'meme': meme, 'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, meme),
+            'inbox_count': jnp.int32(0)}
+  old = jax.tree_util.tree_map(np.asarray, server['meme'])
+  rng = np.random.default_rng(1)
+  leaves, treedef = jax.tree_util.tree_flatten(old)
+
+  def random_chunk(k):
+    return [rng.normal(size=(k, *l.shape)).astype(np.float32) for l in leaves]
+
+  chunks = [([0, 3, 0], [True, True, False], random_chunk(3)), ([4], [True], random_chunk(1))]
+  received = []
+  for ids, active, up in chunks:
+    server = method.server_receive(
+        server, jnp.asarray(ids), jax.tree_util.tree_unflatten(treedef, [jnp.asarray(u)
+                                                                         for u in up]),
+        jnp.asarray(active))
+    received += [[u[j] for u in up] for j in range(len(ids)) if active[j]]
+  participants = np.zeros(n, bool)
+  participants[[0, 3, 4]] = True
+  server = jax.jit(method.server_aggregate)(server, jnp.asarray(participants), 0)
+  for li, got in enumerate(jax.tree_util.tree_leaves(server['meme'])):
+    want = sum(r[li].astype(np.float64) for r in received) / len(received)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  assert int(server['inbox_count']) == 0
+  assert all(not np.asarray(l).any() for l in jax.tree_util.tree_leaves(server['inbox_sum']))
+  # A round without participants keeps the meme.
+  again = method.server_aggregate(server, jnp.zeros(n, bool), 1)
+  for a, b in zip(jax.tree_util.tree_leaves(again['meme']),
+                  jax.tree_util.tree_leaves(server['meme'])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_engine_round_trip(small_ds, monkeypatch):
+  monkeypatch.setitem(methods.METHODS, 'fml', fml.FML)
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.method = 'fml'
+  c.model.families = ('cnn5', 'cnn4')
+  c.num_clients, c.participation = 5, 0.4  # K = 2 (N = 4 has no pathological partition)
+  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
+  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+  p5 = 665_048 + 501 * 10
+  assert sim.method.meme_floats == p5
+  for fam, fps in sim.flops_per_sample.items():
+    assert fps == pytest.approx(sim._model_flops(fam) + sim._model_flops('cnn5'))
+  state = sim.init_state()
+  meme0 = jax.tree_util.tree_map(np.asarray, state['server']['meme'])
+  for _ in range(c.num_rounds):
+    state, info = sim.run_round(state)
+    assert np.isfinite(info['train_loss'])
+    np.testing.assert_array_equal(info['client_up_floats'], p5)
+    np.testing.assert_array_equal(info['client_down_floats'], p5)
+  assert state['costs']['up_floats'] == state['costs']['down_floats'] == 2 * 2 * p5
+  old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(state['server']['meme'])
+  assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved
+  ev = sim.evaluate(state)
+  assert np.all((0 <= ev['accuracy']) & (ev['accuracy'] <= 1))  # also false for NaN
