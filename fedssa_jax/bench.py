@@ -129,6 +129,8 @@ def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCount
   """FedSSA's rounds at `cifar10:<arg>`, E=1: per-phase seconds over rounds 2..R."""
   c = config_lib.build('cifar10', arg)
   c.local_epochs, c.num_rounds = 1, rounds
+  if 'tiny' in arg:  # every family in round 1, so that later rounds compile nothing
+    c.participation = 1.0
   with config_lib.matmul_precision(c):
     sim = engine.Simulator(c, ds, data.partition_from_config(c, ds), profile=True)
     state = sim.init_state()
@@ -172,7 +174,10 @@ def print_table(title, header, rows):
     print('| ' + ' | '.join(r) + ' |')
 
 
-def run(quick: bool, rounds: int) -> dict:
+SECTIONS = ('training', 'rounds', 'padding')
+
+
+def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAMES) -> dict:
   compiles = CompileCounter()
   out = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]),
          'jax_version': jax.__version__, 'quick': quick}
@@ -181,8 +186,18 @@ def run(quick: bool, rounds: int) -> dict:
   print_table('Roofline', ['float32 matmul GFLOP/s'], [[f"{roof['flops_per_s'] / 1e9:.1f}"]])
 
   ds = data.synthetic_cifar(10, 50_000 if not quick else 6_000, 10_000 if not quick else 1_000)
+  if 'training' in sections:
+    _training(out, quick, ds, roof, families)
+  if 'rounds' in sections:
+    _rounds(out, quick, rounds, ds, compiles)
+  if 'padding' in sections:
+    _padding(out, quick, ds)
+  return out
+
+
+def _training(out, quick, ds, roof, families):
   cases = ([('cnn1', 64, 1, 4), ('cnn5', 64, 2, 4)] if quick else
-           [(f, b, k, max(2, 2048 // b)) for f in models.FAMILY_NAMES for b in (512, 64)
+           [(f, b, k, max(2, 2048 // b)) for f in families for b in (512, 64)
             for k in (1, 2, 5, 10)])
   out['training'] = [train_throughput(f, b, k, s, roof['flops_per_s'], ds)
                      for f, b, k, s in cases]
@@ -192,6 +207,8 @@ def run(quick: bool, rounds: int) -> dict:
                 f"{r['flops_per_s'] / 1e9:.1f}", f"{r['roofline_share']:.0%}"]
                for r in out['training']])
 
+
+def _rounds(out, quick, rounds, ds, compiles):
   configs = ['hetero,tiny'] if quick else ['hetero,n10', 'hetero,n100', 'homo,n50']
   out['rounds'] = [round_phases(a, rounds, ds, compiles, overhead=not quick) for a in configs]
   rows = []
@@ -205,6 +222,8 @@ def run(quick: bool, rounds: int) -> dict:
               ['config', 's/round', 'round 1 s', 'round 1 compiles', 'later compiles',
                'phases (share of the round)'], rows)
 
+
+def _padding(out, quick, ds):
   pad_rows = []
   out['padding'] = []
   cases = [('tiny', None)] if quick else [('hetero,n100', None), ('hetero,n100,dir', 0.1),
@@ -224,12 +243,11 @@ def run(quick: bool, rounds: int) -> dict:
   print_table('Padded share of training work (20 rounds of cohorts)',
               ['config', 'partition', 'this backend\'s chunks', 'chunks of ceil(K/families)'],
               pad_rows)
-  return out
 
 
 def main(argv):
   del argv
-  out = run(FLAGS.quick, FLAGS.rounds)
+  out = run(FLAGS.quick, FLAGS.rounds, FLAGS.sections, FLAGS.families)
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:
       json.dump(out, f, indent=2)
@@ -240,4 +258,6 @@ if __name__ == '__main__':
   flags.DEFINE_bool('quick', False, 'Small cases only (CI smoke, under two minutes).')
   flags.DEFINE_integer('rounds', 3, 'Rounds per round-timing case (the first compiles).')
   flags.DEFINE_string('out', 'bench.json', 'Where to write the figures as JSON.')
+  flags.DEFINE_list('sections', list(SECTIONS), 'Sections to run besides the roofline.')
+  flags.DEFINE_list('families', list(models.FAMILY_NAMES), 'Families of the training section.')
   app.run(main)

@@ -47,17 +47,22 @@ def time_method(c, ds):
   print(f'{c.method}: backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '
         f'{time.time() - t0:.1f} s, groups: '
         + ', '.join(f'{g.family} x{g.size} ({g.clients_per_call}/call)' for g in sim.groups))
+  start, steady = time.time(), []
   for r in range(1, FLAGS.rounds + 1):
     t0 = time.time()
     state, info = sim.run_round(state)
     jax.block_until_ready(state)
     t1 = time.time()
+    steady += [t1 - t0] if r > 1 else []
     line = (f'{c.method} round {r}: train+server {t1 - t0:.2f} s '
             f'({info["train_samples"].sum() / (t1 - t0):.0f} img/s)')
     if r % FLAGS.eval_every == 0 or r == FLAGS.rounds:
       ev = sim.evaluate(state)
       line += f', eval {time.time() - t1:.2f} s, mean acc {ev["accuracy"].mean():.4f}'
-    print(line, flush=True)
+      print(line, flush=True)
+  print(f'{c.method}: {FLAGS.rounds} rounds in {time.time() - start:.1f} s including compiles '
+        f'and evaluations; train+server {np.mean(steady or [0]):.3f} s/round after round 1',
+        flush=True)
 
 
 def main(_):
