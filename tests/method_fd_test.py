@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fd
 
 C = 4
@@ -125,20 +125,14 @@ def test_server_rule_equals_loop(exclude_own):
     assert not bool(down.ctx['has'][1, 1]) and bool(down.ctx['has'][0, 1])
 
 
-def test_engine_smoke(small_ds, monkeypatch):
-  monkeypatch.setitem(methods.METHODS, 'fd', fd.FD)
-  c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method = 'fd'
-  c.model.families = ('cnn5', 'cnn4')
-  c.num_clients, c.participation = 5, 0.4  # K = 2; N a multiple of 5 for 2 classes each
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
-  c.fd.exclude_own = True
-  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+def test_engine_smoke(small_sim):
+  sim = small_sim('fd', **{'fd.exclude_own': True})
+  c = sim.config
   state = sim.init_state()
   state, info0 = sim.run_round(state)
   state, info1 = sim.run_round(state)
   ev = sim.evaluate(state)
-  nc = small_ds.num_classes
+  nc = sim.num_classes
   for info in (info0, info1):
     assert np.isfinite(info['train_loss'])
     np.testing.assert_array_equal(info['client_up_floats'], nc * sim.seen[info['cohort']].sum(1))

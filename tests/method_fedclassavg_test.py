@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedclassavg
 
 C = 4
@@ -191,14 +191,9 @@ def test_invalid_config_raises():
     fedclassavg.FedClassAvg(cfg, 4, C)
 
 
-def test_one_round_through_the_engine(small_ds, monkeypatch):
-  monkeypatch.setitem(methods.METHODS, 'fedclassavg', fedclassavg.FedClassAvg)
-  c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method = 'fedclassavg'
-  c.model.families = ('cnn5', 'cnn4')
-  c.num_clients, c.participation = 5, 0.4  # K = 2 (N = 4 does not split 10 classes by 2)
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
-  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+def test_one_round_through_the_engine(small_sim):
+  sim = small_sim('fedclassavg')
+  c = sim.config
   for fam in c.model.families:  # a second view plus the 2B x 2B similarity matrix
     assert sim.flops_per_sample[fam] == 2 * sim._model_flops(fam) + 24 * 16 * 500
   state = sim.init_state()

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedkd
 
 C = 4
@@ -230,15 +230,10 @@ def test_download_charges_and_upload():
   assert up.params is params and float(up.flops) > 0
 
 
-def test_engine_round_trip(small_ds, monkeypatch):
-  monkeypatch.setitem(methods.METHODS, 'fedkd', fedkd.FedKD)
-  c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method = 'fedkd'
-  c.model.families = ('cnn5', 'cnn4')
-  c.num_clients, c.participation = 5, 0.4  # K = 2 (N = 4 has no pathological partition)
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 3, 1, 16, 16
-  c.seed = 1  # cohorts [1 2], [1 3], [3 4]: round 2 has a Delta_bar and a dense download
-  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+def test_engine_round_trip(small_sim):
+  # seed 1: cohorts [1 2], [1 3], [3 4]: round 2 has a Delta_bar and a dense download
+  sim = small_sim('fedkd', num_rounds=3, seed=1)
+  c = sim.config
   p5 = 665_048 + 501 * 10
   for fam, fps in sim.flops_per_sample.items():
     assert fps == pytest.approx(sim._model_flops(fam) + sim._model_flops('cnn5') + 6 * 500 ** 2)

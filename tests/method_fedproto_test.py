@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedproto
 
 C, D = 4, models.REPR_DIM
@@ -169,14 +169,9 @@ def test_options():
     make_method(inference='knn')
 
 
-def test_engine_smoke(small_ds, monkeypatch):
-  monkeypatch.setitem(methods.METHODS, 'fedproto', fedproto.FedProto)
-  c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method = 'fedproto'
-  c.model.families = ('cnn5', 'cnn4')
-  c.num_clients, c.participation = 5, 0.4  # K = 2; N a multiple of 5 for 2 classes each
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
-  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+def test_engine_smoke(small_sim):
+  sim = small_sim('fedproto')
+  c = sim.config
   state = sim.init_state()
   state, info0 = sim.run_round(state)
   state, info1 = sim.run_round(state)

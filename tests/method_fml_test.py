@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fml
 
 C = 4
@@ -147,14 +147,9 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_engine_round_trip(small_ds, monkeypatch):
-  monkeypatch.setitem(methods.METHODS, 'fml', fml.FML)
-  c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method = 'fml'
-  c.model.families = ('cnn5', 'cnn4')
-  c.num_clients, c.participation = 5, 0.4  # K = 2 (N = 4 has no pathological partition)
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
-  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+def test_engine_round_trip(small_sim):
+  sim = small_sim('fml')
+  c = sim.config
   p5 = 665_048 + 501 * 10
   assert sim.method.meme_floats == p5
   for fam, fps in sim.flops_per_sample.items():

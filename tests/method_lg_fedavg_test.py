@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, methods, models
+from fedssa_jax import config_lib, models
 from fedssa_jax.methods import lg_fedavg
 
 C = 4
@@ -151,14 +151,9 @@ def test_loss_is_plain_cross_entropy_over_valid_samples():
   assert int(correct) == right and acc == {}
 
 
-def test_one_round_through_the_engine(small_ds, monkeypatch):
-  monkeypatch.setitem(methods.METHODS, 'lg_fedavg', lg_fedavg.LGFedAvg)
-  c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method = 'lg_fedavg'
-  c.model.families = ('cnn5', 'cnn4')
-  c.num_clients, c.participation = 5, 0.4  # K = 2 (N = 4 does not split 10 classes by 2)
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
-  sim = engine.Simulator(c, small_ds, data.partition_from_config(c, small_ds))
+def test_one_round_through_the_engine(small_sim):
+  sim = small_sim('lg_fedavg')
+  c = sim.config
   state = sim.init_state()
   for _ in range(2):
     state, info = sim.run_round(state)

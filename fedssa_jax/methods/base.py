@@ -76,10 +76,27 @@ def masked_mean(uploads, mask, weights=None):
   return mean, total > 0
 
 
-def masked_tree_sum(tree, active):
-  """Sums a chunk's uploads (leading axis) over the active clients, e.g. whole models."""
-  return jax.tree_util.tree_map(
-      lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0), tree)
+def empty_inbox(like) -> dict:
+  """A server inbox that sums whole-model uploads (FML's memes, FedKD's updates) in a round."""
+  return {'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, like),
+          'inbox_count': jnp.zeros((), jnp.int32)}
+
+
+def add_to_inbox(server, payloads, active):
+  """Adds a chunk's uploads (leading axis) from its active clients to the server's inbox."""
+  chunk_sum = jax.tree_util.tree_map(
+      lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
+      payloads)
+  return {**server,
+          'inbox_sum': jax.tree_util.tree_map(jnp.add, server['inbox_sum'], chunk_sum),
+          'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
+
+
+def inbox_mean(server):
+  """(the unweighted mean of the round's uploads, whether any arrived)."""
+  count = server['inbox_count']
+  mean = jax.tree_util.tree_map(lambda s: s / jnp.maximum(count, 1), server['inbox_sum'])
+  return mean, count > 0
 
 
 def store_rows(table, client_ids, rows, active):

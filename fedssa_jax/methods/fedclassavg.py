@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from fedssa_jax import client, models
-from fedssa_jax.methods import base, lg_fedavg
+from fedssa_jax.methods import lg_fedavg
 
 
 def supcon(u, y, valid, tau: float, base_tau: float, normalize: bool):

@@ -109,9 +109,7 @@ class FedKD(base.Method):
   def init_server(self, key, seen):
     del seen
     theta = models.init_params(self.mentee_model, key)
-    return {'theta': theta,
-            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, theta),
-            'inbox_count': jnp.zeros((), jnp.int32),
+    return {'theta': theta, **base.empty_inbox(theta),
             'held': jnp.zeros((self.num_clients,), jnp.int32),  # round of the theta a client has
             'last_floats': jnp.zeros((), jnp.int32),    # the last compressed Delta_bar's floats
             'last_rebuild': jnp.zeros((), jnp.float32)}  # ... and its rebuild FLOPs
@@ -155,20 +153,13 @@ class FedKD(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    inbox = jax.tree_util.tree_map(jnp.add, server['inbox_sum'],
-                                   base.masked_tree_sum(payloads, active))
-    return {**server, 'inbox_sum': inbox,
-            'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
+    return base.add_to_inbox(server, payloads, active)
 
   def server_aggregate(self, server, participants, round_index):
-    count = server['inbox_count']
-    mean = jax.tree_util.tree_map(lambda s: s / jnp.maximum(count, 1), server['inbox_sum'])
+    mean, any_ = base.inbox_mean(server)
     recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
-    any_ = count > 0
-    return {'theta': jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t),
-                                            server['theta'], recon),
-            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, server['inbox_sum']),
-            'inbox_count': jnp.zeros((), jnp.int32),
+    theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server['theta'], recon)
+    return {'theta': theta, **base.empty_inbox(theta),
             'held': jnp.where(participants, round_index, server['held']).astype(jnp.int32),
             'last_floats': jnp.where(any_, floats, 0).astype(jnp.int32),
             'last_rebuild': jnp.where(any_, rebuild, 0.0).astype(jnp.float32)}

@@ -12,7 +12,6 @@ Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from fedssa_jax import models

@@ -52,9 +52,7 @@ class FML(base.Method):
   def init_server(self, key, seen):
     del seen
     meme = models.init_params(self.meme_model, key)
-    return {'meme': meme,
-            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, meme),
-            'inbox_count': jnp.zeros((), jnp.int32)}
+    return {'meme': meme, **base.empty_inbox(meme)}
 
   def download(self, params, state, server, client_id, seen, round_index):
     del state, client_id, seen, round_index
@@ -81,20 +79,13 @@ class FML(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    inbox = jax.tree_util.tree_map(jnp.add, server['inbox_sum'],
-                                   base.masked_tree_sum(payloads, active))
-    return {**server, 'inbox_sum': inbox,
-            'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
+    return base.add_to_inbox(server, payloads, active)
 
   def server_aggregate(self, server, participants, round_index):
     del participants, round_index
-    count = server['inbox_count']
-    meme = jax.tree_util.tree_map(
-        lambda s, old: jnp.where(count > 0, s / jnp.maximum(count, 1), old),
-        server['inbox_sum'], server['meme'])
-    return {'meme': meme,
-            'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, server['inbox_sum']),
-            'inbox_count': jnp.zeros((), jnp.int32)}
+    mean, any_ = base.inbox_mean(server)
+    meme = jax.tree_util.tree_map(lambda m, old: jnp.where(any_, m, old), mean, server['meme'])
+    return {'meme': meme, **base.empty_inbox(meme)}
 
   def train_flops_per_sample(self, own, flops_of):
     # The meme's forward and backward on every sample; the KL terms' elementwise work is ignored,

@@ -22,7 +22,6 @@ by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from fedssa_jax import models
