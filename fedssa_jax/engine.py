@@ -224,6 +224,7 @@ class Simulator:
         'train_accuracy': float(train['correct'][cohort].sum() /
                                 max(train['samples'][cohort].sum(), 1)),
         'train_samples': train['samples'][cohort],
+        'train_loss_sum': train['loss_sum'][cohort],
         'train_steps': train['steps'][cohort],
     }
     return {'round': t + 1, 'params': tuple(params), 'server': server, 'costs': new_costs}, info
