@@ -150,16 +150,19 @@ class Checkpointer:
         self._skip(step, e)
     raise self._none_readable()
 
-  def restore_latest(self, template) -> Restored | None:
+  def restore_latest(self, template=None) -> Restored | None:
     """The newest checkpoint that reads back whole; None when there is no checkpoint.
 
     `template` is a RunState of the right structure (e.g. a freshly initialised one); its
-    shapes, dtypes and shardings are what the state is restored as. Checkpoints newer than the
-    one restored could not be read, and are deleted so that the run can write those rounds again.
+    shapes, dtypes and shardings are what the state is restored as. Without one, the state comes
+    back as saved, in numpy arrays (and tuples as lists), for inspection. Checkpoints newer than
+    the one restored could not be read, and are deleted so that the run can write those rounds
+    again.
     """
     if not self.steps():
       return None
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    abstract = (None if template is None
+                else jax.tree.map(ocp.utils.to_shape_dtype_struct, template))
     for step in self._candidates():
       try:
         r = self._manager.restore(step, args=ocp.args.Composite(
