@@ -41,6 +41,9 @@ MUTABLE_ON_RESUME = (
     'data_dir', 'download',   # where the data comes from; the partition fingerprint must match
     'engine.clients_per_call', 'engine.eval_clients_per_call',  # how clients are batched
 )
+# Of those, the ones that change how XLA computes (vmapped or not), so the float rounding: a
+# resume that changes them, or the backend or JAX version, gets a warning.
+ROUNDING_FIELDS = ('engine.clients_per_call', 'engine.eval_clients_per_call')
 
 ITEMS = ('state', 'progress', 'meta')
 
@@ -74,20 +77,36 @@ def config_fields(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
   return flat
 
 
-def check_resumable(saved_config: dict, config: ml_collections.ConfigDict, where: str) -> None:
-  """Raises a ConfigError naming every field, outside MUTABLE_ON_RESUME, that differs."""
-  saved, now = config_fields(saved_config), config_fields(config)
-  missing = object()
-  diffs = [f'{k}: checkpoint {saved.get(k, missing)!r}, now {now.get(k, missing)!r}'
-           .replace(repr(missing), '(absent)')
-           for k in sorted(set(saved) | set(now))
-           if k not in MUTABLE_ON_RESUME and saved.get(k, missing) != now.get(k, missing)]
-  if diffs:
+def run_meta(config: ml_collections.ConfigDict, partition_fingerprint: str) -> dict:
+  """The `meta` item of a run's checkpoints: what a resume must agree with."""
+  return {'config': config.to_dict(), 'partition_fingerprint': partition_fingerprint,
+          'backend': jax.default_backend(), 'jax_version': jax.__version__}
+
+
+def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: str) -> None:
+  """Raises a ConfigError naming every config field, outside MUTABLE_ON_RESUME, that differs.
+
+  Logs a warning when the rest of the run may differ from an uninterrupted one in float
+  rounding: another backend or JAX version, or other engine batching.
+  """
+  saved, now = config_fields(saved_meta['config']), config_fields(config)
+  show = lambda d, k: repr(d[k]) if k in d else '(absent)'
+  differ = [k for k in sorted(set(saved) | set(now)) if show(saved, k) != show(now, k)]
+  refused = [f'{k}: checkpoint {show(saved, k)}, now {show(now, k)}' for k in differ
+             if k not in MUTABLE_ON_RESUME]
+  if refused:
     raise config_lib.ConfigError(
         f'Cannot resume the run in {where}: its config differs in fields that change the '
-        f'run\'s meaning: {"; ".join(diffs)}. Rerun with the checkpoint\'s values, or use a new '
+        f'run\'s meaning: {"; ".join(refused)}. Rerun with the checkpoint\'s values, or use a new '
         f'--workdir for a new run. Fields that may change on resume: '
         f'{", ".join(MUTABLE_ON_RESUME)}.')
+  rounding = [f'{k} {show(saved, k)} -> {show(now, k)}' for k in differ if k in ROUNDING_FIELDS]
+  rounding += [f'{k} {saved_meta[k]!r} -> {v!r}' for k, v in
+               (('backend', jax.default_backend()), ('jax_version', jax.__version__))
+               if saved_meta.get(k, v) != v]
+  if rounding:
+    logging.warning('Resuming %s with %s: the remaining rounds match an uninterrupted run only '
+                    'up to float rounding.', where, ', '.join(rounding))
 
 
 def state_digest(state) -> str:

@@ -256,7 +256,7 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
   latest = ckpts.latest_meta()
   if latest is not None:
     saved_round, saved_meta = latest
-    checkpoint.check_resumable(saved_meta['config'], config, workdir)
+    checkpoint.check_resumable(saved_meta, config, workdir)
     if saved_round > config.num_rounds:
       raise config_lib.ConfigError(
           f'The checkpoint in {ckpts.directory} is of round {saved_round}, past num_rounds='
@@ -300,7 +300,7 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
   else:
     state, progress = restored.state, Progress.from_checkpoint(restored.progress)
     logging.info('Resuming after round %d from %s.', restored.step, ckpts.directory)
-  meta = {'config': config.to_dict(), 'partition_fingerprint': fingerprint}
+  meta = checkpoint.run_meta(config, fingerprint)
   return sim, state, progress, meta
 
 

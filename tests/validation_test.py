@@ -5,6 +5,7 @@ import logging
 import os
 from typing import Callable
 
+import jax
 import numpy as np
 import pytest
 
@@ -52,7 +53,7 @@ def dummy_state(round_):
 
 def save_checkpoints(tmp_path, rounds, config=None, fingerprint='0' * 16):
   ckpts = checkpoint.Checkpointer(str(tmp_path / 'run' / 'checkpoints'))
-  meta = {'config': (config or tiny()).to_dict(), 'partition_fingerprint': fingerprint}
+  meta = checkpoint.run_meta(config or tiny(), fingerprint)
   for r in rounds:
     ckpts.save(dummy_state(r), {'history': [], 'round_times': []}, meta)
   return ckpts
@@ -188,12 +189,18 @@ def test_bad_input_gets_a_message_naming_the_field_and_the_fix(case, tmp_path, c
     assert needle in message
 
 
-def test_resume_allows_the_documented_fields_to_change(tmp_path):
+def test_resume_allows_the_documented_fields_to_change(tmp_path, caplog):
   saved = tiny()
+  meta = checkpoint.run_meta(saved, '0' * 16)
   changed = tiny(num_rounds=50, target_accuracy=0.5, checkpoint_every=2, checkpoint_keep=1,
-                 data_dir='/elsewhere', download=True, **{'engine.clients_per_call': 2,
-                                                          'engine.eval_clients_per_call': 3})
-  checkpoint.check_resumable(saved.to_dict(), changed, str(tmp_path))
+                 data_dir='/elsewhere', download=True, **{'engine.clients_per_call': 2})
+  with caplog.at_level(logging.WARNING):
+    checkpoint.check_resumable(meta, tiny(num_rounds=50), str(tmp_path))
+    assert not caplog.text
+    checkpoint.check_resumable(dict(meta, backend='tpu'), changed, str(tmp_path))
+  assert (f"engine.clients_per_call 0 -> 2, backend 'tpu' -> {jax.default_backend()!r}: the "
+          'remaining rounds match an uninterrupted run only up to float rounding') in caplog.text
+  changed.engine.eval_clients_per_call = 3
   assert set(checkpoint.MUTABLE_ON_RESUME) == {
       k for k, v in checkpoint.config_fields(changed).items()
       if v != checkpoint.config_fields(saved)[k]}
