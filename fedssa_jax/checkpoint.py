@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -119,6 +120,16 @@ def state_digest(state) -> str:
   return h.hexdigest()
 
 
+def _place_like(value: np.ndarray, like):
+  """A restored host array, placed as `like` is: a run that resumes then compiles the very
+  programs of an uninterrupted run (committed arrays would add sharding annotations)."""
+  if not isinstance(like, jax.Array):
+    return value
+  if like.committed:
+    return jax.device_put(value, like.sharding)
+  return jnp.asarray(value)
+
+
 class Checkpointer:
   """Saves and restores a run's checkpoints in one folder; skips unreadable ones with a warning.
 
@@ -172,20 +183,20 @@ class Checkpointer:
   def restore_latest(self, template=None) -> Restored | None:
     """The newest checkpoint that reads back whole; None when there is no checkpoint.
 
-    `template` is a RunState of the right structure (e.g. a freshly initialised one); its
-    shapes, dtypes and shardings are what the state is restored as. Without one, the state comes
-    back as saved, in numpy arrays (and tuples as lists), for inspection. Checkpoints newer than
-    the one restored could not be read, and are deleted so that the run can write those rounds
-    again.
+    `template` is a RunState of the right structure (e.g. a freshly initialised one): each array
+    comes back placed like the template's (see `_place_like`). Without one, the state comes back
+    as saved, in numpy arrays (and tuples as lists), for inspection. Checkpoints newer than the
+    one restored could not be read, and are deleted so that the run can write those rounds again.
     """
     if not self.steps():
       return None
-    abstract = (None if template is None
-                else jax.tree.map(ocp.utils.to_shape_dtype_struct, template))
+    on_host = None if template is None else jax.tree.map(
+        lambda x: np.empty(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray)) else x,
+        template)
     for step in self._candidates():
       try:
         r = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), progress=ocp.args.JsonRestore(),
+            state=ocp.args.StandardRestore(on_host), progress=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore()))
         if state_digest(r.state) != r.progress['state_digest']:
           raise ValueError('the state does not match the digest saved with it')
@@ -194,7 +205,8 @@ class Checkpointer:
         continue
       for newer in [s for s in self.steps() if s > step]:
         self._manager.delete(newer)
-      return Restored(step, r.state, r.progress, r.meta)
+      state = r.state if template is None else jax.tree.map(_place_like, r.state, template)
+      return Restored(step, state, r.progress, r.meta)
     raise self._none_readable()
 
   def save(self, state, progress: dict, meta: dict) -> None:
