@@ -8,7 +8,8 @@ CheckpointManager (a temporary folder, renamed when complete). It holds three it
 - `progress`: what the outputs need beyond the state: the metrics history (every metrics.jsonl
               record so far, from which "first round reaching the target" and the summary are
               computed), per-round seconds, elapsed seconds, and a SHA-256 digest of the state.
-- `meta`:     the config and the partition fingerprint, which a resume compares with its own.
+- `meta`:     the config and the partition fingerprint, which a resume compares with its own,
+              and the backend and JAX version.
 
 There is no RNG state to save: every random draw is a pure function of the config's seed, the
 round and the client id (engine.STREAM_*, engine.sample_cohort, the partition seed), so the round
@@ -32,9 +33,10 @@ import orbax.checkpoint as ocp
 from fedssa_jax import config_lib
 
 # Config fields that may differ between a checkpoint and the run that resumes it: they change
-# neither the training trajectory nor the metrics of the rounds already run. Every other field
-# must match. (eval_every, eval_batch_size and engine.matmul_precision are not here: the first two
-# decide what metrics.jsonl holds, the last changes the numbers on GPUs.)
+# neither what the run computes nor which metrics it records (the engine's batching changes only
+# the float rounding, see ROUNDING_FIELDS). Every other field must match. (eval_every,
+# eval_batch_size and engine.matmul_precision are not here: the first two decide what
+# metrics.jsonl holds, the last changes the numbers on GPUs.)
 MUTABLE_ON_RESUME = (
     'num_rounds',             # extend (or finish) a run
     'target_accuracy',        # only the summary's "costs to target", recomputed from the history
@@ -58,7 +60,7 @@ class Restored:
   step: int          # the round the checkpoint was written after
   state: Any         # the engine's RunState
   progress: dict     # history, round_times, ...
-  meta: dict         # config, partition fingerprint
+  meta: dict         # config, partition fingerprint, backend, JAX version
 
 
 def config_fields(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
@@ -186,7 +188,7 @@ class Checkpointer:
     `template` is a RunState of the right structure (e.g. a freshly initialised one): each array
     comes back placed like the template's (see `_place_like`). Without one, the state comes back
     as saved, in numpy arrays (and tuples as lists), for inspection. Checkpoints newer than the
-    one restored could not be read, and are deleted so that the run can write those rounds again.
+    one restored could not be read; `discard_after` removes them.
     """
     if not self.steps():
       return None
@@ -203,11 +205,16 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         self._skip(step, e)
         continue
-      for newer in [s for s in self.steps() if s > step]:
-        self._manager.delete(newer)
       state = r.state if template is None else jax.tree.map(_place_like, r.state, template)
       return Restored(step, state, r.progress, r.meta)
     raise self._none_readable()
+
+  def discard_after(self, step: int) -> None:
+    """Deletes the checkpoints of rounds after `step`: a resumed run writes them again."""
+    for newer in [s for s in self.steps() if s > step]:
+      logging.warning('Deleting the unreadable checkpoint of round %d in %s.', newer,
+                      self.directory)
+      self._manager.delete(newer)
 
   def save(self, state, progress: dict, meta: dict) -> None:
     """Writes the checkpoint of round state['round'] and drops the oldest beyond `keep`."""

@@ -180,7 +180,7 @@ class _StopRequests:
   def _handle(self, signum, frame):
     del frame
     if self.signal_name is not None:
-      signal.signal(signum, self._previous[signum])
+      signal.signal(signum, self._previous[signum] or signal.SIG_DFL)
       signal.raise_signal(signum)
       return
     self.signal_name = signal.Signals(signum).name
@@ -299,6 +299,7 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
     progress = Progress()
   else:
     state, progress = restored.state, Progress.from_checkpoint(restored.progress)
+    ckpts.discard_after(restored.step)
     logging.info('Resuming after round %d from %s.', restored.step, ckpts.directory)
   meta = checkpoint.run_meta(config, fingerprint)
   return sim, state, progress, meta
