@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import ml_collections
 from ml_collections import config_dict
@@ -21,9 +23,10 @@ from ml_collections import config_dict
 from fedssa_jax import methods, models
 
 DATASET_DEFAULTS = {
-    # classes per client (paper's pathological setting) and a target accuracy for cost reports
-    'cifar10': dict(classes_per_client=2, target_accuracy=0.8),
-    'cifar100': dict(classes_per_client=10, target_accuracy=0.5),
+    # number of classes (checked before loading), classes per client (the paper's pathological
+    # setting) and a target accuracy for cost reports
+    'cifar10': dict(num_classes=10, classes_per_client=2, target_accuracy=0.8),
+    'cifar100': dict(num_classes=100, classes_per_client=10, target_accuracy=0.5),
 }
 
 
@@ -38,13 +41,15 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.method = 'fedssa'                 # fedssa, standalone, fd, fedproto, fml, fedkd, lg_fedavg,
                                       # fedclassavg (fedssa_jax/methods/)
   c.num_clients = 10                  # N
-  c.participation = 1.0               # C: K = max(1, floor(C*N)) clients per round
+  c.participation = 1.0               # C: K = floor(C*N) >= 1 clients per round
   c.num_rounds = 500
   c.local_epochs = 25                 # E
   c.batch_size = 512                  # B
   c.seed = 0                          # model init, sampling, shuffling, augmentation
   c.eval_every = 1                    # rounds between all-client evaluations (the last is always)
   c.target_accuracy = d['target_accuracy']  # mean accuracy for "costs to target"
+  c.checkpoint_every = 10             # rounds between checkpoints (the last round always saves)
+  c.checkpoint_keep = 3               # how many of the latest checkpoints to keep
 
   c.model = ml_collections.ConfigDict()
   c.model.families = models.FAMILY_NAMES  # client k gets families[k % len(families)]
@@ -149,29 +154,78 @@ class ConfigError(ValueError):
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Cheap checks that run before any data is loaded or any compile starts."""
+  """Cheap checks that run before any data is loaded or any compile starts.
+
+  Each failure is a ConfigError that names the field and says how to fix it.
+  """
+  from fedssa_jax import methods  # pylint: disable=g-import-not-at-top  (methods import models)
+
   def need(ok, msg):
     if not ok:
       raise ConfigError(msg)
-  need(c.dataset in DATASET_DEFAULTS,
-       f'Unknown dataset {c.dataset!r}; choose one of {sorted(DATASET_DEFAULTS)}.')
-  need(c.method in methods.METHODS,
-       f'Unknown method {c.method!r}; choose one of {sorted(methods.METHODS)}.')
-  need(c.num_clients >= 1, f'num_clients must be >= 1, got {c.num_clients}.')
-  need(0 < c.participation <= 1, f'participation must be in (0, 1], got {c.participation}.')
+
+  def one_of(field, value, choices):
+    need(value in choices, f'Unknown {field} {value!r}; choose one of {sorted(choices)}.')
+
+  one_of('dataset', c.dataset, DATASET_DEFAULTS)
+  one_of('method', c.method, methods.METHODS)
+  need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+  for f in c.model.families:
+    need(f in models.FAMILY_NAMES,
+         f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
+  one_of('model.conv_impl', c.model.conv_impl, ('auto', 'im2col', 'xla'))
+
+  n = c.num_clients
+  need(n >= 1, f'num_clients must be >= 1, got {n}.')
+  need(0 < c.participation <= 1,
+       f'participation must be in (0, 1], got {c.participation}. It is the fraction C of the '
+       'clients sampled per round.')
+  need(int(math.floor(c.participation * n)) >= 1,
+       f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
+       f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
   need(c.num_rounds >= 0, f'num_rounds must be >= 0, got {c.num_rounds}.')
   need(c.local_epochs >= 0, f'local_epochs must be >= 0, got {c.local_epochs}.')
   need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
   need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
   need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
   need(0 < c.target_accuracy <= 1,
-       f'target_accuracy must be in (0, 1], got {c.target_accuracy}.')
+       f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
+       'a fraction (0.8 is 80%).')
+  need(c.checkpoint_every >= 1, f'checkpoint_every must be >= 1, got {c.checkpoint_every}.')
+  need(c.checkpoint_keep >= 1, f'checkpoint_keep must be >= 1, got {c.checkpoint_keep}.')
+
+  p = c.partition
+  one_of('partition.kind', p.kind, ('pathological', 'dirichlet'))
+  one_of('partition.scheme', p.scheme, ('reference', 'paper'))
+  num_classes = DATASET_DEFAULTS[c.dataset]['num_classes']
+  if p.kind == 'pathological':
+    k = p.classes_per_client
+    need(1 <= k <= num_classes,
+         f'partition.classes_per_client={k} must be in [1, {num_classes}]: {c.dataset} has '
+         f'{num_classes} classes.')
+    # Every class has k*N/S holders (data.pathological_shares).
+    need((k * n) % num_classes == 0,
+         f'The pathological partition needs k*N/S holders per class to be a whole number: '
+         f'partition.classes_per_client={k}, num_clients={n}, S={num_classes} classes gives '
+         f'{k * n / num_classes:g}. Set num_clients to a multiple of '
+         f'{num_classes // math.gcd(k, num_classes)}, or change partition.classes_per_client.')
+  else:
+    need(p.dirichlet_gamma > 0,
+         f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma} (smaller is more '
+         'skewed; 0.1 to 1 are usual).')
+    need(p.dirichlet_min_train >= 0,
+         f'partition.dirichlet_min_train must be >= 0, got {p.dirichlet_min_train}.')
+
   need(c.fedssa.t_stable >= 0, f'fedssa.t_stable must be >= 0, got {c.fedssa.t_stable}.')
   need(0 <= c.fedssa.mu0 <= 1, f'fedssa.mu0 must be in [0, 1], got {c.fedssa.mu0}.')
-  need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+  one_of('fedssa.fusion', c.fedssa.fusion, ('convex', 'reference'))
+  one_of('fedssa.scope', c.fedssa.scope, ('all_owners', 'participants'))
   need(c.engine.matmul_precision in ('default', 'high', 'highest'),
        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
        f'{c.engine.matmul_precision!r}.')
-  for f in c.model.families:
-    need(f in models.FAMILY_NAMES,
-         f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
+  one_of('optimizer.name', c.optimizer.name, ('sgd', 'adam'))
+  # The method's own hyperparameters: its constructor checks them (no arrays are made).
+  try:
+    methods.get_method(c.method)(c, n, num_classes)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None

@@ -94,7 +94,8 @@ def _read_split(name: str, split: str, data_dir: str | None, download: bool):
   except Exception as e:  # pylint: disable=broad-except
     raise _missing_data_error(name, split, data_dir, e) from e
   n = len(source)
-  images = np.empty((n, *IMAGE_SHAPE), np.uint8)
+  # Shaped like the stored images, so that check_fits_models can say what does not fit.
+  images = np.empty((n, *(np.shape(source[0]['image']) if n else IMAGE_SHAPE)), np.uint8)
   labels = np.empty((n,), np.int32)
   chunk = 2048
   for start in range(0, n, chunk):
@@ -149,14 +150,28 @@ def from_arrays(name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.
   if name not in NORMALIZATION:
     raise DataError(f'Unknown dataset {name!r}; choose one of {sorted(NORMALIZATION)}.')
   images = np.concatenate([x_train, x_test]).astype(np.uint8)
-  if images.shape[1:] != IMAGE_SHAPE:
-    raise DataError(f'{name} images have shape {images.shape[1:]}, the models need '
-                    f'{IMAGE_SHAPE}.')
   labels = np.concatenate([y_train, y_test]).astype(np.int32)
   n = len(y_train)
   mean, std = NORMALIZATION[name]
-  return Dataset(name, images, labels, num_classes, mean, std,
-                 {'train': np.arange(n), 'test': np.arange(n, len(labels))})
+  ds = Dataset(name, images, labels, num_classes, mean, std,
+               {'train': np.arange(n), 'test': np.arange(n, len(labels))})
+  check_fits_models(ds)
+  return ds
+
+
+def check_fits_models(ds: Dataset) -> None:
+  """Raises a DataError unless the images are what the models take: 32x32 RGB."""
+  shape = tuple(ds.images.shape[1:])
+  if shape == IMAGE_SHAPE:
+    return
+  if len(shape) == 3 and shape[:2] == IMAGE_SHAPE[:2]:
+    problem = f'{shape[2]} channel(s); the models take {IMAGE_SHAPE[2]} (RGB)'
+  else:
+    problem = f'shape {shape}; the models take {IMAGE_SHAPE} (height, width, channels)'
+  raise DataError(
+      f'The images of data set {ds.name!r} have {problem}. Use a data set of 32x32 RGB images '
+      f'({", ".join(sorted(NORMALIZATION))}), or convert the images to that shape before '
+      'building the Dataset.')
 
 
 def synthetic_cifar(num_classes: int = 10, num_train: int = 50_000,

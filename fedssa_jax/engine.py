@@ -264,6 +264,7 @@ class Simulator:
         'train_loss': float(c['loss_sum'].sum() / samples),
         'train_accuracy': float(c['correct'].sum() / samples),
         'train_samples': c['samples'],
+        'train_loss_sum': c['loss_sum'],
         'train_steps': c['steps'],
         'client_up_floats': c['up_floats'],
         'client_down_floats': c['down_floats'],

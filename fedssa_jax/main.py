@@ -2,7 +2,13 @@
 
   python -m fedssa_jax.main --config=configs/cifar10.py:hetero,n10 --workdir=runs/demo \
       --config.num_rounds=20 --config.local_epochs=1
+
+Rerunning a command with the same --workdir resumes the run from its newest checkpoint. SIGTERM
+or SIGINT stop a run after the current round and its checkpoint, with exit status 75
+(train.EXIT_PREEMPTED).
 """
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -32,7 +38,11 @@ def run(flag_values: flags.FlagValues):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  run(FLAGS)
+  try:
+    run(FLAGS)
+  except train.Preempted as e:
+    logging.warning('%s', e)
+    sys.exit(train.EXIT_PREEMPTED)
 
 
 if __name__ == '__main__':

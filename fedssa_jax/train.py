@@ -4,22 +4,28 @@ Outputs in `workdir`:
 - config.json     the resolved config plus derived facts (K, partition fingerprint, families)
 - metrics.jsonl   one JSON record per evaluated round (schema in README.md)
 - events.out.*    TensorBoard scalars (CLU metric writer)
+- checkpoints/    orbax checkpoints (checkpoint.py); a rerun in the same workdir resumes
 - summary.json    final/best mean accuracy, costs to target, wall time
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import signal
+import tempfile
+import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from clu import metric_writers
 from clu import periodic_actions
 
-from fedssa_jax import config_lib, data, engine
+from fedssa_jax import checkpoint, config_lib, data, engine
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
@@ -33,6 +39,18 @@ SUMMARY_FIELDS = (
     'final_client_accuracy', 'target_accuracy', 'to_target', 'cum_up_floats',
     'cum_down_floats', 'cum_client_flops', 'seconds_per_round_steady', 'first_round_seconds',
     'wall_seconds')
+
+# The exit status of a run stopped by SIGTERM or SIGINT after checkpointing (sysexits.h's
+# EX_TEMPFAIL: a temporary failure, retry later). Rerunning the same command resumes it.
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+  """SIGTERM or SIGINT stopped the run after a round, whose checkpoint is written."""
+
+
+class DivergenceError(FloatingPointError):
+  """A NaN or inf in a client's training loss or parameters; nothing of the round was saved."""
 
 
 def _jsonable(x):
@@ -53,107 +71,59 @@ def _dump(obj) -> str:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: data.Dataset | None = None) -> dict:
-  """Runs `config` and writes its outputs to `workdir`. Returns the summary dict."""
+  """Runs `config` and writes its outputs to `workdir`. Returns the summary dict.
+
+  Resumes from the newest checkpoint in `workdir` if there is one. Raises Preempted if SIGTERM
+  or SIGINT stopped the run (after checkpointing), DivergenceError on a NaN or inf.
+  """
   config_lib.validate(config)
+  check_workdir_writable(workdir)
   with config_lib.matmul_precision(config):
     return _train_and_evaluate(config, workdir, dataset)
 
 
-def _train_and_evaluate(config, workdir, dataset):
-  os.makedirs(workdir, exist_ok=True)
-  start = time.time()
-  ds = dataset or data.load_dataset(config.dataset, config.data_dir, config.download)
-  cd = data.partition_from_config(config, ds)
-  sim = engine.Simulator(config, ds, cd)
-  is_main = jax.process_index() == 0
+def check_workdir_writable(workdir: str) -> None:
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise config_lib.ConfigError(
+        f'--workdir={workdir!r} is not a writable folder ({e.strerror or e}). Choose a folder '
+        'you can write to, or fix its permissions.') from e
 
-  derived = {
-      'cohort_size': sim.k,
-      'num_classes': ds.num_classes,
-      'partition_fingerprint': data.fingerprint(cd),
-      'client_family': [sim.groups[g].family for g in sim.group_of],
-      'client_train_samples': cd.train_n, 'client_test_samples': cd.test_n,
-      'client_seen_classes': [np.flatnonzero(s).tolist() for s in cd.seen],
-      'flops_per_train_sample': sim.flops_per_sample,
-      'backend': jax.default_backend(),
-      'jax_version': jax.__version__,
-  }
-  if is_main:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(json.dumps({'config': config.to_dict(), 'derived': derived}, indent=2,
-                         default=_jsonable))
-  logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
-               ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
 
-  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
-  metrics_path = os.path.join(workdir, 'metrics.jsonl')
-  if is_main:
-    open(metrics_path, 'w').close()
-  # Rounds per second and an ETA, in the logs and TensorBoard ('steps' are rounds here).
-  progress = periodic_actions.ReportProgress(num_train_steps=config.num_rounds, writer=writer,
-                                             every_steps=1)
-  state = sim.init_state()
-  history = []
-  target = None
-  round_times = []
-  for t in range(config.num_rounds):
-    t0 = time.time()
-    state, info = sim.run_round(state)
-    rounds_done = state['round']
-    last = rounds_done == config.num_rounds
-    record = None
-    if rounds_done % config.eval_every == 0 or last:
-      ev = sim.evaluate(state)
-      acc = ev['accuracy']
-      cohort = info['cohort']
-      record = {
-          'round': rounds_done,
-          'mean_accuracy': float(acc.mean()),
-          'client_accuracy': acc,
-          'participant_accuracy_reference': float(ev['batch_accuracy'][cohort].mean()),
-          'train_loss': info['train_loss'],
-          'train_accuracy': info['train_accuracy'],
-          'participants': cohort,
-          'up_floats': info['up_floats'], 'down_floats': info['down_floats'],
-          'client_flops': info['client_flops'],
-          'cum_up_floats': state['costs']['up_floats'],
-          'cum_down_floats': state['costs']['down_floats'],
-          'cum_floats': state['costs']['up_floats'] + state['costs']['down_floats'],
-          'cum_client_flops': state['costs']['client_flops'],
-          # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
-          'method_metrics': {name: float(ev[name].mean()) for name in sim.method.eval_metrics},
-      }
-    jax.block_until_ready(state['params'])
-    dt = time.time() - t0
-    round_times.append(dt)
-    if record is not None:
-      record['round_seconds'] = dt
-      record['elapsed_seconds'] = time.time() - start
-      history.append(record)
-      if target is None and record['mean_accuracy'] >= config.target_accuracy:
-        target = {'round': rounds_done, 'cum_floats': record['cum_floats'],
-                  'cum_up_floats': record['cum_up_floats'],
-                  'cum_down_floats': record['cum_down_floats'],
-                  'cum_client_flops': record['cum_client_flops']}
-      if is_main:
-        with open(metrics_path, 'a') as f:
-          f.write(_dump(record) + '\n')
-        scalars = {k: v for k, v in record.items() if isinstance(v, float)}
-        scalars.update(record['method_metrics'])
-        scalars['accuracy_q25'], scalars['accuracy_median'], scalars['accuracy_q75'] = (
-            np.quantile(record['client_accuracy'], [0.25, 0.5, 0.75]).tolist())
-        writer.write_scalars(rounds_done, scalars)
-    progress(rounds_done)
-    # Steady-state seconds per round exclude round 1, which compiles.
-    steady = np.mean(round_times[1:]) if len(round_times) > 1 else dt
-    eta = steady * (config.num_rounds - rounds_done)
-    acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
-    logging.info('round %d/%d: %s, train loss %.4f, %.2f s/round, ETA %.0f s', rounds_done,
-                 config.num_rounds, acc_text, info['train_loss'], dt, eta)
-  writer.flush()
+# ----------------------------------------------------------------------------------------------
+# Progress: what the outputs need beyond the engine's state (saved in every checkpoint)
+# ----------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class Progress:
+  history: list = dataclasses.field(default_factory=list)  # the metrics.jsonl records so far
+  round_times: list = dataclasses.field(default_factory=list)  # seconds of every round
+  # Indices into round_times of each process's first round, which compiles.
+  compile_rounds: list = dataclasses.field(default_factory=list)
+  elapsed_seconds: float = 0.0  # wall time of the run so far, over all its processes
+
+  @classmethod
+  def from_checkpoint(cls, saved: dict) -> Progress:
+    return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls)})
+
+
+def first_reaching(history: list[dict], target: float) -> dict | None:
+  """Costs at the first evaluated round whose mean accuracy reaches `target` (None if none)."""
+  for r in history:
+    if r['mean_accuracy'] >= target:
+      return {k: r[k] for k in ('round', 'cum_floats', 'cum_up_floats', 'cum_down_floats',
+                                'cum_client_flops')}
+  return None
+
+
+def make_summary(config, state, progress: Progress) -> dict:
+  history, times = progress.history, progress.round_times
   accs = [r['mean_accuracy'] for r in history]
-  summary = {
+  steady = [t for i, t in enumerate(times) if i not in progress.compile_rounds]
+  return {
       'method': config.method,
       'dataset': config.dataset,
       'rounds': state['round'],
@@ -162,19 +132,264 @@ def _train_and_evaluate(config, workdir, dataset):
       'best_round': history[int(np.argmax(accs))]['round'] if accs else None,
       'final_client_accuracy': history[-1]['client_accuracy'] if history else None,
       'target_accuracy': config.target_accuracy,
-      'to_target': target,  # None if the target was never reached
+      'to_target': first_reaching(history, config.target_accuracy),
       'cum_up_floats': state['costs']['up_floats'],
       'cum_down_floats': state['costs']['down_floats'],
       'cum_client_flops': state['costs']['client_flops'],
-      'seconds_per_round_steady': float(np.mean(round_times[1:])) if len(round_times) > 1
-                                  else (round_times[0] if round_times else None),
-      'first_round_seconds': round_times[0] if round_times else None,
-      'wall_seconds': time.time() - start,
+      # Steady-state seconds per round exclude each process's first round, which compiles.
+      'seconds_per_round_steady': float(np.mean(steady)) if steady
+                                  else (times[0] if times else None),
+      'first_round_seconds': times[0] if times else None,
+      'wall_seconds': progress.elapsed_seconds,
   }
-  if is_main:
+
+
+def _rewrite_metrics(path: str, history: list[dict]) -> None:
+  """metrics.jsonl as the history says: drops rounds written after the last checkpoint."""
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.writelines(_dump(r) + '\n' for r in history)
+  os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Preemption and divergence
+# ----------------------------------------------------------------------------------------------
+
+class _StopRequests:
+  """Within the block, SIGTERM and SIGINT ask the run to stop after the current round.
+
+  A second signal acts as it would have without this block (SIGINT: KeyboardInterrupt; SIGTERM:
+  terminate), for a user who does not want to wait.
+  """
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # signal.signal's requirement
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signal_name is not None:
+      signal.signal(signum, self._previous[signum] or signal.SIG_DFL)
+      signal.raise_signal(signum)
+      return
+    self.signal_name = signal.Signals(signum).name
+    logging.warning('%s: finishing this round, then writing a checkpoint and exiting. Send it '
+                    'again to stop at once, without a checkpoint.', self.signal_name)
+
+
+@jax.jit
+def _nonfinite_clients(params):
+  """Per group, a [group size] bool: does the client's parameter pytree hold a NaN or inf?"""
+  def per_group(group_params):
+    leaves = jax.tree.leaves(group_params)
+    return jnp.stack([~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1) for l in leaves
+                      if jnp.issubdtype(l.dtype, jnp.inexact)]).any(axis=0)
+  return tuple(per_group(p) for p in params)
+
+
+def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpointer) -> None:
+  """Raises DivergenceError naming the round, clients and families with a NaN or inf."""
+  problems = {}  # client id -> what is not finite
+  cohort = info['cohort']
+  for c in cohort[~np.isfinite(info['train_loss_sum'])]:
+    problems.setdefault(int(c), []).append('loss')
+  for g, bad in zip(sim.groups, jax.device_get(_nonfinite_clients(state['params']))):
+    for c in g.members[bad]:
+      problems.setdefault(int(c), []).append('parameters')
+  if not problems:
+    return
+  by_family = {}
+  for c in sorted(problems):
+    by_family.setdefault(sim.groups[sim.group_of[c]].family, []).append(
+        f'{c} ({" and ".join(problems[c])})')
+  where = '; '.join(f'family {f}: clients {", ".join(cs)}' for f, cs in by_family.items())
+  steps = ckpts.steps()
+  kept = (f'the last good checkpoint, of round {steps[-1]}, is kept intact in '
+          f'{ckpts.directory}' if steps else 'no checkpoint was written')
+  raise DivergenceError(
+      f'Training diverged in round {state["round"]}: a NaN or inf in the training loss or '
+      f'parameters of {where}. Nothing of this round was saved; {kept}. A resume must keep the '
+      'config, so start again in a new --workdir with a smaller optimizer.lr or '
+      'optimizer.clip_norm.')
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+def _train_and_evaluate(config, workdir, dataset):
+  process_start = time.time()
+  ckpts = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint_keep)
+  try:
+    sim, state, progress, meta = _start_or_resume(config, workdir, dataset, ckpts)
+    # The run's wall time continues from the checkpoint's (the time after it is lost).
+    start = process_start - progress.elapsed_seconds
+    state = _run_rounds(config, workdir, sim, state, progress, meta, ckpts, start)
+  finally:
+    ckpts.close()
+
+  progress.elapsed_seconds = time.time() - start
+  summary = make_summary(config, state, progress)
+  if jax.process_index() == 0:
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       f.write(json.dumps(summary, indent=2, default=_jsonable))
   logging.info('Done: final mean accuracy %s, best %s, wall %.1f s',
                summary['final_mean_accuracy'], summary['best_mean_accuracy'],
                summary['wall_seconds'])
   return summary
+
+
+def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
+  """Checks, data, simulator, and the state: restored from the newest checkpoint, or fresh."""
+  # A resume that would change the run is refused before anything is loaded.
+  latest = ckpts.latest_meta()
+  if latest is not None:
+    saved_round, saved_meta = latest
+    checkpoint.check_resumable(saved_meta, config, workdir)
+    if saved_round > config.num_rounds:
+      raise config_lib.ConfigError(
+          f'The checkpoint in {ckpts.directory} is of round {saved_round}, past num_rounds='
+          f'{config.num_rounds}. Set --config.num_rounds to at least {saved_round}, or use a '
+          'new --workdir.')
+
+  ds = dataset or data.load_dataset(config.dataset, config.data_dir, config.download)
+  data.check_fits_models(ds)
+  cd = data.partition_from_config(config, ds)
+  fingerprint = data.fingerprint(cd)
+  if latest is not None and saved_meta['partition_fingerprint'] != fingerprint:
+    raise data.DataError(
+        f'The data partition ({fingerprint}) differs from the one of the checkpoint in '
+        f'{ckpts.directory} ({saved_meta["partition_fingerprint"]}): data_dir='
+        f'{config.data_dir!r} holds other data than the run started with. Point '
+        '--config.data_dir at that data, or use a new --workdir.')
+  sim = engine.Simulator(config, ds, cd)
+
+  derived = {
+      'cohort_size': sim.k,
+      'num_classes': ds.num_classes,
+      'partition_fingerprint': fingerprint,
+      'client_family': [sim.groups[g].family for g in sim.group_of],
+      'client_train_samples': cd.train_n, 'client_test_samples': cd.test_n,
+      'client_seen_classes': [np.flatnonzero(s).tolist() for s in cd.seen],
+      'flops_per_train_sample': sim.flops_per_sample,
+      'backend': jax.default_backend(),
+      'jax_version': jax.__version__,
+  }
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(json.dumps({'config': config.to_dict(), 'derived': derived}, indent=2,
+                         default=_jsonable))
+  logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
+               ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
+
+  state = sim.init_state()
+  restored = ckpts.restore_latest(template=state)
+  if restored is None:
+    progress = Progress()
+  else:
+    state, progress = restored.state, Progress.from_checkpoint(restored.progress)
+    ckpts.discard_after(restored.step)
+    logging.info('Resuming after round %d from %s.', restored.step, ckpts.directory)
+  meta = checkpoint.run_meta(config, fingerprint)
+  return sim, state, progress, meta
+
+
+def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
+                ckpts: checkpoint.Checkpointer, start: float):
+  """Rounds until num_rounds, with evaluation, metrics, checkpoints and the stop requests."""
+  is_main = jax.process_index() == 0
+  metrics_path = os.path.join(workdir, 'metrics.jsonl')
+  if is_main:
+    _rewrite_metrics(metrics_path, progress.history)
+  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  # Rounds per second and an ETA, in the logs and TensorBoard ('steps' are rounds here).
+  report_progress = periodic_actions.ReportProgress(num_train_steps=config.num_rounds,
+                                                    writer=writer, every_steps=1)
+  progress.compile_rounds.append(len(progress.round_times))
+
+  with _StopRequests() as stop:
+    while state['round'] < config.num_rounds:
+      t0 = time.time()
+      state, info = sim.run_round(state)
+      rounds_done = state['round']
+      last = rounds_done == config.num_rounds
+      check_finite(sim, state, info, ckpts)
+      record = None
+      if rounds_done % config.eval_every == 0 or last:
+        record = _evaluate(sim, state, info)
+      jax.block_until_ready(state['params'])
+      dt = time.time() - t0
+      progress.round_times.append(dt)
+      if record is not None:
+        record['round_seconds'] = dt
+        record['elapsed_seconds'] = time.time() - start
+        progress.history.append(record)
+        if is_main:
+          _write_record(metrics_path, writer, record)
+      if rounds_done % config.checkpoint_every == 0 or last or stop.signal_name:
+        progress.elapsed_seconds = time.time() - start
+        ckpts.save(state, dataclasses.asdict(progress), meta)
+      report_progress(rounds_done)
+      _log_round(config, rounds_done, record, info, progress.round_times)
+      if stop.signal_name and not last:
+        writer.flush()
+        raise Preempted(f'{stop.signal_name}: stopped after round {rounds_done} of '
+                        f'{config.num_rounds}; its checkpoint is in {ckpts.directory}. Rerun '
+                        'the same command to resume.')
+  writer.flush()
+  return state
+
+
+def _evaluate(sim, state, info) -> dict:
+  """The metrics.jsonl record of a round (without its timings), in plain JSON types."""
+  ev = sim.evaluate(state)
+  acc = ev['accuracy']
+  cohort = info['cohort']
+  costs = state['costs']
+  return {
+      'round': state['round'],
+      'mean_accuracy': float(acc.mean()),
+      'client_accuracy': acc.tolist(),
+      'participant_accuracy_reference': float(ev['batch_accuracy'][cohort].mean()),
+      'train_loss': info['train_loss'],
+      'train_accuracy': info['train_accuracy'],
+      'participants': cohort.tolist(),
+      'up_floats': info['up_floats'], 'down_floats': info['down_floats'],
+      'client_flops': info['client_flops'],
+      'cum_up_floats': costs['up_floats'],
+      'cum_down_floats': costs['down_floats'],
+      'cum_floats': costs['up_floats'] + costs['down_floats'],
+      'cum_client_flops': costs['client_flops'],
+      # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
+      'method_metrics': {name: float(ev[name].mean()) for name in sim.method.eval_metrics},
+  }
+
+
+def _write_record(metrics_path, writer, record) -> None:
+  with open(metrics_path, 'a') as f:
+    f.write(_dump(record) + '\n')
+  scalars = {k: v for k, v in record.items() if isinstance(v, float)}
+  scalars.update(record['method_metrics'])
+  scalars['accuracy_q25'], scalars['accuracy_median'], scalars['accuracy_q75'] = (
+      np.quantile(record['client_accuracy'], [0.25, 0.5, 0.75]).tolist())
+  writer.write_scalars(record['round'], scalars)
+
+
+def _log_round(config, rounds_done, record, info, round_times) -> None:
+  # The ETA leaves out the first round, which compiles.
+  steady = np.mean(round_times[1:]) if len(round_times) > 1 else round_times[-1]
+  eta = steady * (config.num_rounds - rounds_done)
+  acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
+  logging.info('round %d/%d: %s, train loss %.4f, %.2f s/round, ETA %.0f s', rounds_done,
+               config.num_rounds, acc_text, info['train_loss'], round_times[-1], eta)

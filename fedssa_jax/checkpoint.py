@@ -1,0 +1,230 @@
+"""Checkpoints of a run (orbax), and the rules for resuming one.
+
+A checkpoint after round r lives in `<workdir>/checkpoints/<r>/`, written atomically by orbax's
+CheckpointManager (a temporary folder, renamed when complete). It holds three items:
+
+- `state`:    the engine's RunState, the whole pytree, whatever its keys (client models of every
+              family, server state, round counter, cumulative costs, ...).
+- `progress`: what the outputs need beyond the state: the metrics history (every metrics.jsonl
+              record so far, from which "first round reaching the target" and the summary are
+              computed), per-round seconds, elapsed seconds, and a SHA-256 digest of the state.
+- `meta`:     the config and the partition fingerprint, which a resume compares with its own,
+              and the backend and JAX version.
+
+There is no RNG state to save: every random draw is a pure function of the config's seed, the
+round and the client id (engine.STREAM_*, engine.sample_cohort, the partition seed), so the round
+counter in the state is the RNG state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from fedssa_jax import config_lib
+
+# Config fields that may differ between a checkpoint and the run that resumes it: they change
+# neither what the run computes nor which metrics it records (the engine's batching changes only
+# the float rounding, see ROUNDING_FIELDS). Every other field must match. (eval_every,
+# eval_batch_size and engine.matmul_precision are not here: the first two decide what
+# metrics.jsonl holds, the last changes the numbers on GPUs.)
+MUTABLE_ON_RESUME = (
+    'num_rounds',             # extend (or finish) a run
+    'target_accuracy',        # only the summary's "costs to target", recomputed from the history
+    'checkpoint_every', 'checkpoint_keep',
+    'data_dir', 'download',   # where the data comes from; the partition fingerprint must match
+    'engine.clients_per_call', 'engine.eval_clients_per_call',  # how clients are batched
+)
+# Of those, the ones that change how XLA computes (vmapped or not), so the float rounding: a
+# resume that changes them, or the backend or JAX version, gets a warning.
+ROUNDING_FIELDS = ('engine.clients_per_call', 'engine.eval_clients_per_call')
+
+ITEMS = ('state', 'progress', 'meta')
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint in a workdir can be read, with what to do about it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  step: int          # the round the checkpoint was written after
+  state: Any         # the engine's RunState
+  progress: dict     # history, round_times, ...
+  meta: dict         # config, partition fingerprint, backend, JAX version
+
+
+def config_fields(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
+  """The config as a flat {'a.b': value} dict of JSON values (tuples become lists)."""
+  if isinstance(config, ml_collections.ConfigDict):
+    config = config.to_dict()
+  config = json.loads(json.dumps(config, default=list))
+  flat = {}
+
+  def walk(prefix, d):
+    for k, v in d.items():
+      if isinstance(v, dict):
+        walk(f'{prefix}{k}.', v)
+      else:
+        flat[prefix + k] = v
+  walk('', config)
+  return flat
+
+
+def run_meta(config: ml_collections.ConfigDict, partition_fingerprint: str) -> dict:
+  """The `meta` item of a run's checkpoints: what a resume must agree with."""
+  return {'config': config.to_dict(), 'partition_fingerprint': partition_fingerprint,
+          'backend': jax.default_backend(), 'jax_version': jax.__version__}
+
+
+def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: str) -> None:
+  """Raises a ConfigError naming every config field, outside MUTABLE_ON_RESUME, that differs.
+
+  Logs a warning when the rest of the run may differ from an uninterrupted one in float
+  rounding: another backend or JAX version, or other engine batching.
+  """
+  saved, now = config_fields(saved_meta['config']), config_fields(config)
+  show = lambda d, k: repr(d[k]) if k in d else '(absent)'
+  differ = [k for k in sorted(set(saved) | set(now)) if show(saved, k) != show(now, k)]
+  refused = [f'{k}: checkpoint {show(saved, k)}, now {show(now, k)}' for k in differ
+             if k not in MUTABLE_ON_RESUME]
+  if refused:
+    raise config_lib.ConfigError(
+        f'Cannot resume the run in {where}: its config differs in fields that change the '
+        f'run\'s meaning: {"; ".join(refused)}. Rerun with the checkpoint\'s values, or use a new '
+        f'--workdir for a new run. Fields that may change on resume: '
+        f'{", ".join(MUTABLE_ON_RESUME)}.')
+  rounding = [f'{k} {show(saved, k)} -> {show(now, k)}' for k in differ if k in ROUNDING_FIELDS]
+  rounding += [f'{k} {saved_meta[k]!r} -> {v!r}' for k, v in
+               (('backend', jax.default_backend()), ('jax_version', jax.__version__))
+               if saved_meta.get(k, v) != v]
+  if rounding:
+    logging.warning('Resuming %s with %s: the remaining rounds match an uninterrupted run only '
+                    'up to float rounding.', where, ', '.join(rounding))
+
+
+def state_digest(state) -> str:
+  """A SHA-256 of every leaf (path, dtype, shape, bytes) of a pytree, for restore checks."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(state)):
+    a = np.ascontiguousarray(leaf)  # Python numbers too: an int is int64, a float float64
+    h.update(f'{jax.tree_util.keystr(path)} {a.dtype}{a.shape}'.encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def _place_like(value: np.ndarray, like):
+  """A restored host array, placed as `like` is: a run that resumes then compiles the very
+  programs of an uninterrupted run (committed arrays would add sharding annotations)."""
+  if not isinstance(like, jax.Array):
+    return value
+  if like.committed:
+    return jax.device_put(value, like.sharding)
+  return jnp.asarray(value)
+
+
+class Checkpointer:
+  """Saves and restores a run's checkpoints in one folder; skips unreadable ones with a warning.
+
+  Saving is synchronous: the engine donates the state's buffers to the next round, so the state
+  is copied to the host and written before the round starts.
+  """
+
+  def __init__(self, directory: str, keep: int = 3):
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory, item_names=ITEMS,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False,
+            cleanup_tmp_directories=True))  # what a kill during a save left behind
+    self._unreadable: set[int] = set()
+
+  def steps(self) -> list[int]:
+    """The rounds with a complete checkpoint, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def _candidates(self):
+    return [s for s in reversed(self.steps()) if s not in self._unreadable]
+
+  def _skip(self, step: int, error: Exception) -> None:
+    self._unreadable.add(step)
+    earlier = [s for s in self._candidates() if s < step]
+    then = (f'falling back to the previous one (round {earlier[0]})' if earlier
+            else 'no earlier checkpoint is left')
+    logging.warning('The checkpoint of round %d in %s is corrupt or truncated (%s: %s); %s.',
+                    step, self.directory, type(error).__name__, str(error)[:300], then)
+
+  def _none_readable(self) -> CheckpointError:
+    return CheckpointError(
+        f'No checkpoint in {self.directory} can be read (rounds {self.steps()}; see the '
+        'warnings above). If the code has changed what a run\'s state holds, finish the run with '
+        'the code that started it, or start a new --workdir; otherwise delete that folder to '
+        'start the run over.')
+
+  def latest_meta(self) -> tuple[int, dict] | None:
+    """(round, `meta` item) of the newest readable checkpoint; None when there is none."""
+    if not self.steps():
+      return None
+    for step in self._candidates():
+      try:
+        return step, self._manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      except Exception as e:  # pylint: disable=broad-except  (any failure means unreadable)
+        self._skip(step, e)
+    raise self._none_readable()
+
+  def restore_latest(self, template=None) -> Restored | None:
+    """The newest checkpoint that reads back whole; None when there is no checkpoint.
+
+    `template` is a RunState of the right structure (e.g. a freshly initialised one): each array
+    comes back placed like the template's (see `_place_like`). Without one, the state comes back
+    as saved, in numpy arrays (and tuples as lists), for inspection. Checkpoints newer than the
+    one restored could not be read; `discard_after` removes them.
+    """
+    if not self.steps():
+      return None
+    on_host = None if template is None else jax.tree.map(
+        lambda x: np.empty(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray)) else x,
+        template)
+    for step in self._candidates():
+      try:
+        r = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(on_host), progress=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore()))
+        if state_digest(r.state) != r.progress['state_digest']:
+          raise ValueError('the state does not match the digest saved with it')
+      except Exception as e:  # pylint: disable=broad-except
+        self._skip(step, e)
+        continue
+      state = r.state if template is None else jax.tree.map(_place_like, r.state, template)
+      return Restored(step, state, r.progress, r.meta)
+    raise self._none_readable()
+
+  def discard_after(self, step: int) -> None:
+    """Deletes the checkpoints of rounds after `step`: a resumed run writes them again."""
+    for newer in [s for s in self.steps() if s > step]:
+      logging.warning('Deleting the unreadable checkpoint of round %d in %s.', newer,
+                      self.directory)
+      self._manager.delete(newer)
+
+  def save(self, state, progress: dict, meta: dict) -> None:
+    """Writes the checkpoint of round state['round'] and drops the oldest beyond `keep`."""
+    host_state = jax.device_get(state)
+    progress = dict(progress, state_digest=state_digest(host_state))
+    self._manager.save(
+        int(state['round']), force=True,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
+                                progress=ocp.args.JsonSave(progress),
+                                meta=ocp.args.JsonSave(meta)))
+
+  def close(self) -> None:
+    self._manager.close()

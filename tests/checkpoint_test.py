@@ -1,0 +1,220 @@
+"""Runs that survive: kill and resume, preemption, determinism, corrupt checkpoints, divergence.
+
+The end-to-end tests run `python -m fedssa_jax.main` in a subprocess, as a user would, on a tiny
+prepared TFDS cifar10 written here (a subprocess cannot see tfds.testing.mock_data). They share
+a persistent XLA compilation cache, so only the first run compiles.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from fedssa_jax import checkpoint, engine, train
+
+from conftest import synthetic_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_ROUNDS = 6
+TIMING_FIELDS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
+                 'first_round_seconds')
+
+
+def write_tiny_tfds_cifar10(data_dir, num_train=200, num_test=100):
+  """A prepared TFDS 'cifar10' of a few synthetic images, as ../shared/data/cifar10/prepare.py
+  writes the real one: the builder's own metadata, only the examples are local."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
+  ds = synthetic_dataset(num_train, num_test)
+
+  def examples(split):
+    for i in ds.tfds_splits[split]:
+      key = f'{split}_{i:05d}'
+      yield key, {'id': key, 'image': ds.images[i], 'label': int(ds.labels[i])}
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(cifar.Cifar10, '_split_generators',
+               lambda self, dl_manager: {'train': examples('train'), 'test': examples('test')})
+    tfds.builder('cifar10', data_dir=data_dir).download_and_prepare()
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+  """What every run needs: the data and an environment with this checkout on the path."""
+  base = tmp_path_factory.mktemp('runs')
+  write_tiny_tfds_cifar10(str(base / 'tfds'))
+  environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+  environ.update(JAX_COMPILATION_CACHE_DIR=str(base / 'xla_cache'),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  return {'data_dir': str(base / 'tfds'), 'environ': environ}
+
+
+def command(env, workdir, *overrides):
+  return [sys.executable, '-m', 'fedssa_jax.main', f'--config={ROOT}/configs/tiny.py',
+          f'--workdir={workdir}', f'--config.data_dir={env["data_dir"]}',
+          '--config.model.families=("cnn1",)', f'--config.num_rounds={NUM_ROUNDS}',
+          '--config.checkpoint_every=1', '--config.partition.seed=0', *overrides]
+
+
+def start(env, workdir, *overrides):
+  os.makedirs(workdir, exist_ok=True)
+  log = open(os.path.join(workdir, f'log.{time.time_ns()}.txt'), 'w')
+  return subprocess.Popen(command(env, workdir, *overrides), env=env['environ'], cwd=ROOT,
+                          stdout=log, stderr=subprocess.STDOUT), log.name
+
+
+def run(env, workdir, *overrides, expect=0):
+  proc, log = start(env, workdir, *overrides)
+  rc = proc.wait(timeout=300)
+  text = open(log).read()
+  assert rc == expect, f'exit status {rc}, expected {expect}:\n{text[-5000:]}'
+  return text
+
+
+def rounds_written(workdir):
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      return sum(1 for _ in f)
+  except FileNotFoundError:
+    return 0
+
+
+def signal_after_round(proc, workdir, r, sig):
+  """Sends `sig` as soon as metrics.jsonl shows round r, while the run goes on."""
+  deadline = time.time() + 300
+  while rounds_written(workdir) < r:
+    assert proc.poll() is None, f'the run ended (status {proc.returncode}) before round {r}'
+    assert time.time() < deadline, f'no round {r} after 300 s'
+    time.sleep(0.01)
+  assert proc.poll() is None, f'the run had finished before the signal after round {r}'
+  proc.send_signal(sig)
+  return proc.wait(timeout=300)
+
+
+def outputs(workdir):
+  """metrics.jsonl records and summary.json, without the timing fields."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    records = [json.loads(line) for line in f]
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
+  drop = lambda d: {k: v for k, v in d.items() if k not in TIMING_FIELDS}
+  return [drop(r) for r in records], drop(summary)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(env, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('uninterrupted') / 'run')
+  run(env, workdir)
+  return workdir
+
+
+def test_uninterrupted_run_writes_every_round_and_keeps_the_last_checkpoints(uninterrupted):
+  records, summary = outputs(uninterrupted)
+  assert [r['round'] for r in records] == list(range(1, NUM_ROUNDS + 1))
+  assert summary['rounds'] == NUM_ROUNDS
+  steps = checkpoint.Checkpointer(os.path.join(uninterrupted, 'checkpoints')).steps()
+  assert steps == [NUM_ROUNDS - 2, NUM_ROUNDS - 1, NUM_ROUNDS]  # checkpoint_keep = 3
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['SIGKILL', 'SIGTERM'])
+def test_killed_run_resumes_to_the_uninterrupted_outputs(sig, env, uninterrupted, tmp_path):
+  workdir = str(tmp_path / 'run')
+  r = random.randint(1, NUM_ROUNDS - 2)  # a SIGTERM then stops by round NUM_ROUNDS - 1
+  proc, log = start(env, workdir)
+  rc = signal_after_round(proc, workdir, r, sig)
+  if sig == signal.SIGKILL:
+    assert rc == -signal.SIGKILL
+  else:
+    text = open(log).read()
+    assert rc == train.EXIT_PREEMPTED, f'signal after round {r}, status {rc}:\n{text[-5000:]}'
+    assert 'SIGTERM: stopped after round' in text
+    # It finished its round and checkpointed it: nothing after the checkpoint to redo.
+    steps = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints')).steps()
+    assert steps[-1] == rounds_written(workdir) >= r
+  # A SIGKILL may land before the first checkpoint is complete: then the rerun starts over.
+  saved = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints')).steps()
+  text = run(env, workdir)
+  assert (f'Resuming after round {saved[-1]}' in text) if saved else ('Resuming' not in text)
+  assert outputs(workdir) == outputs(uninterrupted), f'signal after round {r}'
+
+
+def test_resume_falls_back_past_a_corrupt_checkpoint(env, uninterrupted, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(uninterrupted, workdir)
+  latest = os.path.join(workdir, 'checkpoints', str(NUM_ROUNDS))
+  for folder, _, files in os.walk(latest):
+    for name in files:
+      path = os.path.join(folder, name)
+      os.truncate(path, os.path.getsize(path) // 2)
+  text = run(env, workdir)
+  assert (f'The checkpoint of round {NUM_ROUNDS} in' in text and
+          f'is corrupt or truncated' in text and
+          f'falling back to the previous one (round {NUM_ROUNDS - 1})' in text)
+  assert f'Resuming after round {NUM_ROUNDS - 1}' in text
+  assert outputs(workdir) == outputs(uninterrupted)
+
+
+def test_same_seed_gives_identical_outputs_and_another_seed_differs(env, uninterrupted,
+                                                                    tmp_path):
+  run(env, str(tmp_path / 'same'))
+  assert outputs(str(tmp_path / 'same')) == outputs(uninterrupted)
+  # partition.seed stays 0: the init, cohorts, shuffling and augmentation change.
+  run(env, str(tmp_path / 'other'), '--config.seed=1')
+  (other, _), (reference, _) = outputs(str(tmp_path / 'other')), outputs(uninterrupted)
+  assert [r['participants'] for r in other] != [r['participants'] for r in reference]
+  assert [r['train_loss'] for r in other] != [r['train_loss'] for r in reference]
+
+
+def main_with_a_nan_after_round(nan_round):
+  """`python -m fedssa_jax.main`, with NaN put into the parameters of one client of the cohort
+  of round `nan_round`, as if its training had diverged. Prints which client and family."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import main  # pylint: disable=g-import-not-at-top
+  run_round = engine.Simulator.run_round
+
+  def run_round_with_a_nan(sim, state):
+    state, info = run_round(sim, state)
+    if state['round'] == nan_round:
+      client = int(info['cohort'][-1])
+      g, slot = sim.group_of[client], sim.slot_of[client]
+      params = list(state['params'])
+      params[g] = jax.tree.map(lambda p: p.at[slot].set(np.nan), params[g])
+      state = dict(state, params=tuple(params))
+      print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
+    return state, info
+
+  engine.Simulator.run_round = run_round_with_a_nan
+  app.run(main.main)
+
+
+def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path):
+  workdir = str(tmp_path / 'run')
+  environ = dict(env['environ'])
+  environ['PYTHONPATH'] += os.pathsep + os.path.dirname(os.path.abspath(__file__))
+  log = tmp_path / 'log.txt'
+  with open(log, 'w') as f:
+    rc = subprocess.run(
+        [sys.executable, '-c', 'import checkpoint_test; checkpoint_test.'
+         'main_with_a_nan_after_round(2)', *command(env, workdir)[3:]],
+        env=environ, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
+  text = log.read_text()
+  assert rc != 0, text[-5000:]
+  client, family = re.search(r'NaN in client (\d+) of family (\w+)', text).groups()
+  assert 'DivergenceError: Training diverged in round 2' in text, text[-5000:]
+  assert f'family {family}: clients {client} (parameters)' in text
+  assert 'the last good checkpoint, of round 1, is kept intact' in text
+  assert 'optimizer.lr' in text
+  # Nothing of round 2 was written, and round 1's checkpoint reads back whole (its digest).
+  assert rounds_written(workdir) == 1
+  ckpts = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
+  assert ckpts.steps() == [1] and ckpts.restore_latest().step == 1

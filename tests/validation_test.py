@@ -1,0 +1,218 @@
+"""Bad configs, data, workdirs and checkpoints: each gets a message that names the field and the
+fix, before any compute (no case here compiles anything)."""
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+import pytest
+
+from fedssa_jax import checkpoint, config_lib, data, train
+
+from conftest import synthetic_dataset
+
+
+def tiny(**overrides):
+  c = config_lib.build('cifar10', 'tiny')
+  c.update_from_flattened_dict(overrides)
+  return c
+
+
+def validate(**overrides):
+  return lambda tmp_path: config_lib.validate(tiny(**overrides))
+
+
+def run(config, dataset=None, workdir='run'):
+  """train_and_evaluate, up to the failure under test (none of these cases gets to compute)."""
+  return lambda tmp_path: train.train_and_evaluate(config, str(tmp_path / workdir),
+                                                   dataset=dataset)
+
+
+def images_of_shape(shape):
+  ds = synthetic_dataset(num_train=20, num_test=10)
+  return dataclasses.replace(ds, images=np.zeros((30, *shape), np.uint8))
+
+
+def missing_data(tmp_path):
+  train.train_and_evaluate(tiny(data_dir=str(tmp_path / 'empty')), str(tmp_path / 'run'))
+
+
+def unwritable_workdir(tmp_path):
+  (tmp_path / 'a_file').write_text('')  # a folder cannot be made inside a file, even by root
+  train.train_and_evaluate(tiny(), str(tmp_path / 'a_file' / 'run'))
+
+
+def dummy_state(round_):
+  """A RunState-like pytree; a checkpoint does not care which keys a state has."""
+  w = np.random.default_rng(round_).normal(size=(4, 25_000)).astype(np.float32)  # incompressible
+  return {'round': round_, 'params': ({'w': w},),
+          'server': {'table': np.arange(6.0)}, 'costs': {'up_floats': 0.5 * round_}}
+
+
+def save_checkpoints(tmp_path, rounds, config=None, fingerprint='0' * 16):
+  ckpts = checkpoint.Checkpointer(str(tmp_path / 'run' / 'checkpoints'))
+  meta = checkpoint.run_meta(config or tiny(), fingerprint)
+  for r in rounds:
+    ckpts.save(dummy_state(r), {'history': [], 'round_times': []}, meta)
+  return ckpts
+
+
+def resume_with(saved_config, **overrides):
+  def case(tmp_path):
+    save_checkpoints(tmp_path, [2], saved_config)
+    train.train_and_evaluate(tiny(**overrides), str(tmp_path / 'run'),
+                             dataset=synthetic_dataset())
+  return case
+
+
+def resume_on_other_data(tmp_path):
+  save_checkpoints(tmp_path, [2], fingerprint='f' * 16)
+  train.train_and_evaluate(tiny(), str(tmp_path / 'run'), dataset=synthetic_dataset())
+
+
+def damage(how):
+  """Checkpoints of rounds 1 and 2 with round 2's files damaged; restores the newest readable."""
+  def case(tmp_path):
+    save_checkpoints(tmp_path, [1, 2])
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / 'run' / 'checkpoints' / '2')
+             for f in fs]
+    if how == 'truncated':
+      for path in files:
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:  # one flipped bit in the largest file, the array data: only the digest can tell
+      path = max(files, key=os.path.getsize)
+      with open(path, 'r+b') as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    restored = checkpoint.Checkpointer(str(tmp_path / 'run' / 'checkpoints')).restore_latest(
+        dummy_state(0))
+    assert restored.step == 1
+    np.testing.assert_array_equal(restored.state['params'][0]['w'], dummy_state(1)['params'][0]['w'])
+  return case
+
+
+def all_damaged(tmp_path):
+  save_checkpoints(tmp_path, [1])
+  for d, _, fs in os.walk(tmp_path / 'run' / 'checkpoints' / '1'):
+    for f in fs:
+      os.truncate(os.path.join(d, f), 0)
+  checkpoint.Checkpointer(str(tmp_path / 'run' / 'checkpoints')).restore_latest(dummy_state(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  trigger: Callable  # (tmp_path) -> None
+  needles: tuple     # all must be in the message
+  error: type = config_lib.ConfigError  # None: a warning, and the run goes on
+
+
+CASES = [
+    Case('classes_per_client > classes', validate(**{'partition.classes_per_client': 11}),
+         ('partition.classes_per_client=11 must be in [1, 10]', 'cifar10 has 10 classes')),
+    Case('k*N/S not whole', validate(num_clients=7),
+         ('k*N/S holders per class to be a whole number', 'gives 1.4',
+          'Set num_clients to a multiple of 5')),
+    Case('dirichlet gamma <= 0',
+         validate(**{'partition.kind': 'dirichlet', 'partition.dirichlet_gamma': 0.0}),
+         ('partition.dirichlet_gamma must be > 0, got 0.0',)),
+    Case('N < 1', validate(num_clients=0), ('num_clients must be >= 1, got 0',)),
+    Case('participation 0', validate(participation=0.0),
+         ('participation must be in (0, 1], got 0.0',)),
+    Case('participation > 1', validate(participation=1.5),
+         ('participation must be in (0, 1], got 1.5',)),
+    Case('participation samples no client', validate(num_clients=10, participation=0.05),
+         ('participation=0.05 samples floor(0.05*10) = 0', 'at least 1/N = 0.1')),
+    Case('unknown dataset', validate(dataset='mnist'),
+         ("Unknown dataset 'mnist'", "['cifar10', 'cifar100']")),
+    Case('unknown method', validate(method='fedavg'),
+         ("Unknown method 'fedavg'", "'fedssa'", "'standalone'")),
+    Case('unknown model family', validate(**{'model.families': ('cnn1', 'cnn9')}),
+         ("Unknown model family 'cnn9' in model.families", "'cnn5'")),
+    Case('images of another shape', run(tiny(), images_of_shape((28, 28, 3))),
+         ('have shape (28, 28, 3); the models take (32, 32, 3)', 'Use a data set of 32x32 RGB'),
+         data.DataError),
+    Case('images of another channel count', run(tiny(), images_of_shape((32, 32, 1))),
+         ('have 1 channel(s); the models take 3 (RGB)',), data.DataError),
+    Case('data_dir without the data', missing_data,
+         ("cannot be read from data_dir=", 'prepare.py', '--config.download=True'),
+         data.DataError),
+    Case('batch_size 0', validate(batch_size=0), ('batch_size must be > 0, got 0',)),
+    Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 0, got -1',)),
+    Case('T_stable < 0', validate(**{'fedssa.t_stable': -1}),
+         ('fedssa.t_stable must be >= 0, got -1',)),
+    Case('mu0 > 1', validate(**{'fedssa.mu0': 1.5}), ('fedssa.mu0 must be in [0, 1], got 1.5',)),
+    Case('mu0 < 0', validate(**{'fedssa.mu0': -0.1}),
+         ('fedssa.mu0 must be in [0, 1], got -0.1',)),
+    Case('a baseline hyperparameter', validate(method='fedproto',
+                                                **{'fedproto.inference': 'nearest'}),
+         ("fedproto.inference must be 'classifier' or 'prototype', got 'nearest'",)),
+    Case('unknown optimizer', validate(**{'optimizer.name': 'adamw'}),
+         ("Unknown optimizer.name 'adamw'; choose one of ['adam', 'sgd']",)),
+    Case('target 0', validate(target_accuracy=0.0),
+         ('target_accuracy must be in (0, 1], got 0.0',)),
+    Case('target > 1', validate(target_accuracy=80.0),
+         ('target_accuracy must be in (0, 1], got 80.0', '0.8 is 80%')),
+    Case('workdir not writable', unwritable_workdir,
+         ('--workdir=', 'is not a writable folder', 'Choose a folder you can write to')),
+    Case('resume with another config', resume_with(tiny(), num_clients=10, seed=3),
+         ('Cannot resume the run in', 'num_clients: checkpoint 5, now 10',
+          'seed: checkpoint 0, now 3', 'or use a new --workdir',
+          'Fields that may change on resume: num_rounds')),
+    Case('resume past num_rounds', resume_with(tiny(), num_rounds=1),
+         ('is of round 2, past num_rounds=1', 'Set --config.num_rounds to at least 2')),
+    Case('resume on other data', resume_on_other_data,
+         ("differs from the one of the checkpoint", 'Point --config.data_dir at that data'),
+         data.DataError),
+    Case('truncated checkpoint', damage('truncated'),
+         ('The checkpoint of round 2 in', 'is corrupt or truncated',
+          'falling back to the previous one (round 1)'), None),
+    Case('flipped bit in a checkpoint', damage('flipped'),
+         ('The checkpoint of round 2 in', 'is corrupt or truncated', 'does not match the digest',
+          'falling back to the previous one (round 1)'), None),
+    Case('no readable checkpoint', all_damaged,
+         ('The checkpoint of round 1 in', 'no earlier checkpoint is left', 'No checkpoint in',
+          'delete that folder to start the run over'), checkpoint.CheckpointError),
+]
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_a_message_naming_the_field_and_the_fix(case, tmp_path, caplog):
+  with caplog.at_level(logging.WARNING):
+    if case.error is None:
+      case.trigger(tmp_path)
+      message = caplog.text
+    else:
+      with pytest.raises(case.error) as e:
+        case.trigger(tmp_path)
+      message = caplog.text + str(e.value)
+  for needle in case.needles:
+    assert needle in message
+
+
+def test_resume_allows_the_documented_fields_to_change(tmp_path, caplog):
+  saved = tiny()
+  meta = checkpoint.run_meta(saved, '0' * 16)
+  changed = tiny(num_rounds=50, target_accuracy=0.5, checkpoint_every=2, checkpoint_keep=1,
+                 data_dir='/elsewhere', download=True, **{'engine.clients_per_call': 2})
+  with caplog.at_level(logging.WARNING):
+    checkpoint.check_resumable(meta, tiny(num_rounds=50), str(tmp_path))
+    assert not caplog.text
+    checkpoint.check_resumable(dict(meta, backend='tpu'), changed, str(tmp_path))
+  assert (f"engine.clients_per_call 0 -> 2, backend 'tpu' -> {jax.default_backend()!r}: the "
+          'remaining rounds match an uninterrupted run only up to float rounding') in caplog.text
+  changed.engine.eval_clients_per_call = 3
+  assert set(checkpoint.MUTABLE_ON_RESUME) == {
+      k for k, v in checkpoint.config_fields(changed).items()
+      if v != checkpoint.config_fields(saved)[k]}
+
+
+def test_existing_configs_stay_valid():
+  for dataset in ('cifar10', 'cifar100'):
+    for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):
+      config_lib.validate(config_lib.build(dataset, variants))
+  config_lib.validate(config_lib.build('cifar10', 'tiny'))
