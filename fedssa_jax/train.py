@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from clu import metric_writers
-from clu import periodic_actions
+try:
+  from clu import metric_writers
+  from clu import periodic_actions
+except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
+  metric_writers = periodic_actions = None
 
 from fedssa_jax import checkpoint, config_lib, data, engine
 
@@ -312,10 +315,16 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
   metrics_path = os.path.join(workdir, 'metrics.jsonl')
   if is_main:
     _rewrite_metrics(metrics_path, progress.history)
-  writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
+  if metric_writers is None:
+    logging.warning('CLU or TensorFlow is not installed: no TensorBoard events; metrics.jsonl '
+                    'has every figure.')
+    writer = _NoEvents()
+  else:
+    writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
   # Rounds per second and an ETA, in the logs and TensorBoard ('steps' are rounds here).
-  report_progress = periodic_actions.ReportProgress(num_train_steps=config.num_rounds,
-                                                    writer=writer, every_steps=1)
+  report_progress = (periodic_actions.ReportProgress(num_train_steps=config.num_rounds,
+                                                     writer=writer, every_steps=1)
+                     if periodic_actions else lambda step: None)
   progress.compile_rounds.append(len(progress.round_times))
 
   with _StopRequests() as stop:
@@ -374,6 +383,16 @@ def _evaluate(sim, state, info) -> dict:
       # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
       'method_metrics': {name: float(ev[name].mean()) for name in sim.method.eval_metrics},
   }
+
+
+class _NoEvents:
+  """Stands in for CLU's metric writer where TensorBoard events cannot be written."""
+
+  def write_scalars(self, step, scalars):
+    del step, scalars
+
+  def flush(self):
+    pass
 
 
 def _write_record(metrics_path, writer, record) -> None:
