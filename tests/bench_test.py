@@ -1,0 +1,19 @@
+"""The benchmark harness's quick mode (the CI smoke run): every section reports sane figures,
+and rounds after the first compile nothing."""
+from fedssa_jax import bench
+
+
+def test_quick_benchmark_reports_every_section(capsys):
+  out = bench.run(quick=True, rounds=2)
+  assert out['roofline']['flops_per_s'] > 1e8
+  for r in out['training']:
+    assert r['images_per_s'] > 0 and 0 < r['roofline_share'] < 1.5
+  (rounds,) = out['rounds']
+  assert rounds['first_round_compiles'] >= 2  # training and evaluation
+  assert rounds['later_compiles'] == 0
+  assert set(rounds['phases_s']) == {'sample', 'train', 'aggregate', 'host', 'evaluate'}
+  for p in out['padding']:
+    assert 0 <= p['padded_share'] < 1 and 0 <= p['padded_share_vmapped'] < 1
+  printed = capsys.readouterr().out
+  for title in ('Roofline', 'Local training', 'FedSSA rounds', 'Padded share'):
+    assert title in printed
