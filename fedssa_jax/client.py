@@ -37,6 +37,12 @@ class TrainConfig:
   clip_norm: float = 50.0
   adam_b1: float = 0.9
   adam_b2: float = 0.999
+  # Rows per forward/backward pass within a step (0: the whole batch). A step's gradient is
+  # summed over passes of `micro_batch` rows, and only the passes that hold valid samples run,
+  # so a partial last batch wastes less than `micro_batch` rows of padding. Used only for losses
+  # that are means of per-sample terms (Method.per_sample_loss), where it changes nothing but
+  # the float rounding.
+  micro_batch: int = 0
   augment: bool = True
   mean: tuple[float, ...] = (0.485, 0.456, 0.406)
   std: tuple[float, ...] = (0.229, 0.224, 0.225)
@@ -105,6 +111,37 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
   steps = (n + b - 1) // b
   zero = jnp.zeros((), jnp.float32)
+  m = cfg.micro_batch if cfg.micro_batch and method.per_sample_loss else b
+  if b % m:
+    raise ValueError(f'engine.micro_batch={m} must divide batch_size={b}.')
+
+  def batch_grads(trainable, views, y, valid):
+    """The batch-mean loss, #correct, accumulator update and gradient."""
+    loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
+    if m >= b:
+      (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+          trainable, views, y, valid)
+      return loss, correct, acc_update, grads
+
+    def one_pass(j, sums):  # rows [j m, (j + 1) m): sums of per-sample losses and gradients
+      part = lambda a: jax.lax.dynamic_slice_in_dim(a, j * m, m)
+      v = part(valid)
+      w = v.sum()
+      (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+          trainable, tuple(map(part, views)), part(y), v)
+      loss_sum, correct_sum, acc_sum, grad_sum = sums
+      return (loss_sum + loss * w, correct_sum + correct,
+              jax.tree_util.tree_map(jnp.add, acc_sum, acc_update),
+              jax.tree_util.tree_map(lambda s, g: s + g * w, grad_sum, grads))
+
+    count = valid.sum()
+    zeros = (zero, jnp.zeros((), jnp.int32), method.init_acc(),
+             jax.tree_util.tree_map(jnp.zeros_like, trainable))
+    loss_sum, correct, acc_update, grad_sum = jax.lax.fori_loop(
+        0, (count + m - 1) // m, one_pass, zeros)
+    denom = jnp.maximum(count, 1)
+    return (loss_sum / denom, correct, acc_update,
+            jax.tree_util.tree_map(lambda g: g / denom, grad_sum))
 
   def grad_step(step, carry, order, aug_key):
     trainable, opt_state, acc, stats = carry
@@ -117,8 +154,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
         augment.augment_batch(step_key if v == 0 else jax.random.fold_in(step_key, v), x)
         if cfg.augment else x for v in range(method.num_views))
     y = data.labels[idx]
-    (loss, (correct, acc_update)), grads = jax.value_and_grad(
-        lambda t: method.loss(apply_fn, t, ctx, views, y, valid), has_aux=True)(trainable)
+    loss, correct, acc_update, grads = batch_grads(trainable, views, y, valid)
     new_trainable, new_opt_state = {}, {}
     for part in trainable:  # one optimizer per model
       updates, new_opt_state[part] = tx.update(grads[part], opt_state[part], trainable[part])

@@ -108,6 +108,10 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.engine = ml_collections.ConfigDict()
   c.engine.clients_per_call = 0       # clients vmapped per training call; 0 = auto by backend
   c.engine.eval_clients_per_call = 0  # clients vmapped per evaluation step; 0 = auto
+  # Rows per forward/backward pass of a step (gradients summed over passes, so a partial batch
+  # pads less): 0 = auto (64 on the CPU, where small passes run as fast; the whole batch on
+  # accelerators); the batch size turns it off. Must divide batch_size.
+  c.engine.micro_batch = 0
   # float32 matmul/conv precision: 'default' is the backend's (TF32 on recent NVIDIA GPUs),
   # 'highest' is full float32 everywhere, for numbers comparable across backends.
   c.engine.matmul_precision = 'default'
@@ -224,6 +228,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
        f'{c.engine.matmul_precision!r}.')
   one_of('optimizer.name', c.optimizer.name, ('sgd', 'adam'))
+  mb = c.engine.micro_batch
+  need(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
+       f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')
   # The method's own hyperparameters: its constructor checks them (no arrays are made).
   try:
     methods.get_method(c.method)(c, n, num_classes)

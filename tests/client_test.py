@@ -58,6 +58,21 @@ def test_vmapped_group_equals_singletons(small_ds, use_augment):
                 jax.tree_util.tree_map(lambda x: x[2], params), rtol=0, atol=0)
 
 
+def test_micro_batched_steps_equal_whole_batches(small_ds):
+  """Gradients summed over 4-row passes (only those holding valid samples) are the batch's."""
+  got = {}
+  for micro in (0, 4):
+    cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, micro_batch=micro,
+                             clip_norm=1.0, weight_decay=1e-3)
+    dd, _, params, keys, train = setup(small_ds, cfg)
+    got[micro] = jax.jit(jax.vmap(train, in_axes=(0, 0, 0, 0, None)))(
+        params, keys, dd.train_idx, dd.train_n, dd)
+  tree_allclose(got[4][0], got[0][0], rtol=2e-4, atol=2e-6)
+  for k in ('samples', 'steps', 'correct'):
+    np.testing.assert_array_equal(got[4][1][k], got[0][1][k])
+  np.testing.assert_allclose(got[4][1]['loss_sum'], got[0][1]['loss_sum'], rtol=1e-5)
+
+
 def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
   """torch-style SGD written out: clip, L2 added to the gradient, momentum buffer, lr step."""
   images = np.asarray(augment.normalize(ds.images, cfg.mean, cfg.std))

@@ -21,7 +21,8 @@ def run_cli(monkeypatch, workdir, method):
   argv = ['main', f'--config={ROOT}/configs/tiny.py', f'--workdir={workdir}',
           f'--config.method={method}', '--config.model.families=("cnn5",)',
           '--config.num_clients=5', '--config.participation=0.4', '--config.num_rounds=2',
-          '--config.batch_size=8', '--config.target_accuracy=0.01']
+          '--config.batch_size=8', '--config.target_accuracy=0.01',
+          '--config.engine.micro_batch=4']  # 4-row passes, where the loss allows them
   monkeypatch.setattr('sys.argv', argv)  # config_flags reads its overrides from sys.argv
   flag_values = flags.FlagValues()  # main's flags, parsed afresh for each run
   main_lib.define_flags(flag_values)

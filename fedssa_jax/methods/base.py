@@ -109,6 +109,9 @@ class Method:
   """Defaults: no exchange and plain cross-entropy (which is Standalone)."""
   name = 'base'
   num_views = 1  # augmented views of each training batch the loss receives
+  # Is the loss a mean of per-sample terms? Then a step's gradient may be summed over smaller
+  # passes (client.TrainConfig.micro_batch). Not for losses coupling a batch's samples.
+  per_sample_loss = True
 
   def __init__(self, config, num_clients: int, num_classes: int):
     self.config = config

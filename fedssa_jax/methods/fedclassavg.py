@@ -57,6 +57,7 @@ def proximal(params, global_rows):
 
 class FedClassAvg(lg_fedavg.SharedHeader):
   name = 'fedclassavg'
+  per_sample_loss = False  # SupCon pairs every view of the batch
   config_section = 'fedclassavg'
   num_views = 2
 

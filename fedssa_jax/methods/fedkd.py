@@ -90,6 +90,7 @@ def compress_update(delta, threshold):
 
 class FedKD(base.Method):
   name = 'fedkd'
+  per_sample_loss = False  # 1/Q with Q the batch's mean CE
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
