@@ -104,15 +104,22 @@ def train_throughput(family: str, batch: int, clients: int, steps: int, roofline
 
 
 def padding_share(sim: engine.Simulator, rounds: int, per_call: int | None = None) -> float:
-  """Share of training rows that are padding, over the cohorts of `rounds` rounds: a chunk runs
-  its largest client's step count for all its slots, each step a full batch."""
-  b, useful, total = sim.config.batch_size, 0, 0
+  """Share of the training rows computed that are padding, over the cohorts of `rounds` rounds.
+
+  A vmapped chunk runs its largest client's step count for all its slots; within a step it runs
+  the passes of `micro_batch` rows that its fullest client needs (one whole batch without
+  micro-batching, or for losses that couple a batch's samples)."""
+  b = sim.config.batch_size
+  m = sim.train_cfg.micro_batch if sim.method.per_sample_loss else b
+  useful = total = 0
   for t in range(rounds):
     cohort = engine.sample_cohort(sim.config.seed, t, sim.num_clients, sim.k)
     for gi, slots, active in sim.cohort_chunks(cohort, per_call):
       n = sim.train_n[sim.groups[gi].members[slots[active]]]
       useful += n.sum()
-      total += len(slots) * (-(-n.max() // b)) * b
+      for step in range(-(-n.max() // b)):
+        rows = np.clip(n - step * b, 0, b)
+        total += len(slots) * (-(-rows.max() // m)) * m
   return 1.0 - useful / max(total, 1)
 
 
