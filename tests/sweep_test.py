@@ -96,3 +96,20 @@ def test_job_scripts_one_per_run(tmp_path, mode, suffix):
 def test_bad_set_flag_names_the_form():
   with pytest.raises(Exception, match='field=value'):
     sweep.extra_overrides(sets=['eval_every'])
+
+
+def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, capsys):
+  seen = tmp_path / 'seen'
+  ok = [sys.executable, '-c', 'import os, sys; open(sys.argv[1], "w").write('
+        'os.getcwd() + "\\n" + os.environ["PYTHONPATH"])', str(seen)]
+  jobs = [('ok', ok, str(tmp_path / 'ok')),
+          ('preempted', [sys.executable, '-c', 'raise SystemExit(75)'], str(tmp_path / 'p')),
+          ('broken', [sys.executable, '-c', 'raise SystemExit(3)'], str(tmp_path / 'b'))]
+  unfinished = sweep.run_local(jobs, parallel=2)
+  assert sorted(unfinished) == ['broken', 'preempted']
+  out = capsys.readouterr().out
+  assert 'preempted: stopped after a checkpoint (rerun the sweep to resume it)' in out
+  assert f'broken: FAILED with exit status 3; see {tmp_path}/b/sweep.log' in out
+  # The runs start in the repository root (config paths are relative to it) and import it.
+  cwd, pythonpath = seen.read_text().splitlines()
+  assert cwd == REPO and pythonpath.split(os.pathsep)[0] == REPO
