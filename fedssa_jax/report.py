@@ -343,6 +343,7 @@ def plot_robustness(key, methods, path: str) -> str:
   for m, pts in methods.items():
     x, y, e = map(np.array, zip(*pts))
     ax.errorbar(x, y, yerr=e, label=m, marker='o', capsize=3)
+  ax.set_xticks(sorted({x for pts in methods.values() for x, _, _ in pts}))
   ax.set(xlabel='classes per client' if axis == 'k' else 'Dirichlet γ',
          ylabel='mean test accuracy (%)', title=f'{dataset} {models} N={n}, C={c * 100:g}%')
   ax.grid(alpha=0.3)
