@@ -41,6 +41,7 @@ MUTABLE_ON_RESUME = (
     'num_rounds',             # extend (or finish) a run
     'target_accuracy',        # only the summary's "costs to target", recomputed from the history
     'checkpoint_every', 'checkpoint_keep',
+    'save_representations',   # only what is written at the end
     'data_dir', 'download',   # where the data comes from; the partition fingerprint must match
     'engine.clients_per_call', 'engine.eval_clients_per_call',  # how clients are batched
     'engine.micro_batch',     # how a step's rows are batched

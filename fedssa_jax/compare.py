@@ -20,15 +20,11 @@ from absl import logging
 from ml_collections import config_flags
 import numpy as np
 
-from fedssa_jax import config_lib, data, methods, train
+from fedssa_jax import config_lib, data, methods, report, train
 
 COLUMNS = ('method', 'final acc', 'best acc (round)', 'client acc q25 / median / q75',
            'rounds to target', 'floats to target', 'client FLOPs to target',
            'floats per round', 'wall s')
-
-
-def _sci(x) -> str:
-  return '—' if x is None else f'{x:.3g}'
 
 
 def table_rows(summaries: dict[str, dict]) -> list[list[str]]:
@@ -42,16 +38,14 @@ def table_rows(summaries: dict[str, dict]) -> list[list[str]]:
         name, f"{s['final_mean_accuracy']:.4f}",
         f"{s['best_mean_accuracy']:.4f} ({s['best_round']})",
         ' / '.join(f'{v:.3f}' for v in q),
-        str(to.get('round', '—')), _sci(to.get('cum_floats')),
-        _sci(to.get('cum_client_flops')), _sci(floats / max(s['rounds'], 1)),
+        str(to.get('round', '—')), report.sci(to.get('cum_floats')),
+        report.sci(to.get('cum_client_flops')), report.sci(floats / max(s['rounds'], 1)),
         f"{s['wall_seconds']:.0f}"])
   return rows
 
 
 def markdown_table(summaries: dict[str, dict], target: float) -> str:
-  lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
-  lines += ['| ' + ' | '.join(r) + ' |' for r in table_rows(summaries)]
-  lines.append('')
+  lines = [report.markdown_table(COLUMNS, table_rows(summaries))]
   lines.append(f'Accuracies are the unweighted mean over clients of per-sample test accuracy; '
                f'"to target" is the first evaluated round with mean accuracy >= {target}, and '
                'costs are cumulative up to it (— if never reached). Floats count both '

@@ -50,6 +50,8 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.target_accuracy = d['target_accuracy']  # mean accuracy for "costs to target"
   c.checkpoint_every = 10             # rounds between checkpoints (the last round always saves)
   c.checkpoint_keep = 3               # how many of the latest checkpoints to keep
+  c.save_representations = False      # at the end, every client's test representations
+                                      # -> workdir/representations.npz (t-SNE, report)
 
   c.model = ml_collections.ConfigDict()
   c.model.families = models.FAMILY_NAMES  # client k gets families[k % len(families)]

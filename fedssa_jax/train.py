@@ -6,6 +6,7 @@ Outputs in `workdir`:
 - events.out.*    TensorBoard scalars (CLU metric writer)
 - checkpoints/    orbax checkpoints (checkpoint.py); a rerun in the same workdir resumes
 - summary.json    final/best mean accuracy, costs to target, wall time
+- representations.npz  with save_representations: every client's test representations
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ try:
 except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
   metric_writers = periodic_actions = None
 
-from fedssa_jax import checkpoint, config_lib, data, engine
+from fedssa_jax import checkpoint, config_lib, data, engine, representations
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
@@ -239,6 +240,9 @@ def _train_and_evaluate(config, workdir, dataset):
     # The run's wall time continues from the checkpoint's (the time after it is lost).
     start = process_start - progress.elapsed_seconds
     state = _run_rounds(config, workdir, sim, state, progress, meta, ckpts, start)
+    if config.save_representations and jax.process_index() == 0:
+      logging.info('Representations written to %s',
+                   representations.save(sim, state, workdir))
   finally:
     ckpts.close()
 

@@ -1,0 +1,165 @@
+"""Named sweeps: the paper's experiments as lists of runs, for launch/sweep.py.
+
+A run is a name, a config string (`configs/<dataset>.py:<variants>`) and `--config.*` overrides;
+a sweep is a function returning its runs (methods x settings x seeds). Run names depend only on
+the dataset, the variants, the overrides, the method and the seed, so two sweeps that share a
+run give it the same name: pointing `--sweep_dir` of fig4, fig8 or comm_compute at table2's
+folder reuses table2's runs instead of running them again.
+
+  python launch/sweep.py --sweep=table2 --dry_run
+
+Mapping of the paper's ablations to config options (spec FEDSSA.md §5):
+- without adaptive stabilisation = plain replacement of the seen rows by the global ones:
+  `fedssa.mu0=0` (then mu_t = 0 in every round). `fedssa.fusion='reference'` is the official
+  code's fusion, not the ablation.
+- without class-wise aggregation = whole-header averaging: method `lg_fedavg` with
+  `lg_fedavg.weighting='uniform'` (the server averages every participant's whole header,
+  unweighted like FedSSA's class means, and each client's extractor stays local). It differs
+  from "FedSSA minus class-wise aggregation" in one respect: LG-FedAvg evaluates with the
+  global header and has no stabilisation schedule, which is the closest the methods provide.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+METHODS = ('fedssa', 'standalone', 'fd', 'fedproto', 'fml', 'fedkd', 'lg_fedavg',
+           'fedclassavg')
+SEEDS = (0, 1, 2)
+DATASETS = ('cifar10', 'cifar100')
+PAPER_SETTINGS = ('n10', 'n50', 'n100')  # (N, C) = (10, 100%), (50, 20%), (100, 10%)
+
+# Short names of overridden fields in run names; other fields use their last component.
+_SHORT = {'partition.classes_per_client': 'k', 'partition.dirichlet_gamma': 'gamma',
+          'participation': 'C', 'fedssa.mu0': 'mu0_', 'fedssa.t_stable': 'tstable',
+          'lg_fedavg.weighting': 'w', 'save_representations': 'reps_',
+          'num_rounds': 'R', 'local_epochs': 'E'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  name: str
+  config: str                # e.g. 'configs/cifar10.py:hetero,n10'
+  overrides: tuple = ()      # ((field, value), ...), sorted by field; includes method and seed
+
+  @property
+  def override_dict(self) -> dict:
+    return dict(self.overrides)
+
+
+def _value_text(v) -> str:
+  if isinstance(v, bool):
+    return str(v).lower()
+  return str(v)
+
+
+def make_run(dataset: str, variants: str, method: str, seed: int, **overrides) -> Run:
+  """One run; overrides use '__' for '.' (partition__classes_per_client=4)."""
+  fields = {k.replace('__', '.'): v for k, v in overrides.items()}
+  parts = [dataset, *variants.split(',')]
+  parts += [f'{_SHORT.get(k, k.rsplit(".", 1)[-1])}{_value_text(v)}'
+            for k, v in sorted(fields.items())]
+  parts += [method, f's{seed}']
+  fields.update(method=method, seed=seed)
+  return Run('-'.join(parts), f'configs/{dataset}.py:{variants}', tuple(sorted(fields.items())))
+
+
+def grid(datasets, variants, methods=METHODS, seeds=SEEDS, override_sets=({},)) -> list[Run]:
+  """Every combination of dataset, variant string, override set, method and seed."""
+  return [make_run(d, v, m, s, **o) for d, v, o, m, s in
+          itertools.product(datasets, variants, override_sets, methods, seeds)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweeps
+# ----------------------------------------------------------------------------------------------
+
+def table1():
+  """Table 1: model-homogeneous (CNN-1), 8 methods, both data sets, the three (N, C)."""
+  return grid(DATASETS, [f'homo,{s}' for s in PAPER_SETTINGS])
+
+
+def table2():
+  """Table 2: model-heterogeneous (CNN-1..5), 8 methods, both data sets, the three (N, C)."""
+  return grid(DATASETS, [f'hetero,{s}' for s in PAPER_SETTINGS])
+
+
+def comm_compute():
+  """Communication and computation to the target accuracy (a subset of table2's runs)."""
+  return grid(DATASETS, ['hetero,n10'])
+
+
+def fig4():
+  """Figure 4: per-client accuracy box plots: table2's runs."""
+  return table2()
+
+
+def fig5():
+  """Figure 5: t-SNE of every client's test representations, FedSSA vs FedProto, CIFAR-10."""
+  return grid(['cifar10'], ['hetero,n10'], ('fedssa', 'fedproto'), (0,),
+              [{'save_representations': True}])
+
+
+def fig6_7():
+  """Figures 6 and 7: robustness at (100, 10%), FedSSA vs FedProto: classes per client, and
+  Dirichlet gamma. k * N / S must be whole (N=100: any k on either data set)."""
+  vs = ('fedssa', 'fedproto')
+  return (grid(['cifar10'], ['hetero,n100'], vs,
+               override_sets=[{'partition__classes_per_client': k} for k in (2, 4, 6, 8, 10)])
+          + grid(['cifar100'], ['hetero,n100'], vs,
+                 override_sets=[{'partition__classes_per_client': k}
+                                for k in (10, 30, 50, 70, 90, 100)])
+          + grid(DATASETS, ['hetero,n100,dir'], vs,
+                 override_sets=[{'partition__dirichlet_gamma': g}
+                                for g in (0.1, 0.2, 0.3, 0.4, 0.5)]))
+
+
+def appendix_participation():
+  """Participation rate C at N=100, FedSSA vs FedProto, CIFAR-10 and CIFAR-100."""
+  return grid(DATASETS, ['hetero,n100'], ('fedssa', 'fedproto'),
+              override_sets=[{'participation': c} for c in (0.1, 0.2, 0.3, 0.5, 1.0)])
+
+
+def appendix_ablation():
+  """FedSSA, without adaptive stabilisation (mu0=0) and without class-wise aggregation
+  (whole-header averaging, lg_fedavg uniform): see the module docstring."""
+  settings = ['hetero,n10', 'hetero,n100']
+  return (grid(DATASETS, settings, ('fedssa',))
+          + grid(DATASETS, settings, ('fedssa',), override_sets=[{'fedssa__mu0': 0.0}])
+          + grid(DATASETS, settings, ('lg_fedavg',),
+                 override_sets=[{'lg_fedavg__weighting': 'uniform'}]))
+
+
+def appendix_mu0():
+  """FedSSA's mu0 in {0, 0.1, 0.3, 0.5, 0.7, 0.9, 1}, CIFAR-10 and CIFAR-100, hetero N=10."""
+  return grid(DATASETS, ['hetero,n10'], ('fedssa',),
+              override_sets=[{'fedssa__mu0': m} for m in (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)])
+
+
+def appendix_t_stable():
+  """FedSSA's T_stable in {0, 1, 2, 5, 10, 20, 45}, CIFAR-10 and CIFAR-100, hetero N=10."""
+  return grid(DATASETS, ['hetero,n10'], ('fedssa',),
+              override_sets=[{'fedssa__t_stable': t} for t in (0, 1, 2, 5, 10, 20, 45)])
+
+
+def fig8():
+  """Figure 8: mean accuracy against rounds: table2's runs (the report plots every run)."""
+  return table2()
+
+
+def small():
+  """A small check of the whole pipeline: 3 methods x 2 seeds, CIFAR-10, hetero N=10, 2 rounds
+  of one local epoch."""
+  return grid(['cifar10'], ['hetero,n10'], ('fedssa', 'standalone', 'fedproto'), (0, 1),
+              [{'num_rounds': 2, 'local_epochs': 1}])
+
+
+SWEEPS = {f.__name__: f for f in (
+    table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
+    appendix_ablation, appendix_mu0, appendix_t_stable, fig8, small)}
+
+
+def get_sweep(name: str) -> list[Run]:
+  if name not in SWEEPS:
+    raise ValueError(f'Unknown sweep {name!r}; known sweeps: {", ".join(SWEEPS)}.')
+  return SWEEPS[name]()

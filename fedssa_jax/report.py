@@ -1,0 +1,457 @@
+"""Tables and plots of a sweep's runs, shaped like the paper's.
+
+  python -m fedssa_jax.report --sweep_dir=runs/sweeps/table2
+
+Reads every run folder under `sweep_dir` (any folder holding config.json and summary.json; see
+README "Outputs") and writes into `<sweep_dir>/report/`:
+
+- accuracy.md   per model setting (homogeneous: Table 1, heterogeneous: Table 2), rows methods,
+                columns data set x (N, C) x partition; final mean test accuracy in %, mean ±
+                std over seeds, the best mean per column in bold;
+- costs.md      per setting, rounds, floats and client FLOPs to the target accuracy, and how
+                many times more each baseline needs than FedSSA;
+- PNG plots     accuracy against rounds per setting; per-client accuracy box plots per setting
+                (FedSSA and the two best other methods); robustness curves where a setting
+                varies only in classes per client or Dirichlet gamma; t-SNE panels of the saved
+                representations (runs with save_representations=True);
+- index.md      links to all of them.
+
+A setting is read from each run's config.json; a method's label adds its own options that
+differ from the defaults (e.g. `fedssa (mu0=0.0)` for the ablation), so that variations are
+rows of their own.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from fedssa_jax import config_lib, representations
+
+METHOD_ORDER = ('fedssa', 'standalone', 'fd', 'fedproto', 'fml', 'fedkd', 'lg_fedavg',
+                'fedclassavg')
+REFERENCE_METHOD = 'fedssa'
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown helpers (also used by fedssa_jax.compare)
+# ----------------------------------------------------------------------------------------------
+
+def sci(x) -> str:
+  """A number in 3 significant digits, or — for None."""
+  return '—' if x is None else f'{x:.3g}'
+
+
+def markdown_table(columns, rows) -> str:
+  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def mean_std(values, scale: float = 100.0, digits: int = 2) -> str:
+  """'mean ± std' (sample std over seeds) of values × scale; just the value for one seed."""
+  v = np.asarray(values, float) * scale
+  if len(v) == 1:
+    return f'{v[0]:.{digits}f}'
+  return f'{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}'
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading runs
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """What a run was run on, apart from the method and the seed."""
+  dataset: str
+  models: str           # 'homo' (one family) or 'hetero'
+  num_clients: int
+  participation: float
+  partition: str        # '' (the data set's default pathological k), 'k=4', 'Dir(0.1)'
+  scheme: str           # '' (reference pools) or '8:1:1'
+
+  @property
+  def column(self) -> str:
+    """The label within a table of one model setting."""
+    parts = [self.dataset, f'N={self.num_clients}, C={self.participation * 100:g}%']
+    parts += [p for p in (self.partition, self.scheme) if p]
+    return ' '.join(parts)
+
+  @property
+  def label(self) -> str:
+    return f'{self.column} {self.models}'
+
+  @property
+  def slug(self) -> str:
+    text = f'{self.dataset}_{self.models}_n{self.num_clients}_c{self.participation:g}'
+    text += ''.join(f'_{p}' for p in (self.partition, self.scheme) if p)
+    return ''.join(ch if ch.isalnum() or ch in '._-' else '_' for ch in text)
+
+  def sort_key(self):
+    return (self.dataset, self.models, self.num_clients, -self.participation,
+            self.partition.split('=')[0], _number_in(self.partition), self.scheme)
+
+
+def _number_in(text: str) -> float:
+  digits = ''.join(ch for ch in text if ch.isdigit() or ch == '.')
+  try:
+    return float(digits)
+  except ValueError:
+    return 0.0
+
+
+@dataclasses.dataclass
+class Run:
+  path: str
+  config: dict
+  derived: dict
+  summary: dict
+  metrics: list
+  setting: Setting
+  method: str           # label: the method plus its options that differ from the defaults
+  seed: int
+
+
+def setting_of(config: dict) -> Setting:
+  p = config['partition']
+  default_k = config_lib.DATASET_DEFAULTS[config['dataset']]['classes_per_client']
+  if p['kind'] == 'dirichlet':
+    partition = f'Dir({p["dirichlet_gamma"]:g})'
+  else:
+    partition = '' if p['classes_per_client'] == default_k else f'k={p["classes_per_client"]}'
+  return Setting(config['dataset'],
+                 'homo' if len(config['model']['families']) == 1 else 'hetero',
+                 config['num_clients'], float(config['participation']), partition,
+                 '8:1:1' if p['scheme'] == 'paper' else '')
+
+
+def method_label(config: dict, models: str) -> str:
+  """The method, plus its own options (config[method]) that differ from the variant's."""
+  method = config['method']
+  default = config_lib.build(config['dataset'], models).to_dict().get(method)
+  own = config.get(method)
+  if not isinstance(own, dict) or not isinstance(default, dict):
+    return method
+  changed = [f'{k}={v}' for k, v in sorted(own.items()) if default.get(k) != v]
+  return f'{method} ({", ".join(changed)})' if changed else method
+
+
+def load_runs(sweep_dir: str) -> tuple[list[Run], list[str]]:
+  """(finished runs, folders with a config.json but no summary.json yet)."""
+  runs, unfinished = [], []
+  for folder, dirs, files in os.walk(sweep_dir):
+    dirs[:] = sorted(d for d in dirs if d not in ('checkpoints', 'report', 'jobs'))
+    if 'config.json' not in files:
+      continue
+    if 'summary.json' not in files:
+      unfinished.append(folder)
+      continue
+    with open(os.path.join(folder, 'config.json')) as f:
+      cfg = json.load(f)
+    with open(os.path.join(folder, 'summary.json')) as f:
+      summary = json.load(f)
+    metrics = []
+    if 'metrics.jsonl' in files:
+      with open(os.path.join(folder, 'metrics.jsonl')) as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    config = cfg['config']
+    setting = setting_of(config)
+    runs.append(Run(folder, config, cfg.get('derived', {}), summary, metrics, setting,
+                    method_label(config, setting.models), config['seed']))
+  return runs, unfinished
+
+
+def _method_key(label: str):
+  base = label.split(' ')[0]
+  return (METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER), label)
+
+
+def by_setting_and_method(runs) -> dict[Setting, dict[str, list[Run]]]:
+  """setting -> method label -> runs (one per seed), both in table order."""
+  table = collections.defaultdict(lambda: collections.defaultdict(list))
+  for r in runs:
+    table[r.setting][r.method].append(r)
+  return {s: {m: sorted(table[s][m], key=lambda r: r.seed)
+              for m in sorted(table[s], key=_method_key)}
+          for s in sorted(table, key=Setting.sort_key)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+MODEL_TITLES = {'homo': 'Model-homogeneous (every client CNN-1), cf. the paper\'s Table 1',
+                'hetero': 'Model-heterogeneous (CNN-1..5), cf. the paper\'s Table 2'}
+
+
+def accuracy_tables(grouped) -> str:
+  """Per model setting: rows methods, columns settings, final mean accuracy (%) mean ± std."""
+  out = ['# Mean test accuracy (%)', '',
+         'The final round\'s mean over clients of per-client test accuracy; mean ± sample '
+         'std over seeds (n seeds in the last column), the best mean per column in **bold**.',
+         '']
+  for models in ('homo', 'hetero'):
+    settings = [s for s in grouped if s.models == models]
+    if not settings:
+      continue
+    methods = sorted({m for s in settings for m in grouped[s]}, key=_method_key)
+    best = {s: max(np.mean([r.summary['final_mean_accuracy'] for r in rs])
+                   for rs in grouped[s].values()) for s in settings}
+    rows = []
+    for m in methods:
+      cells, seeds = [], set()
+      for s in settings:
+        rs = grouped[s].get(m)
+        if not rs:
+          cells.append('—')
+          continue
+        accs = [r.summary['final_mean_accuracy'] for r in rs]
+        seeds.add(len(rs))
+        text = mean_std(accs)
+        cells.append(f'**{text}**' if np.isclose(np.mean(accs), best[s]) else text)
+      rows.append([m, *cells, '/'.join(str(n) for n in sorted(seeds))])
+    out += [f'## {MODEL_TITLES[models]}', '',
+            markdown_table(['method', *(s.column for s in settings), 'seeds'], rows)]
+  return '\n'.join(out)
+
+
+def _to_target(rs, key):
+  """Mean over the seeds that reached the target of to_target[key], and how many did."""
+  vals = [r.summary['to_target'][key] for r in rs if r.summary.get('to_target')]
+  return (float(np.mean(vals)) if vals else None), len(vals)
+
+
+def ratio_text(baseline, reference) -> str:
+  return '—' if baseline is None or reference is None or reference == 0 else \
+      f'{baseline / reference:.2f}×'
+
+
+def costs_tables(grouped) -> str:
+  """Per setting: rounds, floats and FLOPs to target, and baseline / FedSSA ratios."""
+  out = ['# Communication and computation to the target accuracy', '',
+         'Costs at the first evaluated round whose mean accuracy reaches the target, '
+         'cumulative over the run (floats up + down; client FLOPs of training and fusion), '
+         'averaged over the seeds that reached it ("reached" counts them). A ratio is the '
+         'baseline\'s mean cost divided by FedSSA\'s: how many times more the baseline needs '
+         '(— where either never reached the target).', '']
+  for s, methods in grouped.items():
+    target = next(iter(methods.values()))[0].summary['target_accuracy']
+    ref = methods.get(REFERENCE_METHOD)
+    ref_floats = _to_target(ref, 'cum_floats')[0] if ref else None
+    ref_flops = _to_target(ref, 'cum_client_flops')[0] if ref else None
+    rows = []
+    for m, rs in methods.items():
+      rounds, reached = _to_target(rs, 'round')
+      floats, _ = _to_target(rs, 'cum_floats')
+      flops, _ = _to_target(rs, 'cum_client_flops')
+      rows.append([m, f'{reached}/{len(rs)}', sci(rounds), sci(floats), sci(flops),
+                   ratio_text(floats, ref_floats), ratio_text(flops, ref_flops)])
+    out += [f'## {s.label}, target {target * 100:g}%', '',
+            markdown_table(['method', 'reached', 'rounds', 'floats', 'client FLOPs',
+                            'floats / FedSSA\'s', 'FLOPs / FedSSA\'s'], rows)]
+  return '\n'.join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots (matplotlib and scikit-learn are imported only here)
+# ----------------------------------------------------------------------------------------------
+
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _save(fig, path):
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  _pyplot().close(fig)
+  return path
+
+
+def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for m, rs in methods.items():
+    common = sorted(set.intersection(*(set(x['round'] for x in r.metrics) for r in rs)))
+    if not common:
+      continue
+    acc = np.array([[next(x['mean_accuracy'] for x in r.metrics if x['round'] == t)
+                     for t in common] for r in rs]) * 100
+    line, = ax.plot(common, acc.mean(0), label=m, marker='.' if len(common) < 30 else None)
+    if len(rs) > 1:
+      ax.fill_between(common, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
+  ax.set(xlabel='round', ylabel='mean test accuracy (%)', title=setting.label)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  return _save(fig, path)
+
+
+def boxplot_methods(methods) -> list[str]:
+  """FedSSA and the two best other methods by mean final accuracy (the paper's Figure 4);
+  every method when there are at most three."""
+  if len(methods) <= 3 or REFERENCE_METHOD not in methods:
+    return list(methods)
+  mean = {m: np.mean([r.summary['final_mean_accuracy'] for r in rs])
+          for m, rs in methods.items() if m != REFERENCE_METHOD}
+  best = sorted(mean, key=mean.get, reverse=True)[:2]
+  return [REFERENCE_METHOD, *best]
+
+
+def plot_client_boxes(setting: Setting, methods, path: str) -> str:
+  plt = _pyplot()
+  names = boxplot_methods(methods)
+  data = [np.concatenate([r.summary['final_client_accuracy'] for r in methods[m]]) * 100
+          for m in names]
+  fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(names), 4))
+  ax.boxplot(data)
+  ax.set_xticks(range(1, len(names) + 1), names, rotation=20, fontsize=8)
+  ax.set(ylabel='client test accuracy (%)', title=f'{setting.label}\n(clients of all seeds)')
+  ax.grid(alpha=0.3, axis='y')
+  return _save(fig, path)
+
+
+def robustness_series(grouped) -> dict[tuple, dict]:
+  """Settings that differ only in k (classes per client) or Dirichlet gamma: (dataset, models,
+  N, C, 'k' or 'gamma') -> {method: [(x, mean accuracy, std), ...]}. Kept only with >= 2 x."""
+  series = collections.defaultdict(lambda: collections.defaultdict(list))
+  for s, methods in grouped.items():
+    if s.partition.startswith('Dir('):
+      axis, x = 'gamma', float(s.partition[4:-1])
+    else:
+      k = s.partition[2:] if s.partition else config_lib.DATASET_DEFAULTS[s.dataset][
+          'classes_per_client']
+      axis, x = 'k', float(k)
+    key = (s.dataset, s.models, s.num_clients, s.participation, axis)
+    for m, rs in methods.items():
+      accs = [r.summary['final_mean_accuracy'] * 100 for r in rs]
+      series[key][m].append((x, float(np.mean(accs)), float(np.std(accs))))
+  return {k: {m: sorted(v) for m, v in ms.items()} for k, ms in series.items()
+          if len({x for v in ms.values() for x, _, _ in v}) >= 2}
+
+
+def plot_robustness(key, methods, path: str) -> str:
+  plt = _pyplot()
+  dataset, models, n, c, axis = key
+  fig, ax = plt.subplots(figsize=(5, 3.6))
+  for m, pts in methods.items():
+    x, y, e = map(np.array, zip(*pts))
+    ax.errorbar(x, y, yerr=e, label=m, marker='o', capsize=3)
+  ax.set_xticks(sorted({x for pts in methods.values() for x, _, _ in pts}))
+  ax.set(xlabel='classes per client' if axis == 'k' else 'Dirichlet γ',
+         ylabel='mean test accuracy (%)', title=f'{dataset} {models} N={n}, C={c * 100:g}%')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return _save(fig, path)
+
+
+def plot_tsne(title: str, reps: dict[str, dict], path: str, max_points: int = 3000,
+              seed: int = 0) -> str:
+  """One panel per method: t-SNE of the saved representations, coloured by class."""
+  from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, len(reps), figsize=(4.5 * len(reps), 4.2), squeeze=False)
+  rng = np.random.default_rng(seed)
+  for ax, (m, saved) in zip(axes[0], reps.items()):
+    x, y = saved['representations'].astype(np.float32), saved['labels']
+    if len(x) > max_points:
+      keep = rng.choice(len(x), max_points, replace=False)
+      x, y = x[keep], y[keep]
+    emb = TSNE(n_components=2, init='pca', random_state=seed,
+               perplexity=float(min(30, max(2, len(x) // 4)))).fit_transform(x)
+    ax.scatter(emb[:, 0], emb[:, 1], c=y, cmap='tab10' if y.max() < 10 else 'tab20', s=3)
+    ax.set(title=m, xticks=[], yticks=[])
+  fig.suptitle(title)
+  return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------
+
+def write_report(sweep_dir: str, out_dir: str | None = None) -> str:
+  """Writes the tables, plots and index.md; returns the path of index.md."""
+  runs, unfinished = load_runs(sweep_dir)
+  if not runs:
+    raise FileNotFoundError(
+        f'No finished runs (folders with config.json and summary.json) under {sweep_dir!r}. '
+        'Run the sweep first: python launch/sweep.py --sweep=<name> --sweep_dir=' + sweep_dir)
+  out_dir = out_dir or os.path.join(sweep_dir, 'report')
+  os.makedirs(out_dir, exist_ok=True)
+  grouped = by_setting_and_method(runs)
+  rel = lambda p: os.path.relpath(p, out_dir)
+
+  for name, text in (('accuracy.md', accuracy_tables(grouped)),
+                     ('costs.md', costs_tables(grouped))):
+    with open(os.path.join(out_dir, name), 'w') as f:
+      f.write(text)
+  index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
+           f'{len(runs)} finished runs in {len(grouped)} settings'
+           + (f'; {len(unfinished)} not finished (left out): '
+              + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
+           '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
+           '- [Communication and computation to the target](costs.md)', '']
+
+  rows = []
+  for s, methods in grouped.items():
+    rounds = sorted({r.summary['rounds'] for rs in methods.values() for r in rs})
+    curves = plot_accuracy_vs_rounds(s, methods, os.path.join(out_dir, f'rounds_{s.slug}.png'))
+    boxes = plot_client_boxes(s, methods, os.path.join(out_dir, f'boxes_{s.slug}.png'))
+    rows.append([s.label, len(methods), '/'.join(map(str, rounds)), f'[png]({rel(curves)})',
+                 f'[png]({rel(boxes)})'])
+  index += ['## Per setting', '', markdown_table(
+      ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes'],
+      rows)]
+
+  robust = robustness_series(grouped)
+  if robust:
+    index += ['## Robustness', '']
+    for key, methods in robust.items():
+      dataset, models, n, c, axis = key
+      path = plot_robustness(key, methods, os.path.join(
+          out_dir, f'robustness_{axis}_{dataset}_{models}_n{n}_c{c:g}.png'))
+      index.append(f'- [{dataset} {models} N={n}, C={c * 100:g}%, against '
+                   f'{"classes per client" if axis == "k" else "Dirichlet γ"}]({rel(path)})')
+    index.append('')
+
+  tsne = collections.defaultdict(dict)  # (setting, seed) -> method -> saved arrays
+  for r in runs:
+    path = os.path.join(r.path, representations.FILENAME)
+    if os.path.exists(path):
+      tsne[(r.setting, r.seed)][r.method] = dict(np.load(path))
+  if tsne:
+    index += ['## t-SNE of the test representations', '']
+    for (s, seed), reps in sorted(tsne.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1])):
+      reps = dict(sorted(reps.items(), key=lambda kv: _method_key(kv[0])))
+      path = plot_tsne(f'{s.label}, seed {seed}', reps,
+                       os.path.join(out_dir, f'tsne_{s.slug}_s{seed}.png'))
+      index.append(f'- [{s.label}, seed {seed}: {", ".join(reps)}]({rel(path)})')
+    index.append('')
+
+  path = os.path.join(out_dir, 'index.md')
+  with open(path, 'w') as f:
+    f.write('\n'.join(index))
+  return path
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  path = write_report(FLAGS.sweep_dir, FLAGS.out_dir)
+  print(f'Wrote {path}')
+
+
+if __name__ == '__main__':
+  flags.DEFINE_string('sweep_dir', None, 'A folder of run folders (e.g. a sweep\'s).')
+  flags.DEFINE_string('out_dir', None, 'Where to write; default <sweep_dir>/report.')
+  flags.mark_flags_as_required(['sweep_dir'])
+  app.run(main)

@@ -1,0 +1,250 @@
+"""Runs a named sweep of configs/sweeps.py: locally, or as one SLURM or TPU-VM job per run.
+
+  python launch/sweep.py --sweep=small --data_dir=$HOME/tensorflow_datasets
+  python launch/sweep.py --sweep=table2 --dry_run            # print the commands
+  python launch/sweep.py --sweep=table2 --mode=slurm         # write jobs, print how to submit
+  python -m fedssa_jax.report --sweep_dir=runs/sweeps/small  # tables and plots
+
+Every run has its own workdir, `<sweep_dir>/<run name>`. A run whose summary.json exists is
+skipped; any other run is started, and one that was interrupted resumes from its newest
+checkpoint (fedssa_jax.main does that by itself), so rerunning the same command finishes a sweep.
+`--num_rounds`, `--local_epochs`, `--data_dir` and `--set=field=value` apply to every run; they
+do not change run names (a resume may change only num_rounds and data_dir; see README).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXIT_PREEMPTED = 75  # fedssa_jax.train.EXIT_PREEMPTED (not imported: this script loads no JAX)
+
+flags.DEFINE_string('sweep', None, 'A sweep name from configs/sweeps.py.')
+flags.DEFINE_string('sweep_dir', None, 'Folder of the run workdirs; default runs/sweeps/<sweep>.')
+flags.DEFINE_bool('dry_run', False, 'Print the commands of the runs still to do, run nothing.')
+flags.DEFINE_enum('mode', 'local', ['local', 'slurm', 'tpu'],
+                  'local: run here; slurm, tpu: write one job script per run into '
+                  '<sweep_dir>/jobs and print how to submit them.')
+flags.DEFINE_integer('parallel', 1, 'local: runs at once, sharing the devices.')
+flags.DEFINE_string('data_dir', None, 'TFDS data_dir for every run.')
+flags.DEFINE_integer('num_rounds', None, 'Override num_rounds of every run.')
+flags.DEFINE_integer('local_epochs', None, 'Override local_epochs of every run.')
+flags.DEFINE_multi_string('set', [], 'field=value: a further --config.field=value for every run.')
+flags.DEFINE_string('python', None, 'Python of the runs; default this one (local) or `python` '
+                    '(job scripts).')
+flags.DEFINE_multi_string('slurm_option', ['--gres=gpu:1', '--time=48:00:00'],
+                          'slurm: an #SBATCH option (repeatable).')
+flags.DEFINE_string('tpu_repo', '~/fedssa_jax', 'tpu: the repository path on the TPU VM.')
+FLAGS = flags.FLAGS
+
+
+def load_sweeps():
+  """configs/sweeps.py as a module (configs/ is not a package)."""
+  path = os.path.join(REPO, 'configs', 'sweeps.py')
+  spec = importlib.util.spec_from_file_location('fedssa_sweeps', path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+def extra_overrides(data_dir=None, num_rounds=None, local_epochs=None, sets=()) -> dict:
+  """The launcher's overrides for every run, as config fields."""
+  extra = {k: v for k, v in (('data_dir', data_dir), ('num_rounds', num_rounds),
+                             ('local_epochs', local_epochs)) if v is not None}
+  for item in sets:
+    field, sep, value = item.partition('=')
+    if not sep or not field:
+      raise app.UsageError(f'--set={item!r} must be field=value, e.g. --set=eval_every=5.')
+    extra[field.removeprefix('config.')] = value
+  return extra
+
+
+def run_command(run, sweep_dir: str, extra: dict, python: str) -> list[str]:
+  """The fedssa_jax.main command line of one run; `extra` overrides the run's own fields."""
+  fields = {**run.override_dict, **extra}
+  return [python, '-m', 'fedssa_jax.main', f'--config={run.config}',
+          f'--workdir={os.path.join(sweep_dir, run.name)}',
+          *(f'--config.{k}={v}' for k, v in sorted(fields.items()))]
+
+
+def is_done(sweep_dir: str, run) -> bool:
+  return os.path.exists(os.path.join(sweep_dir, run.name, 'summary.json'))
+
+
+# ----------------------------------------------------------------------------------------------
+# Local runs
+# ----------------------------------------------------------------------------------------------
+
+def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str]:
+  """Runs (name, command, workdir) jobs, `parallel` at a time, each logging to
+  <workdir>/sweep.log. Returns the names of the runs that did not finish."""
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
+  if parallel > 1:  # share accelerator memory instead of each process taking 75%
+    env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
+  queue, running, unfinished = list(jobs), {}, []
+  total = len(jobs)
+  try:
+    while queue or running:
+      while queue and len(running) < parallel:
+        name, cmd, workdir = queue.pop(0)
+        os.makedirs(workdir, exist_ok=True)
+        log = open(os.path.join(workdir, 'sweep.log'), 'a')
+        running[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT), log, workdir)
+        print(f'[{total - len(queue)}/{total}] {name}: '
+              f'started (log {os.path.join(workdir, "sweep.log")})', flush=True)
+      time.sleep(0.5)
+      for name, (proc, log, workdir) in list(running.items()):
+        rc = proc.poll()
+        if rc is None:
+          continue
+        log.close()
+        del running[name]
+        print(f'{name}: {_outcome(rc, workdir)}', flush=True)
+        if rc:
+          unfinished.append(name)
+  except KeyboardInterrupt:
+    # The runs got the same SIGINT: each finishes its round, checkpoints and exits 75.
+    print('Interrupted: waiting for the running runs to checkpoint. Rerun the same command to '
+          'resume.', flush=True)
+    for name, (proc, log, _) in running.items():
+      proc.wait()
+      log.close()
+      unfinished.append(name)
+    unfinished += [name for name, _, _ in queue]
+  return unfinished
+
+
+def _outcome(rc: int, workdir: str) -> str:
+  if rc == 0:
+    return 'done'
+  if rc == EXIT_PREEMPTED:
+    return 'stopped after a checkpoint (rerun the sweep to resume it)'
+  return f'FAILED with exit status {rc}; see {os.path.join(workdir, "sweep.log")}'
+
+
+# ----------------------------------------------------------------------------------------------
+# Job scripts
+# ----------------------------------------------------------------------------------------------
+
+def slurm_script(name: str, cmd: list[str], workdir: str, options) -> str:
+  """A single-host SLURM job. SIGTERM 2 minutes before the time limit (or on preemption) makes
+  the run checkpoint and exit 75, and the job requeues itself to resume."""
+  lines = ['#!/bin/bash', f'#SBATCH --job-name={name}',
+           f'#SBATCH --output={os.path.join(workdir, "slurm-%j.out")}', '#SBATCH --requeue',
+           '#SBATCH --signal=B:TERM@120', *(f'#SBATCH {o}' for o in options),
+           f'cd {shlex.quote(REPO)}',
+           f'[ -f {shlex.quote(os.path.join(workdir, "summary.json"))} ] && exit 0',
+           f'export PYTHONPATH={shlex.quote(REPO)}${{PYTHONPATH:+:$PYTHONPATH}}',
+           'trap \'kill -TERM "$child" 2>/dev/null\' TERM',
+           f'{shlex.join(cmd)} &', 'child=$!',
+           'wait "$child"; rc=$?',
+           'while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done',
+           f'if [ "$rc" -eq {EXIT_PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+           'exit "$rc"']
+  return '\n'.join(lines) + '\n'
+
+
+def tpu_script(name: str, cmd: list[str], remote_repo: str) -> str:
+  """Runs one run on a single-host TPU VM over gcloud; the VM holds the repository and data."""
+  remote = f'cd {remote_repo} && PYTHONPATH=. {shlex.join(cmd)}'
+  return '\n'.join([
+      '#!/bin/bash', f'# Sweep run {name} on the TPU VM $TPU_NAME in zone $TPU_ZONE.',
+      'set -euo pipefail',
+      ': "${TPU_NAME:?set TPU_NAME to the TPU VM}" "${TPU_ZONE:?set TPU_ZONE to its zone}"',
+      'gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$TPU_ZONE" --worker=all '
+      f'--command={shlex.quote(remote)}']) + '\n'
+
+
+def write_jobs(mode: str, jobs, sweep_dir: str, slurm_options, remote_repo: str) -> list[str]:
+  jobs_dir = os.path.join(sweep_dir, 'jobs')
+  os.makedirs(jobs_dir, exist_ok=True)
+  paths = []
+  for name, cmd, workdir in jobs:
+    if mode == 'slurm':
+      os.makedirs(workdir, exist_ok=True)
+      path, text = os.path.join(jobs_dir, f'{name}.sbatch'), slurm_script(name, cmd, workdir,
+                                                                         slurm_options)
+    else:
+      path, text = os.path.join(jobs_dir, f'{name}.sh'), tpu_script(name, cmd, remote_repo)
+    with open(path, 'w') as f:
+      f.write(text)
+    os.chmod(path, 0o755)
+    paths.append(path)
+  return paths
+
+
+# ----------------------------------------------------------------------------------------------
+
+def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bool = False):
+  """(sweep_dir, all runs, [(name, command, workdir)] of the runs still to do). With `remote`,
+  commands name workdirs relative to the repository (for the copy on a TPU VM)."""
+  sweeps = load_sweeps()
+  try:
+    runs = sweeps.get_sweep(sweep)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  sweep_dir = os.path.abspath(sweep_dir or os.path.join(REPO, 'runs', 'sweeps', sweep))
+  cmd_dir = (os.path.relpath(sweep_dir, REPO) if remote and sweep_dir.startswith(REPO + os.sep)
+             else sweep_dir)
+  jobs = [(r.name, run_command(r, cmd_dir, extra, python), os.path.join(sweep_dir, r.name))
+          for r in runs if not is_done(sweep_dir, r)]
+  return sweep_dir, runs, jobs
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if FLAGS.parallel < 1:
+    raise app.UsageError(f'--parallel must be >= 1, got {FLAGS.parallel}.')
+  python = FLAGS.python or (sys.executable if FLAGS.mode == 'local' else 'python')
+  extra = extra_overrides(FLAGS.data_dir, FLAGS.num_rounds, FLAGS.local_epochs, FLAGS.set)
+  sweep_dir, runs, jobs = plan(FLAGS.sweep, FLAGS.sweep_dir, extra, python,
+                               remote=FLAGS.mode == 'tpu')
+  print(f'Sweep {FLAGS.sweep}: {len(runs)} runs, {len(runs) - len(jobs)} done, {len(jobs)} to '
+        f'do, in {sweep_dir}', flush=True)
+  if FLAGS.dry_run:
+    for _, cmd, _ in jobs:
+      print(shlex.join(cmd))
+    return 0
+  os.makedirs(sweep_dir, exist_ok=True)
+  with open(os.path.join(sweep_dir, 'sweep.json'), 'w') as f:
+    json.dump({'sweep': FLAGS.sweep, 'extra_overrides': extra,
+               'runs': [{'name': r.name, 'config': r.config, 'overrides': r.override_dict}
+                        for r in runs]}, f, indent=2)
+  if FLAGS.mode == 'local':
+    unfinished = run_local(jobs, FLAGS.parallel)
+    if unfinished:
+      print(f'{len(unfinished)} runs did not finish: {", ".join(unfinished)}. Rerun the same '
+            'command to resume them.')
+      return 1
+    print(f'All {len(runs)} runs done. Report: python -m fedssa_jax.report '
+          f'--sweep_dir={sweep_dir}')
+    return 0
+  paths = write_jobs(FLAGS.mode, jobs, sweep_dir, FLAGS.slurm_option, FLAGS.tpu_repo)
+  jobs_dir = os.path.join(sweep_dir, 'jobs')
+  if FLAGS.mode == 'slurm':
+    print(f'Wrote {len(paths)} SLURM jobs. Submit them with:\n'
+          f'  for f in {jobs_dir}/*.sbatch; do sbatch "$f"; done')
+  else:
+    print(f'Wrote {len(paths)} TPU-VM jobs. With the repository and data on the VM at '
+          f'{FLAGS.tpu_repo}, run them one after another with:\n'
+          f'  export TPU_NAME=... TPU_ZONE=...; for f in {jobs_dir}/*.sh; do bash "$f"; done\n'
+          f'then copy the run folders back (gcloud compute tpus tpu-vm scp --recurse) for the '
+          'report.')
+  return 0
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('sweep')
+  app.run(lambda argv: sys.exit(main(argv)))

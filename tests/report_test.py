@@ -1,0 +1,135 @@
+"""fedssa_jax.report on synthetic run folders with known values."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fedssa_jax import config_lib, report, representations
+
+
+def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
+              accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8)):
+  """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json."""
+  c = config_lib.build(dataset, variants)
+  c.method, c.seed = method, seed
+  for field, value in (overrides or {}).items():
+    node = c
+    *parents, leaf = field.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  d = os.path.join(root, name)
+  os.makedirs(d)
+  with open(os.path.join(d, 'config.json'), 'w') as f:
+    json.dump({'config': c.to_dict(), 'derived': {}}, f)
+  with open(os.path.join(d, 'metrics.jsonl'), 'w') as f:
+    for i, a in enumerate(accs):
+      f.write(json.dumps({'round': i + 1, 'mean_accuracy': a}) + '\n')
+  summary = {'rounds': len(accs), 'final_mean_accuracy': accs[-1],
+             'best_mean_accuracy': max(accs), 'final_client_accuracy': list(clients),
+             'target_accuracy': 0.6, 'to_target': to_target}
+  with open(os.path.join(d, 'summary.json'), 'w') as f:
+    json.dump(summary, f)
+  return d
+
+
+def cost(rounds, floats, flops):
+  return {'round': rounds, 'cum_floats': floats, 'cum_client_flops': flops}
+
+
+@pytest.fixture
+def sweep(tmp_path):
+  root = str(tmp_path)
+  # cifar10 hetero N=10: FedSSA 70 and 72 %, Standalone 75 and 77 % (best), FedProto 60 %.
+  write_run(root, 'a0', accs=(0.5, 0.70), to_target=cost(2, 1000.0, 4e9))
+  write_run(root, 'a1', seed=1, accs=(0.5, 0.72), to_target=cost(2, 3000.0, 8e9))
+  write_run(root, 'b0', method='standalone', accs=(0.6, 0.75), to_target=cost(1, 0.0, 3e9))
+  write_run(root, 'b1', method='standalone', seed=1, accs=(0.6, 0.77),
+            to_target=cost(1, 0.0, 3e9))
+  write_run(root, 'c0', method='fedproto', accs=(0.5, 0.60),
+            to_target=cost(2, 30000.0, 1.2e10))
+  # The ablation: its own row.
+  write_run(root, 'd0', accs=(0.5, 0.65), overrides={'fedssa.mu0': 0.0})
+  # Robustness: cifar10 hetero N=100 with k = 2 (default), 4, and a Dirichlet gamma.
+  for k, acc in ((2, 0.8), (4, 0.7)):
+    for m in ('fedssa', 'fedproto'):
+      write_run(root, f'k{k}{m}', method=m, variants='hetero,n100', accs=(acc - 0.01, acc),
+                overrides={'partition.classes_per_client': k})
+  # An unfinished run is listed, not counted.
+  os.makedirs(os.path.join(root, 'e0'))
+  open(os.path.join(root, 'e0', 'config.json'), 'w').write('{}')
+  return root
+
+
+def table_row(text, method):
+  return next(l for l in text.splitlines() if l.startswith(f'| {method} |')).split(' | ')
+
+
+def test_accuracy_table_mean_std_and_bold_best(sweep):
+  index = report.write_report(sweep)
+  out = os.path.dirname(index)
+  text = open(os.path.join(out, 'accuracy.md')).read()
+  assert '| method | cifar10 N=10, C=100% | cifar10 N=100, C=10% | cifar10 N=100, C=10% k=4 |' \
+      in text
+  # Sample std over two seeds: 70, 72 -> 71.00 ± 1.41.
+  assert table_row(text, 'fedssa')[1] == f'71.00 ± {np.std([70, 72], ddof=1):.2f}'
+  assert table_row(text, 'standalone')[1] == '**76.00 ± 1.41**'
+  assert table_row(text, 'fedproto')[1] == '60.00'
+  assert table_row(text, 'fedssa (mu0=0.0)')[1] == '65.00'
+  # N=100: FedSSA and FedProto tie at 80 %: both bold.
+  assert table_row(text, 'fedssa')[2] == '**80.00**' and table_row(text, 'fedproto')[2] == \
+      '**80.00**'
+  assert table_row(text, 'standalone')[2] == '—'
+
+
+def test_costs_table_ratios_against_fedssa(sweep):
+  text = open(os.path.dirname(report.write_report(sweep)) + '/costs.md').read()
+  section = text.split('## cifar10 N=10, C=100% hetero, target 60%')[1].split('##')[0]
+  # FedSSA's means over its two seeds: 2000 floats, 6e9 FLOPs.
+  assert table_row(section, 'fedssa') == ['| fedssa', '2/2', '2', '2e+03', '6e+09', '1.00×',
+                                          '1.00× |']
+  assert table_row(section, 'fedproto') == ['| fedproto', '1/1', '2', '3e+04', '1.2e+10',
+                                            '15.00×', '2.00× |']
+  assert table_row(section, 'standalone')[5:] == ['0.00×', '0.50× |']
+  assert table_row(section, 'fedssa (mu0=0.0)')[1:3] == ['0/1', '—']
+
+
+def test_plots_and_index(sweep):
+  index = report.write_report(sweep)
+  out = os.path.dirname(index)
+  text = open(index).read()
+  assert '10 finished runs in 3 settings; 1 not finished' in text
+  pngs = sorted(f for f in os.listdir(out) if f.endswith('.png'))
+  assert 'robustness_k_cifar10_hetero_n100_c0.1.png' in pngs
+  assert len([p for p in pngs if p.startswith('rounds_')]) == 3
+  assert len([p for p in pngs if p.startswith('boxes_')]) == 3
+  for p in pngs:
+    assert f'({p})' in text
+    assert open(os.path.join(out, p), 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
+  assert '(accuracy.md)' in text and '(costs.md)' in text
+
+
+def test_box_plots_show_fedssa_and_the_two_best_others():
+  summaries = {m: [type('R', (), {'summary': {'final_mean_accuracy': a}})()]
+               for m, a in (('fedssa', 0.5), ('fd', 0.9), ('fml', 0.1), ('fedkd', 0.8))}
+  assert report.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
+
+
+def test_tsne_panels_from_saved_representations(tmp_path):
+  rng = np.random.default_rng(0)
+  for m in ('fedssa', 'fedproto'):
+    d = write_run(str(tmp_path), m, method=m)
+    labels = np.repeat(np.arange(4), 15)
+    reps = (labels[:, None] * 3 + rng.normal(size=(60, 500))).astype(np.float16)
+    np.savez(os.path.join(d, representations.FILENAME), representations=reps, labels=labels,
+             client=np.zeros(60, np.int32))
+  text = open(report.write_report(str(tmp_path))).read()
+  assert '[cifar10 N=10, C=100% hetero, seed 0: fedssa, fedproto](tsne_cifar10_hetero_n10_c1_s0.png)' \
+      in text
+  assert os.path.exists(tmp_path / 'report' / 'tsne_cifar10_hetero_n10_c1_s0.png')
+
+
+def test_no_runs_names_the_fix(tmp_path):
+  with pytest.raises(FileNotFoundError, match='Run the sweep first'):
+    report.write_report(str(tmp_path))

@@ -1,0 +1,115 @@
+"""Sweep expansion (configs/sweeps.py) and the launcher's commands and job scripts."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name, path):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+sweep = _load('sweep_launcher', 'launch/sweep.py')
+sweeps = sweep.load_sweeps()
+
+
+@pytest.mark.parametrize('name, count', [
+    ('table1', 2 * 3 * 8 * 3), ('table2', 2 * 3 * 8 * 3), ('fig4', 144), ('fig8', 144),
+    ('comm_compute', 2 * 8 * 3), ('fig5', 2), ('fig6_7', (5 + 6 + 2 * 5) * 2 * 3),
+    ('appendix_participation', 2 * 5 * 2 * 3), ('appendix_ablation', 2 * 2 * 3 * 3),
+    ('appendix_mu0', 2 * 7 * 3), ('appendix_t_stable', 2 * 7 * 3), ('small', 6)])
+def test_every_sweep_expands_to_unique_names_and_valid_configs(name, count):
+  from fedssa_jax import config_lib
+  runs = sweeps.get_sweep(name)
+  assert len(runs) == count
+  assert len({r.name for r in runs}) == count
+  for r in runs:  # every run's config passes validation (e.g. k*N/S whole), before compute
+    path, variants = r.config.split(':')
+    c = config_lib.build(os.path.basename(path)[:-3], variants)
+    for field, value in r.overrides:
+      node = c
+      *parents, leaf = field.split('.')
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
+    config_lib.validate(c)
+
+
+def test_shared_runs_have_the_same_names():
+  table2 = {r.name for r in sweeps.get_sweep('table2')}
+  assert {r.name for r in sweeps.get_sweep('comm_compute')} <= table2
+  assert {r.name for r in sweeps.get_sweep('fig8')} == table2
+
+
+def test_unknown_sweep_lists_the_known_ones():
+  with pytest.raises(ValueError, match='known sweeps: table1, table2'):
+    sweeps.get_sweep('tabel2')
+
+
+def test_dry_run_lists_the_small_sweep_and_skips_finished_runs(tmp_path):
+  run_dir = tmp_path / 'cifar10-hetero-n10-E1-R2-fedssa-s1'
+  run_dir.mkdir()
+  (run_dir / 'summary.json').write_text('{}')
+  env = dict(os.environ, PYTHONPATH=REPO)
+  out = subprocess.run(
+      [sys.executable, 'launch/sweep.py', '--sweep=small', '--dry_run', f'--sweep_dir={tmp_path}',
+       '--data_dir=/data', '--num_rounds=3', '--set=eval_every=2'],
+      cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+  lines = out.strip().splitlines()
+  assert lines[0].startswith('Sweep small: 6 runs, 1 done, 5 to do')
+  cmds = lines[1:]
+  assert len(cmds) == 5
+  assert not any('fedssa-s1' in c for c in cmds)
+  first = cmds[0]
+  assert (f'-m fedssa_jax.main --config=configs/cifar10.py:hetero,n10 '
+          f'--workdir={tmp_path}/cifar10-hetero-n10-E1-R2-fedssa-s0 ') in first
+  # The launcher's overrides replace the sweep's (num_rounds 2 -> 3) and add to them.
+  for flag in ('--config.data_dir=/data', '--config.num_rounds=3', '--config.eval_every=2',
+               '--config.method=fedssa', '--config.seed=0', '--config.local_epochs=1'):
+    assert flag in first.split()
+  assert not (tmp_path / 'sweep.json').exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize('mode, suffix', [('slurm', '.sbatch'), ('tpu', '.sh')])
+def test_job_scripts_one_per_run(tmp_path, mode, suffix):
+  runs = sweeps.get_sweep('small')
+  jobs = [(r.name, sweep.run_command(r, str(tmp_path), {}, 'python'), str(tmp_path / r.name))
+          for r in runs]
+  paths = sweep.write_jobs(mode, jobs, str(tmp_path), ['--gres=gpu:1'], '~/repo')
+  assert sorted(os.path.basename(p) for p in paths) == sorted(r.name + suffix for r in runs)
+  text = open(paths[0]).read()
+  assert '-m fedssa_jax.main --config=configs/cifar10.py:hetero,n10' in text
+  if mode == 'slurm':
+    assert '#SBATCH --gres=gpu:1' in text and 'scontrol requeue' in text
+  else:
+    assert 'gcloud compute tpus tpu-vm ssh "$TPU_NAME"' in text and '--worker=all' in text
+
+
+def test_bad_set_flag_names_the_form():
+  with pytest.raises(Exception, match='field=value'):
+    sweep.extra_overrides(sets=['eval_every'])
+
+
+def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, capsys):
+  seen = tmp_path / 'seen'
+  ok = [sys.executable, '-c', 'import os, sys; open(sys.argv[1], "w").write('
+        'os.getcwd() + "\\n" + os.environ["PYTHONPATH"])', str(seen)]
+  jobs = [('ok', ok, str(tmp_path / 'ok')),
+          ('preempted', [sys.executable, '-c', 'raise SystemExit(75)'], str(tmp_path / 'p')),
+          ('broken', [sys.executable, '-c', 'raise SystemExit(3)'], str(tmp_path / 'b'))]
+  unfinished = sweep.run_local(jobs, parallel=2)
+  assert sorted(unfinished) == ['broken', 'preempted']
+  out = capsys.readouterr().out
+  assert 'preempted: stopped after a checkpoint (rerun the sweep to resume it)' in out
+  assert f'broken: FAILED with exit status 3; see {tmp_path}/b/sweep.log' in out
+  # The runs start in the repository root (config paths are relative to it) and import it.
+  cwd, pythonpath = seen.read_text().splitlines()
+  assert cwd == REPO and pythonpath.split(os.pathsep)[0] == REPO
