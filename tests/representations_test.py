@@ -10,7 +10,7 @@ from conftest import synthetic_dataset
 
 def test_a_run_saves_every_clients_test_representations(tmp_path):
   c = config_lib.build('cifar10', 'hetero,tiny')
-  c.method, c.model.families = 'lg_fedavg', ('cnn1',)  # evaluated with the global header
+  c.method, c.model.families = 'lg_fedavg', ('cnn5',)  # evaluated with the global header
   c.num_rounds, c.save_representations = 1, True
   ds = synthetic_dataset()
   train.train_and_evaluate(c, str(tmp_path), dataset=ds)
