@@ -213,7 +213,7 @@ class Simulator:
 
     def sharded(*args):
       in_specs = (P(CLIENTS),) * num_sharded + (P(),) * (len(args) - num_sharded)
-      # No collectives inside; check_vma off, as loop carries start from replicated zeros.
+      # check_vma off: `fn` has no collectives, and its outputs are per client by construction.
       return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(CLIENTS),
                            check_vma=False)(*args)
     return sharded

@@ -6,6 +6,7 @@ runs this in a subprocess, since the device count is fixed when JAX starts:
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402  (full float32 matmuls, the synthetic data set)
 import engine_test  # noqa: E402  (the small configs)
-from fedssa_jax import data, engine  # noqa: E402
+from fedssa_jax import checkpoint  # noqa: E402
 
 
 def sharding_facts(sim, state):
@@ -40,7 +41,7 @@ def one_run(method, mesh_devices, ds, rounds, families):
   host = sim.unpadded(state)
   server_sum = sum(float(np.abs(np.asarray(x, np.float64)).sum())
                    for x in jax.tree.leaves(host['server']))
-  return {
+  return sim, state, {
       'sharding': sharding_facts(sim, state),
       'cohorts': [i['cohort'].tolist() for i in infos],
       'train_loss': [i['train_loss'] for i in infos],
@@ -63,11 +64,29 @@ def main(runs):
   """runs: 'method:rounds:family,family' each; every one on one device and on all of them."""
   ds = conftest.synthetic_dataset()
   out = {'devices': jax.device_count()}
-  for run in runs:
+  for i, run in enumerate(runs):
     method, rounds, families = run.split(':')
-    out[method] = {str(d): one_run(method, d, ds, int(rounds), tuple(families.split(',')))
-                   for d in (1, 0)}
+    sims = {d: one_run(method, d, ds, int(rounds), tuple(families.split(','))) for d in (1, 0)}
+    out[method] = {str(d): r for d, (_, _, r) in sims.items()}
+    if i == 0:
+      out[method]['resume'] = resume_across_meshes(sims[1][:2], sims[0][:2])
   print('RESULT ' + json.dumps(out))
+
+
+def resume_across_meshes(run1, run8):
+  """Checkpoints the one-device run, resumes it on the mesh, and runs one more round on both."""
+  (sim1, state1), (sim8, state8) = run1, run8
+  with tempfile.TemporaryDirectory() as d:
+    ckpts = checkpoint.Checkpointer(d)
+    ckpts.save(sim1.unpadded(state1), {}, {})
+    restored = sim8.place(ckpts.restore_latest(template=sim8.unpadded(state8)).state)
+    ckpts.close()
+  facts = sharding_facts(sim8, restored)
+  _, info1 = sim1.run_round(state1)
+  _, info8 = sim8.run_round(restored)
+  return {'sharding': facts, 'cohorts': [info1['cohort'].tolist(), info8['cohort'].tolist()],
+          'train_loss': [info1['train_loss'], info8['train_loss']],
+          'up_floats': [info1['up_floats'], info8['up_floats']]}
 
 
 if __name__ == '__main__':

@@ -55,3 +55,13 @@ def test_eight_devices_shard_the_client_axis(results, method):
     # Sharded along the clients axis, padded to a multiple of the devices; chunks of 8.
     assert b == {'rows': rows, 'size': size, 'clients_per_call': per_call,
                  'spec': "P('clients',)", 'devices': DEVICES, 'shard_rows': [per_device]}
+
+
+def test_a_one_device_checkpoint_resumes_on_eight(results):
+  """Checkpoints hold no padding rows: one device's state, restored and placed on the mesh,
+  trains its next round as the one-device run does."""
+  resume = results[RUNS[0].split(':')[0]]['resume']
+  assert resume['sharding'] == results['fedssa']['0']['sharding']
+  assert resume['cohorts'][0] == resume['cohorts'][1]
+  assert resume['up_floats'][0] == resume['up_floats'][1]
+  np.testing.assert_allclose(resume['train_loss'][1], resume['train_loss'][0], rtol=1e-3)
