@@ -45,11 +45,12 @@ MUTABLE_ON_RESUME = (
     'data_dir', 'download',   # where the data comes from; the partition fingerprint must match
     'engine.clients_per_call', 'engine.eval_clients_per_call',  # how clients are batched
     'engine.micro_batch',     # how a step's rows are batched
+    'engine.mesh_devices',    # how clients are placed on devices (checkpoints hold no padding)
 )
 # Of those, the ones that change how XLA computes (vmapped or not), so the float rounding: a
 # resume that changes them, or the backend or JAX version, gets a warning.
 ROUNDING_FIELDS = ('engine.clients_per_call', 'engine.eval_clients_per_call',
-                   'engine.micro_batch')
+                   'engine.micro_batch', 'engine.mesh_devices')
 
 ITEMS = ('state', 'progress', 'meta')
 

@@ -117,6 +117,9 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   # float32 matmul/conv precision: 'default' is the backend's (TF32 on recent NVIDIA GPUs),
   # 'highest' is full float32 everywhere, for numbers comparable across backends.
   c.engine.matmul_precision = 'default'
+  # Devices of the `clients` mesh axis, over which each group's client axis is sharded:
+  # 0 = every local device, 1 = one device (no sharding), n = the first n local devices.
+  c.engine.mesh_devices = 0
   return c
 
 
@@ -230,6 +233,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
        f'{c.engine.matmul_precision!r}.')
   one_of('optimizer.name', c.optimizer.name, ('sgd', 'adam'))
+  need(c.engine.mesh_devices >= 0,
+       f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
+       'device count.')
   mb = c.engine.micro_batch
   need(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
        f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')

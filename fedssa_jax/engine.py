@@ -15,7 +15,19 @@ Shapes never depend on the round, so each family compiles its training call once
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
 change nothing.
 
-The run state is a plain dict of arrays (`RunState`), ready to checkpoint or shard.
+Devices: with more than one device (`engine.mesh_devices`), the engine builds a one-axis mesh,
+`clients`. Every array with a leading client axis (each group's parameters, the per-client
+state) is sharded along it with `NamedSharding(mesh, P('clients'))`; that axis is padded to a
+multiple of the device count with rows that no client owns (never trained, evaluated results
+dropped), because XLA shards only evenly. A chunk's size is a multiple of the device count too,
+and its clients train under `jax.shard_map`, each device its own rows. The server state, the data
+and the seen masks are replicated: the gather of a chunk from the sharded group, the scatter back,
+and the server's receipt of sharded uploads into its replicated state are the collectives, which
+XLA inserts under jit. With one device there is no mesh and nothing is padded.
+
+The run state is a plain dict of arrays (`RunState`), ready to checkpoint. Checkpoints hold it
+without the padding rows (`Simulator.unpadded`, `Simulator.place`), so a run may resume on
+another number of devices.
 """
 from __future__ import annotations
 
@@ -28,8 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedssa_jax import client, costs, data, methods, models
+from fedssa_jax import client, config_lib, costs, data, methods, models
 
 PyTree = Any
 # {'round': int, 'params': tuple per group, 'client_state': pytree over all N clients,
@@ -39,13 +52,32 @@ RunState = dict
 # Independent random streams, all derived from the config's seed.
 STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE = range(5)
 
+CLIENTS = 'clients'  # the mesh axis over which client axes are sharded
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def make_mesh(mesh_devices: int) -> jax.sharding.Mesh | None:
+  """The `clients` mesh over the first `mesh_devices` local devices (0: all of them); None for
+  a single device, which then runs unsharded programs."""
+  devices = jax.local_devices()
+  n = mesh_devices or len(devices)
+  if n > len(devices):
+    raise config_lib.ConfigError(
+        f'engine.mesh_devices={mesh_devices}, but this process has {len(devices)} '
+        f'{jax.default_backend()} devices. Use 0 (all of them) or at most {len(devices)}.')
+  return None if n == 1 else jax.sharding.Mesh(np.array(devices[:n]), (CLIENTS,))
+
 
 @dataclasses.dataclass(frozen=True)
 class Group:
   family: str
   members: np.ndarray  # sorted client ids
   model: models.CNN
-  clients_per_call: int
+  clients_per_call: int  # a multiple of the mesh's device count
+  rows: int  # stored rows: the size padded to a multiple of the device count
 
   @property
   def size(self) -> int:
@@ -97,11 +129,14 @@ class Simulator:
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes)
     self.train_cfg = train_config(config, ds)
     self.root_key = jax.random.PRNGKey(config.seed)
-    self.data = client.DeviceData(
+    self.mesh = make_mesh(config.engine.mesh_devices)
+    self.num_devices = 1 if self.mesh is None else self.mesh.size
+    self.client_rows = round_up(self.num_clients, self.num_devices)  # of client_state
+    self.data = self._replicate(client.DeviceData(
         images=jnp.asarray(ds.images), labels=jnp.asarray(ds.labels),
         train_idx=jnp.asarray(cd.train_idx), train_n=jnp.asarray(cd.train_n),
-        test_idx=jnp.asarray(cd.test_idx), test_n=jnp.asarray(cd.test_n))
-    self.seen_dev = jnp.asarray(cd.seen)
+        test_idx=jnp.asarray(cd.test_idx), test_n=jnp.asarray(cd.test_n)))
+    self.seen_dev = self._replicate(jnp.asarray(cd.seen))
 
     families = tuple(config.model.families)
     for f in families:
@@ -118,9 +153,11 @@ class Simulator:
       # one call per family and few dummies. A family sampled more often takes more calls.
       per_call = config.engine.clients_per_call or (
           1 if backend == 'cpu' else -(-self.k // len(families)))
-      per_call = int(min(per_call, len(members), self.k))
+      # Every device trains as many of a chunk's clients (padded with dummies).
+      per_call = round_up(int(min(per_call, len(members), self.k)), self.num_devices)
       model = models.make_model(fam, ds.num_classes, config.model.conv_impl)
-      self.groups.append(Group(fam, members, model, per_call))
+      self.groups.append(Group(fam, members, model, per_call,
+                               round_up(len(members), self.num_devices)))
     # client id -> (group index, slot within the group)
     self.group_of = np.empty(self.num_clients, int)
     self.slot_of = np.empty(self.num_clients, int)
@@ -140,7 +177,8 @@ class Simulator:
 
     self._train_calls = [self._make_train_call(g) for g in self.groups]
     self._eval_calls = [self._make_eval_call(g) for g in self.groups]
-    self._aggregate = jax.jit(self.method.server_aggregate, donate_argnums=0)
+    self._aggregate = jax.jit(
+        lambda *a: self._constrain(self.method.server_aggregate(*a), P()), donate_argnums=0)
 
   def _model_flops(self, family: str) -> float:
     """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
@@ -153,6 +191,59 @@ class Simulator:
                       family, xla, analytic)
     self._flops_memo[family] = xla
     return xla
+
+  # ------------------------------------------------------------------------------------------
+  # Devices
+  # ------------------------------------------------------------------------------------------
+  def _replicate(self, tree):
+    return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+  def _constrain(self, tree, spec: P):
+    """Under jit: `tree`'s arrays sharded as `spec` on the mesh (nothing without a mesh)."""
+    if self.mesh is None:
+      return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
+
+  def _per_device(self, fn, num_sharded: int):
+    """`fn`, whose first `num_sharded` arguments and every output have a leading client axis,
+    run by each device on its own rows (`jax.shard_map`); the other arguments are replicated.
+    Without a mesh, `fn` itself."""
+    if self.mesh is None:
+      return fn
+
+    def sharded(*args):
+      in_specs = (P(CLIENTS),) * num_sharded + (P(),) * (len(args) - num_sharded)
+      # check_vma off: `fn` has no collectives, and its outputs are per client by construction.
+      return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(CLIENTS),
+                           check_vma=False)(*args)
+    return sharded
+
+  def place(self, state: RunState) -> RunState:
+    """A state without padding rows (fresh, or as a checkpoint holds it), padded and placed on
+    the mesh: client axes sharded, the server replicated. Without a mesh, `state` itself."""
+    if self.mesh is None:
+      return state
+    pad = lambda tree, rows: jax.tree.map(
+        lambda a: np.pad(a, [(0, rows - len(a))] + [(0, 0)] * (a.ndim - 1)),
+        jax.device_get(tree))
+    clients = NamedSharding(self.mesh, P(CLIENTS))
+    return {**state,
+            'params': tuple(jax.device_put(pad(p, g.rows), clients)
+                            for g, p in zip(self.groups, state['params'])),
+            'client_state': jax.device_put(pad(state['client_state'], self.client_rows),
+                                           clients),
+            'server': self._replicate(jax.device_get(state['server']))}
+
+  def unpadded(self, state: RunState) -> RunState:
+    """The state without padding rows, on the host under a mesh: what a checkpoint holds,
+    whatever the device count. Without a mesh, `state` itself."""
+    if self.mesh is None:
+      return state
+    host = jax.device_get(state)
+    return {**host,
+            'params': tuple(jax.tree.map(lambda a: a[:g.size], p)
+                            for g, p in zip(self.groups, host['params'])),
+            'client_state': jax.tree.map(lambda a: a[:self.num_clients], host['client_state'])}
 
   # ------------------------------------------------------------------------------------------
   # State
@@ -170,13 +261,13 @@ class Simulator:
     client_state = jax.jit(jax.vmap(self.method.init_client_state))(
         self._client_keys(STREAM_CLIENT_STATE, np.arange(self.num_clients)))
     server_key = jax.random.fold_in(self.root_key, STREAM_SERVER)
-    return {
+    return self.place({
         'round': 0,
         'params': tuple(params),
         'client_state': client_state,
         'server': jax.jit(self.method.init_server)(server_key, self.seen_dev),
         'costs': {'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0},
-    }
+    })
 
   # ------------------------------------------------------------------------------------------
   # Training
@@ -187,13 +278,9 @@ class Simulator:
     train_one = functools.partial(client.local_train, apply_fn=g.model.apply, cfg=cfg,
                                   method=method)
 
-    def call(group_params, client_state, server, data_: client.DeviceData, seen, slots, active,
-             round_index, root_key):
-      """Trains one chunk. slots [P] index the group (g.size = dummy), active [P] bool."""
-      safe = jnp.minimum(slots, g.size - 1)
-      cids = members[safe]
-      take = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
-      params, state = take(group_params, safe), take(client_state, cids)
+    def local_round(params, state, cids, active, server, data_, seen, round_index, root_key):
+      """Download, local training and upload of a chunk's clients (a device's share of them
+      under a mesh); every output has a leading client axis."""
       down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
           params, state, server, cids, seen[cids], round_index)
       round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
@@ -203,15 +290,29 @@ class Simulator:
           {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[cids], n, data_)
       up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
           trainable, acc, down.ctx, state, seen[cids], n, round_index)
-      server = method.server_receive(server, cids, up.payload, active)
+      stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
+               'extra_flops': down.flops + up.flops}
+      return up.params, up.state, up.payload, stats
+
+    local_round = self._per_device(local_round, num_sharded=4)
+
+    def call(group_params, client_state, server, data_: client.DeviceData, seen, slots, active,
+             round_index, root_key):
+      """Trains one chunk. slots [P] index the group (g.rows = dummy), active [P] bool."""
+      safe = jnp.minimum(slots, g.size - 1)
+      cids = members[safe]
+      take = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
+      params, state = take(group_params, safe), take(client_state, cids)
+      new_params, new_state, payload, stats = local_round(
+          params, state, cids, active, server, data_, seen, round_index, root_key)
+      server = method.server_receive(server, cids, payload, active)
       # Dummies scatter out of range, so their writes are dropped.
       put = lambda tree, new, dest: jax.tree_util.tree_map(
           lambda a, b: a.at[dest].set(b, mode='drop'), tree, new)
-      group_params = put(group_params, up.params, jnp.where(active, slots, g.size))
-      client_state = put(client_state, up.state, jnp.where(active, cids, self.num_clients))
-      stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
-               'extra_flops': down.flops + up.flops}
-      return group_params, client_state, server, stats
+      group_params = put(group_params, new_params, jnp.where(active, slots, g.rows))
+      client_state = put(client_state, new_state, jnp.where(active, cids, self.client_rows))
+      return (self._constrain(group_params, P(CLIENTS)), self._constrain(client_state, P(CLIENTS)),
+              self._constrain(server, P()), stats)
 
     return jax.jit(call, donate_argnums=(0, 1, 2))
 
@@ -228,7 +329,7 @@ class Simulator:
       for start in range(0, len(slots), p):
         chunk = slots[start:start + p]
         active = np.arange(p) < len(chunk)
-        yield gi, np.pad(chunk, (0, p - len(chunk)), constant_values=g.size), active
+        yield gi, np.pad(chunk, (0, p - len(chunk)), constant_values=g.rows), active
 
   def run_round(self, state: RunState):
     """One round. Returns (new state, info) with the cohort and per-client training stats."""
@@ -303,16 +404,18 @@ class Simulator:
   # ------------------------------------------------------------------------------------------
   def _make_eval_call(self, g: Group):
     method, cfg = self.method, self.train_cfg
-    members = jnp.asarray(g.members)
+    # Padding rows are evaluated as the group's last member; their results are dropped.
+    members = jnp.asarray(np.pad(g.members, (0, g.rows - g.size), mode='edge'))
+    per_device = g.rows // self.num_devices
     per_call = self.config.engine.eval_clients_per_call or (
-        1 if jax.default_backend() == 'cpu' else g.size)
+        1 if jax.default_backend() == 'cpu' else per_device)
 
     # No client has more than max_test samples, so a smaller batch than that gives the same
     # per-batch results with less padding.
     max_test = self.data.test_idx.shape[1]
     eval_batch = min(self.config.eval_batch_size, -(-max_test // 8) * 8)
 
-    def call(group_params, server, data_: client.DeviceData):
+    def evaluate_rows(group_params, cids, server, data_: client.DeviceData):
       def one(args):
         params, cid = args
         params = method.eval_params(params, server, cid)
@@ -320,9 +423,11 @@ class Simulator:
         return client.evaluate(params, data_.test_idx[cid], data_.test_n[cid], data_,
                                apply_fn=g.model.apply, cfg=cfg, eval_batch_size=eval_batch,
                                extra_fn=extra, extra_names=method.eval_metrics)
-      return jax.lax.map(one, (group_params, members), batch_size=min(per_call, g.size))
+      return jax.lax.map(one, (group_params, cids), batch_size=min(per_call, per_device))
 
-    return jax.jit(call)
+    evaluate_rows = self._per_device(evaluate_rows, num_sharded=2)
+    return jax.jit(lambda group_params, server, data_: evaluate_rows(
+        group_params, members, server, data_))
 
   def evaluate(self, state: RunState) -> dict[str, np.ndarray]:
     """Every client's test results with its current model: per-client arrays of length N."""
@@ -333,7 +438,7 @@ class Simulator:
                for g, call, p in zip(self.groups, self._eval_calls, state['params'])]
     for g, r in results:
       for k, v in jax.device_get(r).items():
-        out[k][g.members] = v
+        out[k][g.members] = v[:g.size]
     tick('evaluate')
     out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)
     out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)

@@ -209,7 +209,7 @@ def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpoin
   for c in cohort[~np.isfinite(info['train_loss_sum'])]:
     problems.setdefault(int(c), []).append('loss')
   for g, bad in zip(sim.groups, jax.device_get(_nonfinite_clients(state['params']))):
-    for c in g.members[bad]:
+    for c in g.members[bad[:g.size]]:  # rows past the group's size are padding
       problems.setdefault(int(c), []).append('parameters')
   if not problems:
     return
@@ -301,11 +301,11 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
                ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
 
   state = sim.init_state()
-  restored = ckpts.restore_latest(template=state)
+  restored = ckpts.restore_latest(template=sim.unpadded(state))
   if restored is None:
     progress = Progress()
   else:
-    state, progress = restored.state, Progress.from_checkpoint(restored.progress)
+    state, progress = sim.place(restored.state), Progress.from_checkpoint(restored.progress)
     ckpts.discard_after(restored.step)
     logging.info('Resuming after round %d from %s.', restored.step, ckpts.directory)
   meta = checkpoint.run_meta(config, fingerprint)
@@ -352,7 +352,7 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
           _write_record(metrics_path, writer, record)
       if rounds_done % config.checkpoint_every == 0 or last or stop.signal_name:
         progress.elapsed_seconds = time.time() - start
-        ckpts.save(state, dataclasses.asdict(progress), meta)
+        ckpts.save(sim.unpadded(state), dataclasses.asdict(progress), meta)
       report_progress(rounds_done)
       _log_round(config, rounds_done, record, info, progress.round_times)
       if stop.signal_name and not last:

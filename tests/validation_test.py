@@ -206,7 +206,7 @@ def test_resume_allows_the_documented_fields_to_change(tmp_path, caplog):
   assert (f"engine.clients_per_call 0 -> 2, backend 'tpu' -> {jax.default_backend()!r}: the "
           'remaining rounds match an uninterrupted run only up to float rounding') in caplog.text
   changed.engine.eval_clients_per_call = 3
-  changed.engine.micro_batch = 8
+  changed.engine.micro_batch, changed.engine.mesh_devices = 8, 2
   changed.save_representations = True
   assert set(checkpoint.MUTABLE_ON_RESUME) == {
       k for k, v in checkpoint.config_fields(changed).items()

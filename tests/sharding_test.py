@@ -1,0 +1,67 @@
+"""Clients sharded over 8 (fake CPU) devices give the metrics of one device: same cohorts,
+samples and float counts, losses, accuracies and server state within float tolerance, with
+cohorts of 3 clients that do not divide by 8 (dummies fill each chunk). The runs happen in one
+subprocess (tests/sharding_run.py), as XLA's host device count is fixed when JAX starts."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 8
+# method:rounds:families. FedSSA as in engine_test (two groups of 5 clients, each padded to 8
+# rows); FD shorter, with one group of 10 clients (padded to 16, two rows per device).
+RUNS = ('fedssa:3:cnn5,cnn4', 'fd:2:cnn4')
+SHARDING = {  # per group: stored rows, clients, chunk size, rows per device
+    'fedssa': [(8, 5, 8, 1), (8, 5, 8, 1)],
+    'fd': [(16, 10, 8, 2)],
+}
+
+
+@pytest.fixture(scope='module')
+def results():
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={DEVICES}')
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'sharding_run.py'), *RUNS],
+                        env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')][-1]
+  return json.loads(line[len('RESULT '):])
+
+
+@pytest.mark.parametrize('method', [r.split(':')[0] for r in RUNS])
+def test_eight_devices_give_the_metrics_of_one(results, method):
+  one, eight = results[method]['1'], results[method]['0']
+  # Exact: cohorts, samples trained and the floats exchanged.
+  for key in ('cohorts', 'train_samples', 'up_floats', 'down_floats', 'client_flops',
+              'params_rows'):
+    assert one[key] == eight[key], key
+  assert one['costs'] == eight['costs']
+  assert all(len(c) % DEVICES for c in one['cohorts'])  # every chunk holds dummies
+  for key in ('train_loss', 'accuracy', 'batch_accuracy', 'server_abs_sum', 'params_abs_sum'):
+    np.testing.assert_allclose(eight[key], one[key], rtol=1e-3, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize('method', [r.split(':')[0] for r in RUNS])
+def test_eight_devices_shard_the_client_axis(results, method):
+  assert results['devices'] == DEVICES
+  one, eight = results[method]['1']['sharding'], results[method]['0']['sharding']
+  assert len(one) == len(eight) == len(SHARDING[method])
+  for a, b, (rows, size, per_call, per_device) in zip(one, eight, SHARDING[method]):
+    assert a['devices'] == 1 and a['rows'] == a['size'] == size  # unsharded, unpadded
+    # Sharded along the clients axis, padded to a multiple of the devices; chunks of 8.
+    assert b == {'rows': rows, 'size': size, 'clients_per_call': per_call,
+                 'spec': "P('clients',)", 'devices': DEVICES, 'shard_rows': [per_device]}
+
+
+def test_a_one_device_checkpoint_resumes_on_eight(results):
+  """Checkpoints hold no padding rows: one device's state, restored and placed on the mesh,
+  trains its next round as the one-device run does."""
+  resume = results[RUNS[0].split(':')[0]]['resume']
+  assert resume['sharding'] == results['fedssa']['0']['sharding']
+  assert resume['cohorts'][0] == resume['cohorts'][1]
+  assert resume['up_floats'][0] == resume['up_floats'][1]
+  np.testing.assert_allclose(resume['train_loss'][1], resume['train_loss'][0], rtol=1e-3)
