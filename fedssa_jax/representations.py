@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax import augment
@@ -17,32 +18,33 @@ FILENAME = 'representations.npz'
 
 
 def compute(sim, state) -> dict[str, np.ndarray]:
-  """Runs each client's evaluated model (method.eval_params) over its test split."""
+  """Runs each client's evaluated model (method.eval_params) over its padded test split: one
+  jitted call per group (lax.map over its members), one host transfer per group."""
   cfg, data = sim.train_cfg, sim.data
-  test_idx, test_n = np.asarray(data.test_idx), np.asarray(data.test_n)
-  b = sim.config.eval_batch_size
-  out = {'representations': [], 'labels': [], 'client': []}
+  test_n = np.asarray(data.test_n)
+  reps, labels, clients = [], [], []
   for g, group_params in zip(sim.groups, state['params']):
 
     @jax.jit
-    def reps(group_params, server, slot, cid, idx, model=g.model):
-      params = jax.tree.map(lambda leaf: leaf[slot], group_params)
-      params = sim.method.eval_params(params, server, cid)
-      x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
-      return model.apply({'params': params}, x)[1]
+    def group_reps(group_params, server, model=g.model, members=jnp.asarray(g.members)):
+      def one(args):
+        slot, cid = args
+        params = jax.tree.map(lambda leaf: leaf[slot], group_params)
+        params = sim.method.eval_params(params, server, cid)
+        idx = data.test_idx[cid]
+        x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
+        return model.apply({'params': params}, x)[1].astype(jnp.float16), data.labels[idx]
+      return jax.lax.map(one, (jnp.arange(len(g.members)), members))
 
-    for slot, cid in enumerate(g.members):
+    r, y = jax.device_get(group_reps(group_params, state['server']))
+    for slot, cid in enumerate(g.members):  # drop each client's padding rows
       n = int(test_n[cid])
-      for start in range(0, n, b):
-        idx = np.zeros(b, np.int32)  # fixed shape: one compile per group
-        idx[:min(b, n - start)] = test_idx[cid, start:start + b]
-        rows = min(b, n - start)
-        r = np.asarray(reps(group_params, state['server'], slot, cid, idx))[:rows]
-        out['representations'].append(r.astype(np.float16))
-        out['labels'].append(np.asarray(data.labels)[idx[:rows]])
-        out['client'].append(np.full(rows, cid, np.int32))
-  order = np.argsort(np.concatenate(out['client']), kind='stable')
-  return {k: np.concatenate(v)[order] for k, v in out.items()}
+      reps.append(r[slot, :n])
+      labels.append(y[slot, :n])
+      clients.append(np.full(n, cid, np.int32))
+  order = np.argsort(np.concatenate(clients), kind='stable')
+  return {'representations': np.concatenate(reps)[order],
+          'labels': np.concatenate(labels)[order], 'client': np.concatenate(clients)[order]}
 
 
 def save(sim, state, workdir: str) -> str:
