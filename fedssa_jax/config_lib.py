@@ -47,6 +47,12 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.batch_size = 512                  # B
   c.seed = 0                          # model init, sampling, shuffling, augmentation
   c.eval_every = 1                    # rounds between all-client evaluations (the last is always)
+  c.eval_clients = 0                  # 0: evaluate all N clients; M: a fixed random subset of M
+                                      # (the same every time; config.json lists it)
+  # Where client models and per-client state live between rounds: 'device' (the accelerator),
+  # 'host' (numpy in RAM; each round's cohort moves to the device) or 'disk' (memory-mapped
+  # files in <workdir>/population/, for populations larger than RAM). Same results for all three.
+  c.population_store = 'device'
   c.target_accuracy = d['target_accuracy']  # mean accuracy for "costs to target"
   c.checkpoint_every = 10             # rounds between checkpoints (the last round always saves)
   c.checkpoint_keep = 3               # how many of the latest checkpoints to keep
@@ -197,6 +203,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
   need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
   need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
+  need(c.eval_clients >= 0,
+       f'eval_clients must be 0 (all clients) or a count of clients to evaluate, got '
+       f'{c.eval_clients}.')
+  one_of('population_store', c.population_store, ('device', 'host', 'disk'))
+  need(not (c.save_representations and c.population_store == 'disk'),
+       'save_representations needs every client model at once, which the disk store does not '
+       "hold in memory: set population_store='host' or 'device', or save_representations=False.")
   need(0 < c.target_accuracy <= 1,
        f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
        'a fraction (0.8 is 80%).')

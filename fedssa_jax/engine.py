@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Any
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedssa_jax import client, config_lib, costs, data, methods, models
+from fedssa_jax import client, config_lib, costs, data, methods, models, population
 
 PyTree = Any
 # {'round': int, 'params': tuple per group, 'client_state': pytree over all N clients,
@@ -50,7 +51,7 @@ PyTree = Any
 RunState = dict
 
 # Independent random streams, all derived from the config's seed.
-STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE = range(5)
+STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL = range(6)
 
 CLIENTS = 'clients'  # the mesh axis over which client axes are sharded
 
@@ -94,6 +95,14 @@ def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.n
   return np.sort(rng.choice(num_clients, size=k, replace=False))
 
 
+def eval_subset(seed: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
+  """The fixed random subset of clients evaluated every time (sorted ids), or None for all."""
+  if not eval_clients or eval_clients >= num_clients:
+    return None
+  rng = np.random.default_rng([seed, STREAM_EVAL])
+  return np.sort(rng.choice(num_clients, size=eval_clients, replace=False))
+
+
 def train_config(config, ds: data.Dataset) -> client.TrainConfig:
   o = config.optimizer
   return client.TrainConfig(
@@ -115,8 +124,15 @@ def micro_batch(config) -> int:
 class Simulator:
   """Holds the static parts of a run (data, groups, compiled steps); state is passed in/out."""
 
-  def __init__(self, config, ds: data.Dataset, cd: data.ClientData, profile: bool = False):
+  def __init__(self, config, ds: data.Dataset, cd: data.ClientData, profile: bool = False,
+               workdir: str | None = None):
     self.config = config
+    self.store = config.population_store
+    if self.store == 'disk' and workdir is None:
+      raise config_lib.ConfigError(
+          "population_store='disk' keeps the population in the run's workdir: give the "
+          'Simulator a workdir, or use the device or host store.')
+    self.population_dir = workdir and os.path.join(os.path.abspath(workdir), 'population')
     # Profiling blocks on each phase's results to time it (`phase_seconds`, summed over
     # rounds); off by default, since the syncs cost overlap.
     self.profile = profile
@@ -124,6 +140,7 @@ class Simulator:
     self.num_clients = cd.num_clients
     self.num_classes = ds.num_classes
     self.k = cohort_size(self.num_clients, config.participation)
+    self.eval_ids = eval_subset(config.seed, self.num_clients, config.eval_clients)
     self.seen = cd.seen
     self.train_n = cd.train_n
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes)
@@ -175,6 +192,8 @@ class Simulator:
     self.client_flops_per_sample = np.array(
         [self.flops_per_sample[self.groups[g].family] for g in self.group_of])
 
+    self._init_fns = {}
+    self._init_client_state_fn = jax.jit(jax.vmap(self.method.init_client_state))
     self._train_calls = [self._make_train_call(g) for g in self.groups]
     self._eval_calls = [self._make_eval_call(g) for g in self.groups]
     self._aggregate = jax.jit(
@@ -219,8 +238,20 @@ class Simulator:
     return sharded
 
   def place(self, state: RunState) -> RunState:
-    """A state without padding rows (fresh, or as a checkpoint holds it), padded and placed on
-    the mesh: client axes sharded, the server replicated. Without a mesh, `state` itself."""
+    """A state as a checkpoint holds it (no padding rows; the `host` store's rows as arrays,
+    the `disk` store's as slot maps), made live: on the device, padded and placed on the mesh
+    (client axes sharded, the server replicated), or in the store."""
+    if self.store == 'host':
+      return {**state, 'server': self._replicate(state['server']),
+              'params': tuple(population.HostRows(p) for p in state['params']),
+              'client_state': population.HostRows(state['client_state'])}
+    if self.store == 'disk':
+      live = self.init_state()
+      for table, saved in zip((*live['params'], live['client_state']),
+                              (*state['params'], state['client_state'])):
+        table.restore(saved['slot_of'])
+      return {**state, 'server': self._replicate(state['server']),
+              'params': live['params'], 'client_state': live['client_state']}
     if self.mesh is None:
       return state
     pad = lambda tree, rows: jax.tree.map(
@@ -235,8 +266,15 @@ class Simulator:
             'server': self._replicate(jax.device_get(state['server']))}
 
   def unpadded(self, state: RunState) -> RunState:
-    """The state without padding rows, on the host under a mesh: what a checkpoint holds,
-    whatever the device count. Without a mesh, `state` itself."""
+    """What a checkpoint holds of `state`, whatever the device count: no padding rows; the
+    `host` store's rows as arrays; the `disk` store's as their slot maps (the slot files are not
+    copied: population.py). Without a mesh and on the device, `state` itself."""
+    if self.store == 'host':
+      return {**state, 'params': tuple(t.tree for t in state['params']),
+              'client_state': state['client_state'].tree}
+    if self.store == 'disk':
+      return {**state, 'params': tuple({'slot_of': t.slot_of} for t in state['params']),
+              'client_state': {'slot_of': state['client_state'].slot_of}}
     if self.mesh is None:
       return state
     host = jax.device_get(state)
@@ -245,6 +283,27 @@ class Simulator:
                             for g, p in zip(self.groups, host['params'])),
             'client_state': jax.tree.map(lambda a: a[:self.num_clients], host['client_state'])}
 
+  def before_checkpoint(self, state: RunState) -> RunState:
+    """What the checkpoint of `state` holds (`unpadded`). For the `disk` store, first flushes
+    the slot files and pins the rows this checkpoint refers to."""
+    if self.store == 'disk':
+      for table in (*state['params'], state['client_state']):
+        table.snapshot(state['round'])
+    return self.unpadded(state)
+
+  def after_checkpoint(self, state: RunState, kept_steps: list[int]) -> None:
+    """For the `disk` store: keeps the pins of the checkpoints still on disk (after a save,
+    which may have deleted the oldest, or after a restore) and frees the other slots."""
+    if self.store == 'disk':
+      for table in (*state['params'], state['client_state']):
+        table.retain(kept_steps)
+
+  def population_disk_bytes(self, state: RunState) -> int:
+    """Disk taken by the `disk` store's slot files (0 for the other stores)."""
+    if self.store != 'disk':
+      return 0
+    return sum(t.disk_bytes() for t in (*state['params'], state['client_state']))
+
   # ------------------------------------------------------------------------------------------
   # State
   # ------------------------------------------------------------------------------------------
@@ -252,22 +311,60 @@ class Simulator:
     stream_key = jax.random.fold_in(self.root_key, stream)
     return jax.vmap(lambda c: jax.random.fold_in(stream_key, c))(jnp.asarray(client_ids))
 
+  def _init_group(self, g: Group, slots) -> PyTree:
+    """The initial parameters of the group's members at `slots` (stacked)."""
+    return self._init_fn_padded(self._init_params_fn(g), STREAM_INIT, g.members[np.asarray(slots)])
+
+  def _init_fn_padded(self, fn, stream: int, cids: np.ndarray) -> PyTree:
+    """fn(keys of `cids`), computed for a power-of-two count of clients (so a store that makes
+    initial rows on demand compiles a few programs, not one per count) and cut back. Each
+    client's values depend on its own key alone, so they do not depend on the count."""
+    n = len(cids)
+    size = 1 << max(n - 1, 0).bit_length() if self.store == 'disk' else n
+    out = fn(self._client_keys(stream, np.pad(cids, (0, size - n), mode='edge')))
+    return out if size == n else jax.tree.map(lambda a: a[:n], out)
+
+  def _init_params_fn(self, g: Group):
+    if g.family not in self._init_fns:
+      self._init_fns[g.family] = jax.jit(jax.vmap(functools.partial(models.init_params, g.model)))
+    return self._init_fns[g.family]
+
+  def _init_client_state(self, cids) -> PyTree:
+    return self._init_fn_padded(self._init_client_state_fn, STREAM_CLIENT_STATE,
+                                np.asarray(cids))
+
   def init_state(self) -> RunState:
-    """Each client's model from its own key (no aliasing across clients, spec §2)."""
-    params = []
-    for g in self.groups:
-      keys = self._client_keys(STREAM_INIT, g.members)
-      params.append(jax.jit(jax.vmap(functools.partial(models.init_params, g.model)))(keys))
-    client_state = jax.jit(jax.vmap(self.method.init_client_state))(
-        self._client_keys(STREAM_CLIENT_STATE, np.arange(self.num_clients)))
+    """Each client's model from its own key (no aliasing across clients, spec §2).
+
+    With the `disk` store, the population is not computed here: a row never written reads as
+    its initial value, made from the same key on demand (population.DiskRows)."""
     server_key = jax.random.fold_in(self.root_key, STREAM_SERVER)
-    return self.place({
+    state = {
         'round': 0,
-        'params': tuple(params),
-        'client_state': client_state,
         'server': jax.jit(self.method.init_server)(server_key, self.seen_dev),
         'costs': {'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0},
-    })
+    }
+    if self.store == 'disk':
+      tables = []
+      for g in self.groups:
+        spec = jax.eval_shape(lambda: jax.tree.map(
+            lambda a: a[0], self._init_group(g, np.zeros(1, int))))
+        tables.append(population.DiskRows(
+            os.path.join(self.population_dir, g.family), spec, g.size,
+            functools.partial(self._init_group, g)))
+      spec = jax.eval_shape(lambda: jax.tree.map(
+          lambda a: a[0], self._init_client_state(np.zeros(1, int))))
+      client_state = population.DiskRows(
+          os.path.join(self.population_dir, 'client_state'), spec, self.num_clients,
+          self._init_client_state)
+      return {**state, 'params': tuple(tables), 'client_state': client_state}
+    state['params'] = tuple(self._init_group(g, np.arange(g.size)) for g in self.groups)
+    state['client_state'] = self._init_client_state(np.arange(self.num_clients))
+    if self.store == 'host':
+      return {**state, 'params': tuple(population.HostRows(jax.device_get(p))
+                                       for p in state['params']),
+              'client_state': population.HostRows(jax.device_get(state['client_state']))}
+    return self.place(state)
 
   # ------------------------------------------------------------------------------------------
   # Training
@@ -296,6 +393,27 @@ class Simulator:
 
     local_round = self._per_device(local_round, num_sharded=4)
 
+    def train_chunk(params, state, cids, active, server, data_, seen, round_index, root_key):
+      new_params, new_state, payload, stats = local_round(
+          params, state, cids, active, server, data_, seen, round_index, root_key)
+      server = method.server_receive(server, cids, payload, active)
+      # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
+      stats['nonfinite'] = jnp.stack([
+          ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
+          for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
+      ]).any(axis=0) & active
+      return new_params, new_state, server, stats
+
+    if self.store != 'device':
+      def call_rows(params, state, server, data_: client.DeviceData, seen, cids, active,
+                    round_index, root_key):
+        """Trains one chunk whose rows (params, state) the host passed in; returns them."""
+        params, state, server, stats = train_chunk(
+            params, state, cids, active, server, data_, seen, round_index, root_key)
+        return (self._constrain(params, P(CLIENTS)), self._constrain(state, P(CLIENTS)),
+                self._constrain(server, P()), stats)
+      return jax.jit(call_rows, donate_argnums=(0, 1, 2))
+
     def call(group_params, client_state, server, data_: client.DeviceData, seen, slots, active,
              round_index, root_key):
       """Trains one chunk. slots [P] index the group (g.rows = dummy), active [P] bool."""
@@ -303,9 +421,8 @@ class Simulator:
       cids = members[safe]
       take = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
       params, state = take(group_params, safe), take(client_state, cids)
-      new_params, new_state, payload, stats = local_round(
+      new_params, new_state, server, stats = train_chunk(
           params, state, cids, active, server, data_, seen, round_index, root_key)
-      server = method.server_receive(server, cids, payload, active)
       # Dummies scatter out of range, so their writes are dropped.
       put = lambda tree, new, dest: jax.tree_util.tree_map(
           lambda a, b: a.at[dest].set(b, mode='drop'), tree, new)
@@ -339,14 +456,17 @@ class Simulator:
     chunks = list(self.cohort_chunks(cohort))
     tick('sample')
     params, client_state, server = list(state['params']), state['client_state'], state['server']
-    chunk_stats = []
-    for gi, slots, active in chunks:
-      params[gi], client_state, server, stats = self._train_calls[gi](
-          params[gi], client_state, server, self.data, self.seen_dev,
-          jnp.asarray(slots, jnp.int32), jnp.asarray(active), jnp.asarray(t, jnp.int32),
-          self.root_key)
-      chunk_stats.append((gi, slots, active, stats))
-    tick('train', params, server)
+    if self.store == 'device':
+      chunk_stats = []
+      for gi, slots, active in chunks:
+        params[gi], client_state, server, stats = self._train_calls[gi](
+            params[gi], client_state, server, self.data, self.seen_dev,
+            jnp.asarray(slots, jnp.int32), jnp.asarray(active), jnp.asarray(t, jnp.int32),
+            self.root_key)
+        chunk_stats.append((gi, slots, active, stats))
+    else:
+      server, chunk_stats = self._train_from_store(state, chunks, server, t)
+    tick('train', [p for p in params if self.store == 'device'], server)
     participants = np.zeros(self.num_clients, bool)
     participants[cohort] = True
     server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
@@ -379,11 +499,55 @@ class Simulator:
         'client_up_floats': c['up_floats'],
         'client_down_floats': c['down_floats'],
         'client_flops_per_client': flops,
+        'nonfinite_params': c['nonfinite'].astype(bool),
     }
     new_state = {'round': t + 1, 'params': tuple(params), 'client_state': client_state,
                  'server': server, 'costs': new_costs}
     tick('host')
     return new_state, info
+
+  def _train_from_store(self, state: RunState, chunks, server, t: int):
+    """Training with the population off the device (`host` or `disk` store): each chunk's rows
+    are read from the store and put on the device, trained, and written back. The next chunk is
+    read while the device trains this one (calls are dispatched asynchronously), and a chunk is
+    written back while the next one trains."""
+    tables, client_rows = state['params'], state['client_state']
+    t_dev = jnp.asarray(t, jnp.int32)
+
+    def load(gi, slots, active):
+      g = self.groups[gi]
+      safe = np.minimum(slots, g.size - 1)  # dummies run on a copy of a real row
+      cids = g.members[safe]
+      rows = self._to_device((tables[gi].read(safe), client_rows.read(cids)))
+      return rows, jnp.asarray(cids, jnp.int32), jnp.asarray(active)
+
+    def write_back(gi, slots, active, new_params, new_state):
+      new_params, new_state = jax.device_get((new_params, new_state))
+      keep = lambda tree: jax.tree.map(lambda a: a[active], tree)
+      tables[gi].write(slots[active], keep(new_params))
+      client_rows.write(self.groups[gi].members[slots[active]], keep(new_state))
+
+    chunk_stats, pending = [], None
+    loaded = load(*chunks[0]) if chunks else None
+    for i, (gi, slots, active) in enumerate(chunks):
+      (params, cstate), cids, active_dev = loaded
+      new_params, new_state, server, stats = self._train_calls[gi](
+          params, cstate, server, self.data, self.seen_dev, cids, active_dev, t_dev,
+          self.root_key)
+      chunk_stats.append((gi, slots, active, stats))
+      if pending is not None:
+        write_back(*pending)
+      loaded = load(*chunks[i + 1]) if i + 1 < len(chunks) else None
+      pending = (gi, slots, active, new_params, new_state)
+    if pending is not None:
+      write_back(*pending)
+    return server, chunk_stats
+
+  def _to_device(self, tree):
+    """Host rows with a leading client axis, onto the device (sharded along `clients`)."""
+    if self.mesh is None:
+      return jax.device_put(tree)
+    return jax.device_put(tree, NamedSharding(self.mesh, P(CLIENTS)))
 
   def _phase_timer(self):
     """tick(name, *arrays): adds the time since the last tick to phase `name`, after waiting
@@ -402,13 +566,19 @@ class Simulator:
   # ------------------------------------------------------------------------------------------
   # Evaluation
   # ------------------------------------------------------------------------------------------
+  # Clients per evaluation call when evaluating a subset, or from a host or disk store.
+  EVAL_BLOCK = 32
+
   def _make_eval_call(self, g: Group):
+    """Three jitted calls: `whole(group_params, server, data)` evaluates every row of a group
+    held on the device; `rows_call(rows, slots, server, data)` a block of members at `slots`
+    whose parameters `rows` came from a store; `gather_call(group_params, slots, server, data)`
+    the same block gathered from the group on the device."""
     method, cfg = self.method, self.train_cfg
     # Padding rows are evaluated as the group's last member; their results are dropped.
     members = jnp.asarray(np.pad(g.members, (0, g.rows - g.size), mode='edge'))
-    per_device = g.rows // self.num_devices
     per_call = self.config.engine.eval_clients_per_call or (
-        1 if jax.default_backend() == 'cpu' else per_device)
+        1 if jax.default_backend() == 'cpu' else g.rows // self.num_devices)
 
     # No client has more than max_test samples, so a smaller batch than that gives the same
     # per-batch results with less padding.
@@ -423,23 +593,48 @@ class Simulator:
         return client.evaluate(params, data_.test_idx[cid], data_.test_n[cid], data_,
                                apply_fn=g.model.apply, cfg=cfg, eval_batch_size=eval_batch,
                                extra_fn=extra, extra_names=method.eval_metrics)
-      return jax.lax.map(one, (group_params, cids), batch_size=min(per_call, per_device))
+      # Inside shard_map, cids holds this device's rows.
+      return jax.lax.map(one, (group_params, cids), batch_size=min(per_call, cids.shape[0]))
 
     evaluate_rows = self._per_device(evaluate_rows, num_sharded=2)
-    return jax.jit(lambda group_params, server, data_: evaluate_rows(
+    whole = jax.jit(lambda group_params, server, data_: evaluate_rows(
         group_params, members, server, data_))
 
+    rows_call = jax.jit(lambda rows, slots, server, data_: evaluate_rows(
+        rows, members[slots], server, data_))
+    gather_call = jax.jit(lambda group_params, slots, server, data_: evaluate_rows(
+        jax.tree.map(lambda a: a[slots], group_params), members[slots], server, data_))
+    return whole, rows_call, gather_call
+
+  def _eval_blocks(self, g: Group) -> list[tuple[np.ndarray, int]]:
+    """The slots of the group's members to evaluate, in blocks of a fixed size: (slots padded
+    by repeating the last one, whose results are dropped; the count of real slots)."""
+    slots = (np.arange(g.size) if self.eval_ids is None
+             else self.slot_of[self.eval_ids[self.group_of[self.eval_ids] == self.groups.index(g)]])
+    if not len(slots):
+      return []
+    size = round_up(min(len(slots), self.EVAL_BLOCK), self.num_devices)
+    return [(np.pad(slots[i:i + size], (0, max(0, i + size - len(slots))), mode='edge'),
+             min(size, len(slots) - i)) for i in range(0, len(slots), size)]
+
   def evaluate(self, state: RunState) -> dict[str, np.ndarray]:
-    """Every client's test results with its current model: per-client arrays of length N."""
-    out = {k: np.zeros(self.num_clients) for k in
-           ('correct', 'count', 'batch_acc_sum', 'num_batches', *self.method.eval_metrics)}
+    """Each evaluated client's test results with its current model: per-client arrays of length
+    N (NaN for clients outside the `eval_clients` subset), and `evaluated`, their ids."""
+    names = ('correct', 'count', 'batch_acc_sum', 'num_batches', *self.method.eval_metrics)
+    out = {k: np.full(self.num_clients, np.nan) for k in names}
     tick = self._phase_timer()
-    results = [(g, call(p, state['server'], self.data))
-               for g, call, p in zip(self.groups, self._eval_calls, state['params'])]
-    for g, r in results:
+    server = state['server']
+    if self.store == 'device' and self.eval_ids is None:
+      results = [(g, np.arange(g.size), whole(p, server, self.data))
+                 for g, (whole, *_), p in zip(self.groups, self._eval_calls, state['params'])]
+    else:
+      results = self._evaluate_blocks(state)
+    for g, slots, r in results:
       for k, v in jax.device_get(r).items():
-        out[k][g.members] = v[:g.size]
+        out[k][g.members[slots]] = v[:len(slots)]
     tick('evaluate')
+    out['evaluated'] = (np.arange(self.num_clients) if self.eval_ids is None
+                        else self.eval_ids.copy())
     out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)
     out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)
     for name in self.method.eval_metrics:  # extra metrics, as accuracies
@@ -448,3 +643,25 @@ class Simulator:
     if self.method.headline_metric != 'accuracy':  # e.g. FedProto's nearest prototype
       out['accuracy'] = out[self.method.headline_metric]
     return out
+
+  def _evaluate_blocks(self, state: RunState):
+    """Evaluation a block of clients per call: gathered on the device (device store), or read
+    from the store (the next block is read while the device evaluates this one)."""
+    jobs = [(gi, slots, n) for gi, g in enumerate(self.groups)
+            for slots, n in self._eval_blocks(g)]
+    server = state['server']
+
+    def load(gi, slots, n):
+      del n
+      if self.store == 'device':
+        return state['params'][gi]
+      return self._to_device(state['params'][gi].read(slots))
+
+    results, loaded = [], load(*jobs[0]) if jobs else None
+    for i, (gi, slots, n) in enumerate(jobs):
+      _, rows_call, gather_call = self._eval_calls[gi]
+      call = gather_call if self.store == 'device' else rows_call
+      r = call(loaded, jnp.asarray(slots, jnp.int32), server, self.data)
+      loaded = load(*jobs[i + 1]) if i + 1 < len(jobs) else None
+      results.append((self.groups[gi], slots[:n], r))
+    return results

@@ -20,7 +20,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 try:
@@ -29,12 +28,13 @@ try:
 except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
   metric_writers = periodic_actions = None
 
-from fedssa_jax import checkpoint, config_lib, data, engine, representations
+from fedssa_jax import checkpoint, config_lib, data, engine, population, representations
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
 METRICS_FIELDS = (
-    'round', 'mean_accuracy', 'client_accuracy', 'participant_accuracy_reference',
+    'round', 'mean_accuracy', 'client_accuracy', 'evaluated_clients',
+    'participant_accuracy_reference',
     'train_loss', 'train_accuracy', 'participants', 'up_floats', 'down_floats', 'client_flops',
     'cum_up_floats', 'cum_down_floats', 'cum_floats', 'cum_client_flops', 'method_metrics',
     'round_seconds', 'elapsed_seconds')
@@ -192,25 +192,15 @@ class _StopRequests:
                     'again to stop at once, without a checkpoint.', self.signal_name)
 
 
-@jax.jit
-def _nonfinite_clients(params):
-  """Per group, a [group size] bool: does the client's parameter pytree hold a NaN or inf?"""
-  def per_group(group_params):
-    leaves = jax.tree.leaves(group_params)
-    return jnp.stack([~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1) for l in leaves
-                      if jnp.issubdtype(l.dtype, jnp.inexact)]).any(axis=0)
-  return tuple(per_group(p) for p in params)
-
-
 def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpointer) -> None:
   """Raises DivergenceError naming the round, clients and families with a NaN or inf."""
   problems = {}  # client id -> what is not finite
   cohort = info['cohort']
   for c in cohort[~np.isfinite(info['train_loss_sum'])]:
     problems.setdefault(int(c), []).append('loss')
-  for g, bad in zip(sim.groups, jax.device_get(_nonfinite_clients(state['params']))):
-    for c in g.members[bad[:g.size]]:  # rows past the group's size are padding
-      problems.setdefault(int(c), []).append('parameters')
+  # Only the clients that trained this round have new parameters (the engine checks them).
+  for c in cohort[info['nonfinite_params']]:
+    problems.setdefault(int(c), []).append('parameters')
   if not problems:
     return
   by_family = {}
@@ -280,7 +270,9 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
         f'{ckpts.directory} ({saved_meta["partition_fingerprint"]}): data_dir='
         f'{config.data_dir!r} holds other data than the run started with. Point '
         '--config.data_dir at that data, or use a new --workdir.')
-  sim = engine.Simulator(config, ds, cd)
+  if latest is None and config.population_store == 'disk':
+    population.reset(os.path.join(workdir, 'population'))  # what a run without a checkpoint left
+  sim = engine.Simulator(config, ds, cd, workdir=workdir)
 
   derived = {
       'cohort_size': sim.k,
@@ -290,6 +282,7 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
       'client_train_samples': cd.train_n, 'client_test_samples': cd.test_n,
       'client_seen_classes': [np.flatnonzero(s).tolist() for s in cd.seen],
       'flops_per_train_sample': sim.flops_per_sample,
+      'eval_client_ids': 'all' if sim.eval_ids is None else sim.eval_ids,
       'backend': jax.default_backend(),
       'jax_version': jax.__version__,
   }
@@ -307,6 +300,7 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
   else:
     state, progress = sim.place(restored.state), Progress.from_checkpoint(restored.progress)
     ckpts.discard_after(restored.step)
+    sim.after_checkpoint(state, ckpts.steps())
     logging.info('Resuming after round %d from %s.', restored.step, ckpts.directory)
   meta = checkpoint.run_meta(config, fingerprint)
   return sim, state, progress, meta
@@ -341,7 +335,7 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
       record = None
       if rounds_done % config.eval_every == 0 or last:
         record = _evaluate(sim, state, info)
-      jax.block_until_ready(state['params'])
+      jax.block_until_ready((state['params'], state['server']))
       dt = time.time() - t0
       progress.round_times.append(dt)
       if record is not None:
@@ -352,7 +346,8 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
           _write_record(metrics_path, writer, record)
       if rounds_done % config.checkpoint_every == 0 or last or stop.signal_name:
         progress.elapsed_seconds = time.time() - start
-        ckpts.save(sim.unpadded(state), dataclasses.asdict(progress), meta)
+        ckpts.save(sim.before_checkpoint(state), dataclasses.asdict(progress), meta)
+        sim.after_checkpoint(state, ckpts.steps())
       report_progress(rounds_done)
       _log_round(config, rounds_done, record, info, progress.round_times)
       if stop.signal_name and not last:
@@ -367,14 +362,18 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
 def _evaluate(sim, state, info) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types."""
   ev = sim.evaluate(state)
-  acc = ev['accuracy']
+  evaluated = ev['evaluated']
+  acc = ev['accuracy'][evaluated]
   cohort = info['cohort']
+  # The reference's figure, over the participants that are evaluated (None if none is).
+  cohort_acc = ev['batch_accuracy'][np.intersect1d(cohort, evaluated)]
   costs = state['costs']
   return {
       'round': state['round'],
       'mean_accuracy': float(acc.mean()),
       'client_accuracy': acc.tolist(),
-      'participant_accuracy_reference': float(ev['batch_accuracy'][cohort].mean()),
+      'evaluated_clients': 'all' if len(evaluated) == sim.num_clients else len(evaluated),
+      'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
       'train_loss': info['train_loss'],
       'train_accuracy': info['train_accuracy'],
       'participants': cohort.tolist(),
@@ -385,7 +384,8 @@ def _evaluate(sim, state, info) -> dict:
       'cum_floats': costs['up_floats'] + costs['down_floats'],
       'cum_client_flops': costs['client_flops'],
       # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
-      'method_metrics': {name: float(ev[name].mean()) for name in sim.method.eval_metrics},
+      'method_metrics': {name: float(ev[name][evaluated].mean())
+                         for name in sim.method.eval_metrics},
   }
 
 
