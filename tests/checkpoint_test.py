@@ -177,21 +177,22 @@ def test_same_seed_gives_identical_outputs_and_another_seed_differs(env, uninter
 
 def main_with_a_nan_after_round(nan_round):
   """`python -m fedssa_jax.main`, with NaN put into the parameters of one client of the cohort
-  of round `nan_round`, as if its training had diverged. Prints which client and family."""
+  of round `nan_round` before it trains, so that its training diverges. Prints which client and
+  family."""
   from absl import app  # pylint: disable=g-import-not-at-top
   from fedssa_jax import main  # pylint: disable=g-import-not-at-top
   run_round = engine.Simulator.run_round
 
   def run_round_with_a_nan(sim, state):
-    state, info = run_round(sim, state)
-    if state['round'] == nan_round:
-      client = int(info['cohort'][-1])
+    if state['round'] + 1 == nan_round:
+      cohort = engine.sample_cohort(sim.config.seed, state['round'], sim.num_clients, sim.k)
+      client = int(cohort[-1])
       g, slot = sim.group_of[client], sim.slot_of[client]
       params = list(state['params'])
       params[g] = jax.tree.map(lambda p: p.at[slot].set(np.nan), params[g])
       state = dict(state, params=tuple(params))
       print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
-    return state, info
+    return run_round(sim, state)
 
   engine.Simulator.run_round = run_round_with_a_nan
   app.run(main.main)
@@ -211,7 +212,7 @@ def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path)
   assert rc != 0, text[-5000:]
   client, family = re.search(r'NaN in client (\d+) of family (\w+)', text).groups()
   assert 'DivergenceError: Training diverged in round 2' in text, text[-5000:]
-  assert f'family {family}: clients {client} (parameters)' in text
+  assert f'family {family}: clients {client} (loss and parameters)' in text
   assert 'the last good checkpoint, of round 1, is kept intact' in text
   assert 'optimizer.lr' in text
   # Nothing of round 2 was written, and round 1's checkpoint reads back whole (its digest).
