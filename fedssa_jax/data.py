@@ -290,7 +290,8 @@ def _pad(index_sets: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 def partition(ds: Dataset, num_clients: int, kind: str, *, classes_per_client: int = 2,
               dirichlet_gamma: float = 0.5, dirichlet_min_train: int = 10,
-              scheme: str = 'reference', seed: int = 0, max_redraws: int = 1000) -> ClientData:
+              dirichlet_min_test: int = 1, scheme: str = 'reference', seed: int = 0,
+              max_redraws: int = 1000) -> ClientData:
   """Builds every client's train/val/test index sets (spec §3)."""
   if num_clients < 1:
     raise DataError(f'num_clients must be >= 1, got {num_clients}.')
@@ -316,17 +317,17 @@ def partition(ds: Dataset, num_clients: int, kind: str, *, classes_per_client: i
             f'Some client gets no {"train" if train_n.min() < 1 else "test"} samples: '
             f'{num_clients} clients is too many for this data set. Use fewer clients.')
       break
-    # Dirichlet: redraw while a client has too few training samples or no test sample.
-    if train_n.min() >= dirichlet_min_train and test_n.min() >= 1:
+    # Dirichlet: redraw while a client has too few training or test samples.
+    if train_n.min() >= dirichlet_min_train and test_n.min() >= dirichlet_min_test:
       break
     logging.info('Dirichlet draw %d: smallest client has %d train / %d test samples; redrawing.',
                  attempt, train_n.min(), test_n.min())
   else:
     raise DataError(
         f'No Dirichlet partition with gamma={dirichlet_gamma} gave every one of {num_clients} '
-        f'clients >= {dirichlet_min_train} training and >= 1 test samples in {max_redraws} '
-        'draws. Raise partition.dirichlet_gamma, lower partition.dirichlet_min_train, or use '
-        'fewer clients.')
+        f'clients >= {dirichlet_min_train} training and >= {dirichlet_min_test} test samples in '
+        f'{max_redraws} draws. Raise partition.dirichlet_gamma, lower '
+        'partition.dirichlet_min_train or partition.dirichlet_min_test, or use fewer clients.')
   train_idx, train_n = _pad(sets['train'])
   val_idx, val_n = _pad(sets['val'])
   test_idx, test_n = _pad(sets['test'])
@@ -363,4 +364,4 @@ def partition_from_config(config, ds: Dataset) -> ClientData:
   seed = config.seed if p.seed < 0 else p.seed
   return partition(ds, config.num_clients, p.kind, classes_per_client=p.classes_per_client,
                    dirichlet_gamma=p.dirichlet_gamma, dirichlet_min_train=p.dirichlet_min_train,
-                   scheme=p.scheme, seed=seed)
+                   dirichlet_min_test=p.dirichlet_min_test, scheme=p.scheme, seed=seed)

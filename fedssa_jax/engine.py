@@ -95,12 +95,14 @@ def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.n
   return np.sort(rng.choice(num_clients, size=k, replace=False))
 
 
-def eval_subset(seed: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
-  """The fixed random subset of clients evaluated every time (sorted ids), or None for all."""
-  if not eval_clients or eval_clients >= num_clients:
+def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray | None:
+  """The fixed random subset of `eval_clients` clients evaluated every time (sorted ids),
+  drawn among the clients with test data; None: evaluate them all."""
+  candidates = np.flatnonzero(test_n > 0)
+  if not eval_clients or eval_clients >= len(candidates):
     return None
   rng = np.random.default_rng([seed, STREAM_EVAL])
-  return np.sort(rng.choice(num_clients, size=eval_clients, replace=False))
+  return np.sort(rng.choice(candidates, size=eval_clients, replace=False))
 
 
 def train_config(config, ds: data.Dataset) -> client.TrainConfig:
@@ -140,7 +142,10 @@ class Simulator:
     self.num_clients = cd.num_clients
     self.num_classes = ds.num_classes
     self.k = cohort_size(self.num_clients, config.participation)
-    self.eval_ids = eval_subset(config.seed, self.num_clients, config.eval_clients)
+    self.eval_ids = eval_subset(config.seed, cd.test_n, config.eval_clients)
+    # The clients whose accuracy every evaluation reports (those with test data, or the subset).
+    self.evaluated_ids = (np.flatnonzero(cd.test_n > 0) if self.eval_ids is None
+                          else self.eval_ids)
     self.seen = cd.seen
     self.train_n = cd.train_n
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes)
@@ -619,7 +624,8 @@ class Simulator:
 
   def evaluate(self, state: RunState) -> dict[str, np.ndarray]:
     """Each evaluated client's test results with its current model: per-client arrays of length
-    N (NaN for clients outside the `eval_clients` subset), and `evaluated`, their ids."""
+    N (NaN for clients outside the `eval_clients` subset), and `evaluated`: the ids of the
+    clients the metrics cover (the subset, or every client with test data)."""
     names = ('correct', 'count', 'batch_acc_sum', 'num_batches', *self.method.eval_metrics)
     out = {k: np.full(self.num_clients, np.nan) for k in names}
     tick = self._phase_timer()
@@ -633,8 +639,7 @@ class Simulator:
       for k, v in jax.device_get(r).items():
         out[k][g.members[slots]] = v[:len(slots)]
     tick('evaluate')
-    out['evaluated'] = (np.arange(self.num_clients) if self.eval_ids is None
-                        else self.eval_ids.copy())
+    out['evaluated'] = self.evaluated_ids.copy()
     out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)
     out['batch_accuracy'] = out['batch_acc_sum'] / np.maximum(out['num_batches'], 1)
     for name in self.method.eval_metrics:  # extra metrics, as accuracies

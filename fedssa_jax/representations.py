@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import augment
+from fedssa_jax import augment, population
 
 FILENAME = 'representations.npz'
 
@@ -24,6 +24,8 @@ def compute(sim, state) -> dict[str, np.ndarray]:
   test_n = np.asarray(data.test_n)
   reps, labels, clients = [], [], []
   for g, group_params in zip(sim.groups, state['params']):
+    if isinstance(group_params, population.HostRows):  # the host store: put the group on device
+      group_params = group_params.tree
 
     @jax.jit
     def group_reps(group_params, server, model=g.model, members=jnp.asarray(g.members)):

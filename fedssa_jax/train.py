@@ -282,7 +282,8 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
       'client_train_samples': cd.train_n, 'client_test_samples': cd.test_n,
       'client_seen_classes': [np.flatnonzero(s).tolist() for s in cd.seen],
       'flops_per_train_sample': sim.flops_per_sample,
-      'eval_client_ids': 'all' if sim.eval_ids is None else sim.eval_ids,
+      'eval_client_ids': ('all' if len(sim.evaluated_ids) == sim.num_clients
+                          else sim.evaluated_ids),
       'backend': jax.default_backend(),
       'jax_version': jax.__version__,
   }
