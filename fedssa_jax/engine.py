@@ -135,6 +135,11 @@ class Simulator:
           "population_store='disk' keeps the population in the run's workdir: give the "
           'Simulator a workdir, or use the device or host store.')
     self.population_dir = workdir and os.path.join(os.path.abspath(workdir), 'population')
+    if self.store != 'device' and jax.process_count() > 1:
+      raise config_lib.ConfigError(
+          f"population_store={self.store!r} runs in one process; across {jax.process_count()} "
+          "processes use population_store='device', which splits the population over the "
+          "processes' devices (each holds its own shards), or run one process per machine.")
     # Profiling blocks on each phase's results to time it (`phase_seconds`, summed over
     # rounds); off by default, since the syncs cost overlap.
     self.profile = profile
