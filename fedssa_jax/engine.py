@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedssa_jax import client, config_lib, costs, data, methods, models
+from fedssa_jax import client, config_lib, costs, data, distributed, methods, models
 
 PyTree = Any
 # {'round': int, 'params': tuple per group, 'client_state': pytree over all N clients,
@@ -60,8 +60,20 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def make_mesh(mesh_devices: int) -> jax.sharding.Mesh | None:
-  """The `clients` mesh over the first `mesh_devices` local devices (0: all of them); None for
-  a single device, which then runs unsharded programs."""
+  """The `clients` mesh over the first `mesh_devices` devices (0: all of them); None for a
+  single device, which then runs unsharded programs.
+
+  With one process these are its local devices. With several (`jax.distributed`), the mesh
+  spans every process's devices, all of them: a subset would leave some process without a
+  device of the mesh."""
+  if jax.process_count() > 1:
+    devices = jax.devices()
+    if mesh_devices not in (0, len(devices)):
+      raise config_lib.ConfigError(
+          f'engine.mesh_devices={mesh_devices}, but with {jax.process_count()} processes the '
+          f'mesh spans all {len(devices)} of their devices. Use 0, or start fewer processes or '
+          'devices per process (--local_device_ids).')
+    return jax.sharding.Mesh(np.array(devices), (CLIENTS,))
   devices = jax.local_devices()
   n = mesh_devices or len(devices)
   if n > len(devices):
@@ -196,7 +208,7 @@ class Simulator:
   # Devices
   # ------------------------------------------------------------------------------------------
   def _replicate(self, tree):
-    return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, P()))
+    return tree if self.mesh is None else distributed.put(tree, NamedSharding(self.mesh, P()))
 
   def _constrain(self, tree, spec: P):
     """Under jit: `tree`'s arrays sharded as `spec` on the mesh (nothing without a mesh)."""
@@ -225,21 +237,26 @@ class Simulator:
       return state
     pad = lambda tree, rows: jax.tree.map(
         lambda a: np.pad(a, [(0, rows - len(a))] + [(0, 0)] * (a.ndim - 1)),
-        jax.device_get(tree))
+        distributed.fetch(tree))
     clients = NamedSharding(self.mesh, P(CLIENTS))
     return {**state,
-            'params': tuple(jax.device_put(pad(p, g.rows), clients)
+            'params': tuple(distributed.put(pad(p, g.rows), clients)
                             for g, p in zip(self.groups, state['params'])),
-            'client_state': jax.device_put(pad(state['client_state'], self.client_rows),
-                                           clients),
-            'server': self._replicate(jax.device_get(state['server']))}
+            'client_state': distributed.put(pad(state['client_state'], self.client_rows),
+                                            clients),
+            'server': self._replicate(distributed.fetch(state['server']))}
+
+  def fetch(self, tree):
+    """`tree`'s arrays on the host, in full: under several processes a collective, so every
+    process calls it at the same point of the run (see distributed.fetch)."""
+    return distributed.fetch(tree)
 
   def unpadded(self, state: RunState) -> RunState:
     """The state without padding rows, on the host under a mesh: what a checkpoint holds,
     whatever the device count. Without a mesh, `state` itself."""
     if self.mesh is None:
       return state
-    host = jax.device_get(state)
+    host = self.fetch(state)
     return {**host,
             'params': tuple(jax.tree.map(lambda a: a[:g.size], p)
                             for g, p in zip(self.groups, host['params'])),
@@ -354,7 +371,7 @@ class Simulator:
 
     # Per-client stats and counts: one host transfer for the whole round.
     per_client = {}
-    all_stats = jax.device_get([stats for *_, stats in chunk_stats])
+    all_stats = self.fetch([stats for *_, stats in chunk_stats])
     for (gi, slots, active, _), stats in zip(chunk_stats, all_stats):
       cids = self.groups[gi].members[slots[active]]
       for k, v in stats.items():
@@ -437,7 +454,7 @@ class Simulator:
     results = [(g, call(p, state['server'], self.data))
                for g, call, p in zip(self.groups, self._eval_calls, state['params'])]
     for g, r in results:
-      for k, v in jax.device_get(r).items():
+      for k, v in self.fetch(r).items():
         out[k][g.members] = v[:g.size]
     tick('evaluate')
     out['accuracy'] = out['correct'] / np.maximum(out['count'], 1)

@@ -208,7 +208,7 @@ def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpoin
   cohort = info['cohort']
   for c in cohort[~np.isfinite(info['train_loss_sum'])]:
     problems.setdefault(int(c), []).append('loss')
-  for g, bad in zip(sim.groups, jax.device_get(_nonfinite_clients(state['params']))):
+  for g, bad in zip(sim.groups, sim.fetch(_nonfinite_clients(state['params']))):
     for c in g.members[bad[:g.size]]:  # rows past the group's size are padding
       problems.setdefault(int(c), []).append('parameters')
   if not problems:
@@ -240,7 +240,7 @@ def _train_and_evaluate(config, workdir, dataset):
     # The run's wall time continues from the checkpoint's (the time after it is lost).
     start = process_start - progress.elapsed_seconds
     state = _run_rounds(config, workdir, sim, state, progress, meta, ckpts, start)
-    if config.save_representations and jax.process_index() == 0:
+    if config.save_representations:  # computed by every process, written by process 0
       logging.info('Representations written to %s',
                    representations.save(sim, state, workdir))
   finally:
