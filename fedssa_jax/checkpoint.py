@@ -132,7 +132,7 @@ def _place_like(value: np.ndarray, like):
   if not isinstance(like, jax.Array):
     return value
   if like.committed:
-    return jax.device_put(value, like.sharding)
+    return distributed.put(value, like.sharding)
   return jnp.asarray(value)
 
 

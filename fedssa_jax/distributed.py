@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fedssa_jax import config_lib
@@ -181,6 +182,14 @@ def fetch(tree: Any) -> Any:
 def _replicate_all(arrays: tuple) -> tuple:
   shardings = tuple(NamedSharding(x.sharding.mesh, P()) for x in arrays)
   return jax.jit(lambda xs: xs, out_shardings=shardings)(arrays)
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` holds on any process (a collective under several processes): how they
+  agree, e.g. to stop after the same round when only some of them got a signal."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag))).any())
 
 
 def put(tree: Any, sharding: jax.sharding.Sharding) -> Any:

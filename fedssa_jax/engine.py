@@ -25,6 +25,17 @@ and the seen masks are replicated: the gather of a chunk from the sharded group,
 and the server's receipt of sharded uploads into its replicated state are the collectives, which
 XLA inserts under jit. With one device there is no mesh and nothing is padded.
 
+Processes: a run may span several processes (hosts, or one per accelerator), joined by
+`jax.distributed` (fedssa_jax/distributed.py). Every process runs the same program on the same
+inputs; the mesh then spans all processes' devices (`jax.devices()`; engine.mesh_devices must be
+0 or their count). What is split across processes is the client population: each process holds
+only its devices' rows of every group's parameters and of the per-client state. What is
+replicated on every device of every process: the image data, the partition, the seen masks and
+the server state. Host values enter the mesh through `distributed.put` (each process fills its
+own shards), and every host read of mesh arrays (`Simulator.fetch`: per-chunk training stats,
+evaluation results, `unpadded`) all-gathers them, a collective that every process makes at the
+same point of the round.
+
 The run state is a plain dict of arrays (`RunState`), ready to checkpoint. Checkpoints hold it
 without the padding rows (`Simulator.unpadded`, `Simulator.place`), so a run may resume on
 another number of devices.

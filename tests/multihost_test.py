@@ -1,8 +1,9 @@
 """Two processes joined by jax.distributed (on localhost, CPU devices, gloo collectives) run
 FedSSA as one process does: the `clients` mesh spans both processes' devices, the metrics match
 (cohorts and float counts exactly, accuracies and losses within float tolerance), only process 0
-writes the outputs, and a run the two processes stop after its checkpoint resumes to the same
-metrics. Each process is a subprocess running tests/multihost_run.py."""
+writes the outputs, and SIGTERM to one of them stops both after the same round, from whose
+checkpoint they resume to the same metrics. Each process is a subprocess running
+tests/multihost_run.py."""
 import json
 import os
 import socket
@@ -12,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, distributed
+from fedssa_jax import config_lib, distributed, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES, DEVICES_PER_PROCESS, ROUNDS = 2, 2, 3
@@ -28,28 +29,35 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(workdir, rounds, processes, devices):
-  """Runs multihost_run.py as `processes` processes of `devices` CPU devices each; returns
-  each one's RESULT, by process index."""
+def launch(workdir, rounds, processes, devices, cache=None, signal_round=None):
+  """Runs multihost_run.py as `processes` processes of `devices` CPU devices each (with
+  `signal_round`, the last one sends itself SIGTERM in that round); returns each one's exit
+  status and RESULT, by process index. `cache`: a folder for JAX's compilation cache."""
   port = free_port()
   procs = []
   for i in range(processes):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
                XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+    if cache:  # a resumed run compiles what its first part did: from the cache
+      env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
     for var in distributed.ENV.values():
       env.pop(var, None)
     if processes > 1:
       env.update(FEDSSA_COORDINATOR_ADDRESS=f'localhost:{port}',
                  FEDSSA_NUM_PROCESSES=str(processes), FEDSSA_PROCESS_ID=str(i))
+    args = [str(workdir), str(rounds)] + ([str(signal_round)] if signal_round else [])
     procs.append(subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, 'tests', 'multihost_run.py'), str(workdir),
-         str(rounds)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        [sys.executable, os.path.join(ROOT, 'tests', 'multihost_run.py'), *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   results = []
   try:
     for p in procs:
       out, err = p.communicate(timeout=300)
-      assert p.returncode == 0, err[-3000:]
-      results.append(json.loads([l for l in out.splitlines() if l.startswith('RESULT ')][-1][7:]))
+      lines = [l for l in out.splitlines() if l.startswith('RESULT ')]
+      assert lines, f'exit status {p.returncode}: {err[-3000:]}'
+      results.append((p.returncode, json.loads(lines[-1][len('RESULT '):])))
   finally:
     for p in procs:
       if p.poll() is None:
@@ -66,22 +74,31 @@ def records(workdir):
 def runs(tmp_path_factory):
   one = tmp_path_factory.mktemp('one_process')
   two = tmp_path_factory.mktemp('two_processes')
+  cache = tmp_path_factory.mktemp('compilation_cache')
   alone = launch(one, ROUNDS, 1, 1)
-  # Two processes stop after round ROUNDS - 1 (checkpointed), then resume for the last round.
-  stopped = launch(two, ROUNDS - 1, PROCESSES, DEVICES_PER_PROCESS)
+  # SIGTERM to the second process only, in round 1: both stop after it, then resume.
+  stopped = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, cache, signal_round=1)
   stopped_records = records(two)
-  resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS)
+  resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, cache)
   return {'one': (one, alone), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
 
 
 def test_two_processes_span_one_mesh(runs):
   _, results = runs['two']
-  assert [r['process_index'] for r in results] == list(range(PROCESSES))
-  for r in results:
+  assert [r['process_index'] for _, r in results] == list(range(PROCESSES))
+  for status, r in results:
+    assert status == 0 and not r['preempted']
     assert r['process_count'] == PROCESSES and r['local_devices'] == DEVICES_PER_PROCESS
     assert r['devices'] == r['mesh_devices'] == PROCESSES * DEVICES_PER_PROCESS
     assert r['sharding'] == ["P('clients',)"] * 2
-  assert runs['one'][1][0]['mesh_devices'] == 1
+  assert runs['one'][1][0][1]['mesh_devices'] == 1
+
+
+def test_a_signal_to_one_process_stops_all_after_the_same_round(runs):
+  stopped_records, results = runs['stopped']
+  for status, r in results:
+    assert status == train.EXIT_PREEMPTED and r['preempted']
+  assert [r['round'] for r in stopped_records] == [1]
 
 
 def test_two_processes_give_the_metrics_of_one(runs):
@@ -93,10 +110,8 @@ def test_two_processes_give_the_metrics_of_one(runs):
     for key in CLOSE:
       np.testing.assert_allclose(b[key], a[key], rtol=1e-3, atol=1e-6,
                                  err_msg=f'round {a["round"]}: {key}')
-  # The first ROUNDS - 1 rounds were written by the run that stopped, the last after resuming.
-  assert [r['round'] for r in runs['stopped'][0]] == list(range(1, ROUNDS))
-  for a, b in zip(runs['stopped'][0], two):
-    assert a == b
+  # Round 1 was written before the stop, the later ones after resuming.
+  assert runs['stopped'][0][0] == two[0]
 
 
 def test_representations_match(runs):
@@ -110,11 +125,13 @@ def test_representations_match(runs):
 
 def test_only_process_zero_writes_the_outputs(runs):
   outputs = {'config.json', 'metrics.jsonl', 'summary.json', 'representations.npz'}
-  for _, results in (runs['two'], runs['stopped']):
-    assert outputs - {'representations.npz'} <= set(results[0]['written'])
-    assert not set(results[1]['written']) & outputs, results[1]['written']
-  assert 'representations.npz' in runs['two'][1][0]['written']
-  assert sorted(os.listdir(os.path.join(runs['two'][0], 'checkpoints'))) == ['1', '2', '3']
+  files = lambda r: {f.removesuffix('.tmp') for f in r['written']}  # metrics.jsonl's rewrite
+  (_, first), (_, second) = runs['two'][1]
+  assert files(first) == outputs and not second['written']
+  (_, first), (_, second) = runs['stopped'][1]  # no summary: the run stopped
+  assert files(first) == {'config.json', 'metrics.jsonl'} and not second['written']
+  assert sorted(os.listdir(os.path.join(runs['two'][0], 'checkpoints')), key=int) == [
+      str(r) for r in range(1, ROUNDS + 1)]
 
 
 @pytest.mark.parametrize('kwargs, needle', [
