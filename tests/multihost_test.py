@@ -157,3 +157,15 @@ def test_settings_fall_back_to_the_environment():
   assert not distributed.wanted(distributed.settings(environ={}), {})
   assert distributed.wanted(distributed.settings(environ={}), {'SLURM_NTASKS': '8'})
   assert not distributed.wanted(distributed.settings('off', environ={}), {'SLURM_NTASKS': '8'})
+
+
+def test_main_refuses_contradictory_flags_before_running(tmp_path):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import main  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  main.define_flags(fv)
+  fv(['main', f'--config={ROOT}/configs/tiny.py', f'--workdir={tmp_path}', '--distributed=off',
+      '--num_processes=2', '--process_id=1'])
+  with pytest.raises(config_lib.ConfigError, match='--distributed=off, but --num_processes'):
+    main.run(fv)
+  assert not os.listdir(tmp_path)  # refused before anything was written
