@@ -145,7 +145,7 @@ class Checkpointer:
   With several processes (`jax.distributed`), every process makes the same calls in the same
   order: orbax's manager synchronises them, the saved state is a host copy that is identical on
   every process (`distributed.fetch`), and orbax has only process 0 write it and the JSON items.
-  The directory must then be on storage every process sees (a shared filesystem or GCS).
+  The directory must then be on a filesystem every process sees at the same path.
   """
 
   def __init__(self, directory: str, keep: int = 3):
