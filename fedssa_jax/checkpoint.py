@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fedssa_jax import config_lib
+from fedssa_jax import config_lib, distributed
 
 # Config fields that may differ between a checkpoint and the run that resumes it: they change
 # neither what the run computes nor which metrics it records (the engine's batching changes only
@@ -119,7 +119,7 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
 def state_digest(state) -> str:
   """A SHA-256 of every leaf (path, dtype, shape, bytes) of a pytree, for restore checks."""
   h = hashlib.sha256()
-  for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(state)):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(distributed.fetch(state)):
     a = np.ascontiguousarray(leaf)  # Python numbers too: an int is int64, a float float64
     h.update(f'{jax.tree_util.keystr(path)} {a.dtype}{a.shape}'.encode())
     h.update(a.tobytes())
@@ -132,7 +132,7 @@ def _place_like(value: np.ndarray, like):
   if not isinstance(like, jax.Array):
     return value
   if like.committed:
-    return jax.device_put(value, like.sharding)
+    return distributed.put(value, like.sharding)
   return jnp.asarray(value)
 
 
@@ -141,6 +141,11 @@ class Checkpointer:
 
   Saving is synchronous: the engine donates the state's buffers to the next round, so the state
   is copied to the host and written before the round starts.
+
+  With several processes (`jax.distributed`), every process makes the same calls in the same
+  order: orbax's manager synchronises them, the saved state is a host copy that is identical on
+  every process (`distributed.fetch`), and orbax has only process 0 write it and the JSON items.
+  The directory must then be on a filesystem every process sees at the same path.
   """
 
   def __init__(self, directory: str, keep: int = 3):
@@ -222,7 +227,7 @@ class Checkpointer:
 
   def save(self, state, progress: dict, meta: dict) -> None:
     """Writes the checkpoint of round state['round'] and drops the oldest beyond `keep`."""
-    host_state = jax.device_get(state)
+    host_state = distributed.fetch(state)  # the same on every process
     progress = dict(progress, state_digest=state_digest(host_state))
     self._manager.save(
         int(state['round']), force=True,

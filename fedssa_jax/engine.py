@@ -25,6 +25,17 @@ and the seen masks are replicated: the gather of a chunk from the sharded group,
 and the server's receipt of sharded uploads into its replicated state are the collectives, which
 XLA inserts under jit. With one device there is no mesh and nothing is padded.
 
+Processes: a run may span several processes (hosts, or one per accelerator), joined by
+`jax.distributed` (fedssa_jax/distributed.py). Every process runs the same program on the same
+inputs; the mesh then spans all processes' devices (`jax.devices()`; engine.mesh_devices must be
+0 or their count). What is split across processes is the client population: each process holds
+only its devices' rows of every group's parameters and of the per-client state. What is
+replicated on every device of every process: the image data, the partition, the seen masks and
+the server state. Host values enter the mesh through `distributed.put` (each process fills its
+own shards), and every host read of mesh arrays (`Simulator.fetch`: per-chunk training stats,
+evaluation results, `unpadded`) all-gathers them, a collective that every process makes at the
+same point of the round.
+
 The run state is a plain dict of arrays (`RunState`), ready to checkpoint. Checkpoints hold it
 without the padding rows (`Simulator.unpadded`, `Simulator.place`), so a run may resume on
 another number of devices.
@@ -43,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedssa_jax import client, config_lib, costs, data, methods, models, population
+from fedssa_jax import client, config_lib, costs, data, distributed, methods, models, population
 
 PyTree = Any
 # {'round': int, 'params': tuple per group, 'client_state': pytree over all N clients,
@@ -61,8 +72,20 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def make_mesh(mesh_devices: int) -> jax.sharding.Mesh | None:
-  """The `clients` mesh over the first `mesh_devices` local devices (0: all of them); None for
-  a single device, which then runs unsharded programs."""
+  """The `clients` mesh over the first `mesh_devices` devices (0: all of them); None for a
+  single device, which then runs unsharded programs.
+
+  With one process these are its local devices. With several (`jax.distributed`), the mesh
+  spans every process's devices, all of them: a subset would leave some process without a
+  device of the mesh."""
+  if jax.process_count() > 1:
+    devices = jax.devices()
+    if mesh_devices not in (0, len(devices)):
+      raise config_lib.ConfigError(
+          f'engine.mesh_devices={mesh_devices}, but with {jax.process_count()} processes the '
+          f'mesh spans all {len(devices)} of their devices. Use 0, or start fewer processes or '
+          'devices per process (--local_device_ids).')
+    return jax.sharding.Mesh(np.array(devices), (CLIENTS,))
   devices = jax.local_devices()
   n = mesh_devices or len(devices)
   if n > len(devices):
@@ -225,7 +248,7 @@ class Simulator:
   # Devices
   # ------------------------------------------------------------------------------------------
   def _replicate(self, tree):
-    return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, P()))
+    return tree if self.mesh is None else distributed.put(tree, NamedSharding(self.mesh, P()))
 
   def _constrain(self, tree, spec: P):
     """Under jit: `tree`'s arrays sharded as `spec` on the mesh (nothing without a mesh)."""
@@ -266,14 +289,19 @@ class Simulator:
       return state
     pad = lambda tree, rows: jax.tree.map(
         lambda a: np.pad(a, [(0, rows - len(a))] + [(0, 0)] * (a.ndim - 1)),
-        jax.device_get(tree))
+        distributed.fetch(tree))
     clients = NamedSharding(self.mesh, P(CLIENTS))
     return {**state,
-            'params': tuple(jax.device_put(pad(p, g.rows), clients)
+            'params': tuple(distributed.put(pad(p, g.rows), clients)
                             for g, p in zip(self.groups, state['params'])),
-            'client_state': jax.device_put(pad(state['client_state'], self.client_rows),
-                                           clients),
-            'server': self._replicate(jax.device_get(state['server']))}
+            'client_state': distributed.put(pad(state['client_state'], self.client_rows),
+                                            clients),
+            'server': self._replicate(distributed.fetch(state['server']))}
+
+  def fetch(self, tree):
+    """`tree`'s arrays on the host, in full: under several processes a collective, so every
+    process calls it at the same point of the run (see distributed.fetch)."""
+    return distributed.fetch(tree)
 
   def unpadded(self, state: RunState) -> RunState:
     """What a checkpoint holds of `state`, whatever the device count: no padding rows; the
@@ -287,7 +315,7 @@ class Simulator:
               'client_state': {'slot_of': state['client_state'].slot_of}}
     if self.mesh is None:
       return state
-    host = jax.device_get(state)
+    host = self.fetch(state)
     return {**host,
             'params': tuple(jax.tree.map(lambda a: a[:g.size], p)
                             for g, p in zip(self.groups, host['params'])),
@@ -484,7 +512,7 @@ class Simulator:
 
     # Per-client stats and counts: one host transfer for the whole round.
     per_client = {}
-    all_stats = jax.device_get([stats for *_, stats in chunk_stats])
+    all_stats = self.fetch([stats for *_, stats in chunk_stats])
     for (gi, slots, active, _), stats in zip(chunk_stats, all_stats):
       cids = self.groups[gi].members[slots[active]]
       for k, v in stats.items():
@@ -641,7 +669,7 @@ class Simulator:
     else:
       results = self._evaluate_blocks(state)
     for g, slots, r in results:
-      for k, v in jax.device_get(r).items():
+      for k, v in self.fetch(r).items():
         out[k][g.members[slots]] = v[:len(slots)]
     tick('evaluate')
     out['evaluated'] = self.evaluated_ids.copy()

@@ -21,7 +21,7 @@ def compute(sim, state) -> dict[str, np.ndarray]:
   """Runs each client's evaluated model (method.eval_params) over its padded test split: one
   jitted call per group (lax.map over its members), one host transfer per group."""
   cfg, data = sim.train_cfg, sim.data
-  test_n = np.asarray(data.test_n)
+  test_n = sim.fetch(data.test_n)
   reps, labels, clients = [], [], []
   for g, group_params in zip(sim.groups, state['params']):
     if isinstance(group_params, population.HostRows):  # the host store: put the group on device
@@ -38,7 +38,7 @@ def compute(sim, state) -> dict[str, np.ndarray]:
         return model.apply({'params': params}, x)[1].astype(jnp.float16), data.labels[idx]
       return jax.lax.map(one, (jnp.arange(len(g.members)), members))
 
-    r, y = jax.device_get(group_reps(group_params, state['server']))
+    r, y = sim.fetch(group_reps(group_params, state['server']))
     for slot, cid in enumerate(g.members):  # drop each client's padding rows
       n = int(test_n[cid])
       reps.append(r[slot, :n])
@@ -50,6 +50,10 @@ def compute(sim, state) -> dict[str, np.ndarray]:
 
 
 def save(sim, state, workdir: str) -> str:
+  """Writes the file from process 0; every process must call it (`compute` is collective when
+  the clients span several processes)."""
   path = os.path.join(workdir, FILENAME)
-  np.savez_compressed(path, **compute(sim, state))
+  reps = compute(sim, state)
+  if jax.process_index() == 0:
+    np.savez_compressed(path, **reps)
   return path

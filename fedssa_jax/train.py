@@ -28,7 +28,8 @@ try:
 except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
   metric_writers = periodic_actions = None
 
-from fedssa_jax import checkpoint, config_lib, data, engine, population, representations
+from fedssa_jax import (checkpoint, config_lib, data, distributed, engine, population,
+                        representations)
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
@@ -230,7 +231,7 @@ def _train_and_evaluate(config, workdir, dataset):
     # The run's wall time continues from the checkpoint's (the time after it is lost).
     start = process_start - progress.elapsed_seconds
     state = _run_rounds(config, workdir, sim, state, progress, meta, ckpts, start)
-    if config.save_representations and jax.process_index() == 0:
+    if config.save_representations:  # computed by every process, written by process 0
       logging.info('Representations written to %s',
                    representations.save(sim, state, workdir))
   finally:
@@ -345,17 +346,19 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
         progress.history.append(record)
         if is_main:
           _write_record(metrics_path, writer, record)
-      if rounds_done % config.checkpoint_every == 0 or last or stop.signal_name:
+      # A signal to any process stops all of them after the same round (its save is collective).
+      stopping = distributed.any_process(stop.signal_name is not None)
+      if rounds_done % config.checkpoint_every == 0 or last or stopping:
         progress.elapsed_seconds = time.time() - start
         ckpts.save(sim.before_checkpoint(state), dataclasses.asdict(progress), meta)
         sim.after_checkpoint(state, ckpts.steps())
       report_progress(rounds_done)
       _log_round(config, rounds_done, record, info, progress.round_times)
-      if stop.signal_name and not last:
+      if stopping and not last:
         writer.flush()
-        raise Preempted(f'{stop.signal_name}: stopped after round {rounds_done} of '
-                        f'{config.num_rounds}; its checkpoint is in {ckpts.directory}. Rerun '
-                        'the same command to resume.')
+        why = stop.signal_name or 'A signal to another process'
+        raise Preempted(f'{why}: stopped after round {rounds_done} of {config.num_rounds}; its '
+                        f'checkpoint is in {ckpts.directory}. Rerun the same command to resume.')
   writer.flush()
   return state
 

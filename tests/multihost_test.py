@@ -1,0 +1,171 @@
+"""Two processes joined by jax.distributed (on localhost, CPU devices, gloo collectives) run
+FedSSA as one process does: the `clients` mesh spans both processes' devices, the metrics match
+(cohorts and float counts exactly, accuracies and losses within float tolerance), only process 0
+writes the outputs, and SIGTERM to one of them stops both after the same round, from whose
+checkpoint they resume to the same metrics. Each process is a subprocess running
+tests/multihost_run.py."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fedssa_jax import config_lib, distributed, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROCESSES, DEVICES_PER_PROCESS, ROUNDS = 2, 2, 3
+EXACT = ('round', 'participants', 'up_floats', 'down_floats', 'client_flops', 'cum_up_floats',
+         'cum_down_floats', 'cum_floats', 'cum_client_flops')
+CLOSE = ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference', 'train_loss',
+         'train_accuracy')
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def launch(workdir, rounds, processes, devices, cache=None, signal_round=None):
+  """Runs multihost_run.py as `processes` processes of `devices` CPU devices each (with
+  `signal_round`, the last one sends itself SIGTERM in that round); returns each one's exit
+  status and RESULT, by process index. `cache`: a folder for JAX's compilation cache."""
+  port = free_port()
+  procs = []
+  for i in range(processes):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+    if cache:  # a resumed run compiles what its first part did: from the cache
+      env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+    for var in distributed.ENV.values():
+      env.pop(var, None)
+    if processes > 1:
+      env.update(FEDSSA_COORDINATOR_ADDRESS=f'localhost:{port}',
+                 FEDSSA_NUM_PROCESSES=str(processes), FEDSSA_PROCESS_ID=str(i))
+    args = [str(workdir), str(rounds)] + ([str(signal_round)] if signal_round else [])
+    procs.append(subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, 'tests', 'multihost_run.py'), *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  results = []
+  try:
+    for p in procs:
+      out, err = p.communicate(timeout=300)
+      lines = [l for l in out.splitlines() if l.startswith('RESULT ')]
+      assert lines, f'exit status {p.returncode}: {err[-3000:]}'
+      results.append((p.returncode, json.loads(lines[-1][len('RESULT '):])))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return results
+
+
+def records(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(l) for l in f]
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  one = tmp_path_factory.mktemp('one_process')
+  two = tmp_path_factory.mktemp('two_processes')
+  cache = tmp_path_factory.mktemp('compilation_cache')
+  alone = launch(one, ROUNDS, 1, 1)
+  # SIGTERM to the second process only, in round 1: both stop after it, then resume.
+  stopped = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, cache, signal_round=1)
+  stopped_records = records(two)
+  resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, cache)
+  return {'one': (one, alone), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
+
+
+def test_two_processes_span_one_mesh(runs):
+  _, results = runs['two']
+  assert [r['process_index'] for _, r in results] == list(range(PROCESSES))
+  for status, r in results:
+    assert status == 0 and not r['preempted']
+    assert r['process_count'] == PROCESSES and r['local_devices'] == DEVICES_PER_PROCESS
+    assert r['devices'] == r['mesh_devices'] == PROCESSES * DEVICES_PER_PROCESS
+    assert r['sharding'] == ["P('clients',)"] * 2
+  assert runs['one'][1][0][1]['mesh_devices'] == 1
+
+
+def test_a_signal_to_one_process_stops_all_after_the_same_round(runs):
+  stopped_records, results = runs['stopped']
+  for status, r in results:
+    assert status == train.EXIT_PREEMPTED and r['preempted']
+  assert [r['round'] for r in stopped_records] == [1]
+
+
+def test_two_processes_give_the_metrics_of_one(runs):
+  one, two = records(runs['one'][0]), records(runs['two'][0])
+  assert [r['round'] for r in one] == [r['round'] for r in two] == list(range(1, ROUNDS + 1))
+  for a, b in zip(one, two):
+    for key in EXACT:
+      assert a[key] == b[key], (a['round'], key)
+    for key in CLOSE:
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-3, atol=1e-6,
+                                 err_msg=f'round {a["round"]}: {key}')
+  # Round 1 was written before the stop, the later ones after resuming.
+  assert runs['stopped'][0][0] == two[0]
+
+
+def test_representations_match(runs):
+  one = np.load(os.path.join(runs['one'][0], 'representations.npz'))
+  two = np.load(os.path.join(runs['two'][0], 'representations.npz'))
+  np.testing.assert_array_equal(one['client'], two['client'])
+  np.testing.assert_array_equal(one['labels'], two['labels'])
+  np.testing.assert_allclose(two['representations'].astype(np.float32),
+                             one['representations'].astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_only_process_zero_writes_the_outputs(runs):
+  outputs = {'config.json', 'metrics.jsonl', 'summary.json', 'representations.npz'}
+  files = lambda r: {f.removesuffix('.tmp') for f in r['written']}  # metrics.jsonl's rewrite
+  (_, first), (_, second) = runs['two'][1]
+  assert files(first) == outputs and not second['written']
+  (_, first), (_, second) = runs['stopped'][1]  # no summary: the run stopped
+  assert files(first) == {'config.json', 'metrics.jsonl'} and not second['written']
+  assert sorted(os.listdir(os.path.join(runs['two'][0], 'checkpoints')), key=int) == [
+      str(r) for r in range(1, ROUNDS + 1)]
+
+
+@pytest.mark.parametrize('kwargs, needle', [
+    (dict(mode='off', coordinator_address='localhost:1'), '--distributed=auto'),
+    (dict(coordinator_address='localhost:1', num_processes=2), '--process_id missing'),
+    (dict(coordinator_address='localhost:1', num_processes=2, process_id=2), 'from 0 to 1'),
+    (dict(num_processes=0), 'use 1 or more'),
+    (dict(mode='sometimes'), 'auto, on, off'),
+])
+def test_bad_settings_name_the_fix(kwargs, needle):
+  with pytest.raises(config_lib.ConfigError, match=needle):
+    distributed.settings(**kwargs, environ={})
+
+
+def test_settings_fall_back_to_the_environment():
+  env = {'FEDSSA_COORDINATOR_ADDRESS': 'host0:1234', 'FEDSSA_NUM_PROCESSES': '4',
+         'FEDSSA_PROCESS_ID': '3', 'FEDSSA_LOCAL_DEVICE_IDS': '0,1'}
+  s = distributed.settings(environ=env)
+  assert (s.coordinator_address, s.num_processes, s.process_id, s.local_device_ids) == (
+      'host0:1234', 4, 3, (0, 1))
+  assert distributed.wanted(s, env)
+  assert distributed.settings(process_id=1, environ=env).process_id == 1  # the flag wins
+  assert not distributed.wanted(distributed.settings(environ={}), {})
+  assert distributed.wanted(distributed.settings(environ={}), {'SLURM_NTASKS': '8'})
+  assert not distributed.wanted(distributed.settings('off', environ={}), {'SLURM_NTASKS': '8'})
+
+
+def test_main_refuses_contradictory_flags_before_running(tmp_path):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import main  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  main.define_flags(fv)
+  fv(['main', f'--config={ROOT}/configs/tiny.py', f'--workdir={tmp_path}', '--distributed=off',
+      '--num_processes=2', '--process_id=1'])
+  with pytest.raises(config_lib.ConfigError, match='--distributed=off, but --num_processes'):
+    main.run(fv)
+  assert not os.listdir(tmp_path)  # refused before anything was written
