@@ -1,4 +1,6 @@
 """Shared fixtures: small synthetic data sets that need no TFDS."""
+import tempfile
+
 import jax
 import numpy as np
 import pytest
@@ -8,6 +10,11 @@ from fedssa_jax import data
 # Full float32 matmuls and convolutions: on GPUs JAX's default (TF32) rounds to ~1e-3, which
 # would blur the vectorised-equals-plain comparisons. Runs keep the backend's default.
 jax.config.update('jax_default_matmul_precision', 'highest')
+# One persistent XLA cache for the session: the suite's many small simulators (each a new set of
+# jitted functions) compile the same programs again and again; later ones load them instead.
+jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='fedssa_test_xla_'))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
 def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name='cifar10'):

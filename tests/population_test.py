@@ -16,12 +16,12 @@ TIMING = ('round_seconds', 'elapsed_seconds')
 
 
 def small_config(**overrides):
-  """Two families of 4 clients, K = 3 (chunks of clients from both groups), 4 rounds."""
+  """8 CNN-5 clients, K = 3, 3 rounds, a checkpoint after rounds 2 and 3 (only one kept)."""
   c = config_lib.build('cifar10', 'hetero,tiny')
-  c.model.families = ('cnn5', 'cnn4')
+  c.model.families = ('cnn5',)
   c.num_clients, c.participation = 8, 0.375
   c.partition.classes_per_client = 5
-  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 4, 1, 16, 16
+  c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 3, 1, 16, 16
   c.checkpoint_every, c.checkpoint_keep = 2, 1
   c.update_from_flattened_dict(overrides)
   return c
@@ -48,7 +48,7 @@ def device_run(ds, tmp_path_factory):
 def test_stores_give_the_metrics_of_the_device_store(store, ds, device_run, tmp_path):
   train.train_and_evaluate(small_config(population_store=store), str(tmp_path), dataset=ds)
   got = records(str(tmp_path))
-  assert len(got) == len(device_run) == 4
+  assert len(got) == len(device_run) == 3
   assert got == device_run
   # The run trained: accuracies moved off their first values.
   assert got[-1]['mean_accuracy'] != got[0]['mean_accuracy']
@@ -76,24 +76,22 @@ def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tm
   # The checkpoint holds slot maps, not the population.
   restored = train.checkpoint.Checkpointer(str(tmp_path / 'checkpoints')).restore_latest()
   assert set(restored.state['params'][0]) == {'slot_of'}
-  assert restored.state['params'][0]['slot_of'].shape == (4,)
+  assert restored.state['params'][0]['slot_of'].shape == (8,)
 
 
 def test_subset_evaluation_equals_the_full_evaluation_of_those_clients(ds, device_run,
                                                                       tmp_path):
-  for store in ('device', 'host'):
-    workdir = str(tmp_path / store)
-    train.train_and_evaluate(small_config(eval_clients=3, population_store=store), workdir,
-                             dataset=ds)
-    with open(os.path.join(workdir, 'config.json')) as f:
-      ids = json.load(f)['derived']['eval_client_ids']
-    assert len(ids) == 3 and ids == sorted(ids)
-    for full, sub in zip(device_run, records(workdir)):
-      assert full['evaluated_clients'] == 'all' and sub['evaluated_clients'] == 3
-      np.testing.assert_array_equal(sub['client_accuracy'],
-                                    np.array(full['client_accuracy'])[ids])
-      assert sub['mean_accuracy'] == pytest.approx(np.mean(sub['client_accuracy']))
-      assert sub['participants'] == full['participants']
+  """A subset gathered on the device (the host and disk stores' block evaluation is the same
+  call on rows read from the store, checked above)."""
+  train.train_and_evaluate(small_config(eval_clients=3), str(tmp_path), dataset=ds)
+  with open(tmp_path / 'config.json') as f:
+    ids = json.load(f)['derived']['eval_client_ids']
+  assert len(ids) == 3 and ids == sorted(ids)
+  for full, sub in zip(device_run, records(str(tmp_path))):
+    assert full['evaluated_clients'] == 'all' and sub['evaluated_clients'] == 3
+    np.testing.assert_array_equal(sub['client_accuracy'], np.array(full['client_accuracy'])[ids])
+    assert sub['mean_accuracy'] == pytest.approx(np.mean(sub['client_accuracy']))
+    assert sub['participants'] == full['participants']
 
 
 def test_disk_rows_lazy_init_copy_on_write_and_growth(tmp_path):

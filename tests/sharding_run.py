@@ -30,10 +30,11 @@ def sharding_facts(sim, state):
   return facts
 
 
-def one_run(method, mesh_devices, ds, rounds, families):
+def one_run(method, mesh_devices, ds, rounds, families, store='device'):
   """One run of engine_test's small config (K = 3) on `mesh_devices` (0: all)."""
   config = engine_test.small_config(method)
   config.engine.mesh_devices = mesh_devices
+  config.population_store = store
   config.num_rounds = rounds
   config.model.families = families
   sim, state, infos, ev = engine_test.run(config, ds)
@@ -42,7 +43,7 @@ def one_run(method, mesh_devices, ds, rounds, families):
   server_sum = sum(float(np.abs(np.asarray(x, np.float64)).sum())
                    for x in jax.tree.leaves(host['server']))
   return sim, state, {
-      'sharding': sharding_facts(sim, state),
+      'sharding': sharding_facts(sim, state) if store == 'device' else None,
       'cohorts': [i['cohort'].tolist() for i in infos],
       'train_loss': [i['train_loss'] for i in infos],
       'train_samples': [i['train_samples'].tolist() for i in infos],
@@ -70,6 +71,9 @@ def main(runs):
     out[method] = {str(d): r for d, (_, _, r) in sims.items()}
     if i == 0:
       out[method]['resume'] = resume_across_meshes(sims[1][:2], sims[0][:2])
+      # The host store on the mesh: chunks read from RAM and placed sharded.
+      out[method]['0host'] = one_run(method, 0, ds, int(rounds), tuple(families.split(',')),
+                                     store='host')[2]
   print('RESULT ' + json.dumps(out))
 
 

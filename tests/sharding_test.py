@@ -65,3 +65,11 @@ def test_a_one_device_checkpoint_resumes_on_eight(results):
   assert resume['cohorts'][0] == resume['cohorts'][1]
   assert resume['up_floats'][0] == resume['up_floats'][1]
   np.testing.assert_allclose(resume['train_loss'][1], resume['train_loss'][0], rtol=1e-3)
+
+
+def test_the_host_store_on_eight_devices_gives_the_device_store_metrics(results):
+  device, host = results['fedssa']['0'], results['fedssa']['0host']
+  for key in ('cohorts', 'train_samples', 'up_floats', 'down_floats', 'client_flops',
+              'params_rows', 'train_loss', 'accuracy', 'batch_accuracy', 'server_abs_sum',
+              'params_abs_sum'):
+    np.testing.assert_allclose(host[key], device[key], rtol=1e-6, err_msg=key)
