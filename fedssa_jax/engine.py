@@ -36,9 +36,16 @@ own shards), and every host read of mesh arrays (`Simulator.fetch`: per-chunk tr
 evaluation results, `unpadded`) all-gathers them, a collective that every process makes at the
 same point of the round.
 
-The run state is a plain dict of arrays (`RunState`), ready to checkpoint. Checkpoints hold it
-without the padding rows (`Simulator.unpadded`, `Simulator.place`), so a run may resume on
-another number of devices.
+The run state is a plain dict (`RunState`), ready to checkpoint. Checkpoints hold it without the
+padding rows (`Simulator.unpadded`, `Simulator.place`), so a run may resume on another number of
+devices.
+
+Population store (`population_store`): with `device`, the groups' parameters and the per-client
+state are arrays in the state, and a chunk is gathered and scattered inside its jitted call.
+With `host` or `disk` they are tables of rows (population.HostRows, population.DiskRows): the
+host reads each chunk's rows, the jitted call trains them (the same step as on the device), and
+the host writes them back, reading the next chunk while this one trains. Evaluation then goes by
+blocks of clients, as it does for a fixed subset of clients (`eval_clients`).
 """
 from __future__ import annotations
 
