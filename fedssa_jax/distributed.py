@@ -22,6 +22,7 @@ whose default is gloo in this JAX version), which is what the two-process test u
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Sequence
@@ -181,7 +182,14 @@ def fetch(tree: Any) -> Any:
 
 def _replicate_all(arrays: tuple) -> tuple:
   shardings = tuple(NamedSharding(x.sharding.mesh, P()) for x in arrays)
-  return jax.jit(lambda xs: xs, out_shardings=shardings)(arrays)
+  return _replicating(shardings)(arrays)
+
+
+@functools.lru_cache(maxsize=64)
+def _replicating(shardings: tuple):
+  """One jitted identity per set of output shardings: fetch runs every round, and a new jit
+  each time would trace and compile again."""
+  return jax.jit(lambda xs: xs, out_shardings=shardings)
 
 
 def any_process(flag: bool) -> bool:

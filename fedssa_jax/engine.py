@@ -125,6 +125,13 @@ def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.n
   return np.sort(rng.choice(num_clients, size=k, replace=False))
 
 
+@jax.jit
+def _client_keys(root_key: jax.Array, stream, client_ids: jax.Array) -> jax.Array:
+  """Each client's key of a random stream: fold_in(fold_in(root, stream), client id)."""
+  stream_key = jax.random.fold_in(root_key, stream)
+  return jax.vmap(lambda c: jax.random.fold_in(stream_key, c))(client_ids)
+
+
 def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray | None:
   """The fixed random subset of `eval_clients` clients evaluated every time (sorted ids),
   drawn among the clients with test data; None: evaluate them all."""
@@ -286,12 +293,12 @@ class Simulator:
               'params': tuple(population.HostRows(p) for p in state['params']),
               'client_state': population.HostRows(state['client_state'])}
     if self.store == 'disk':
-      live = self.init_state()
-      for table, saved in zip((*live['params'], live['client_state']),
+      params, client_state = self._disk_tables()
+      for table, saved in zip((*params, client_state),
                               (*state['params'], state['client_state'])):
         table.restore(saved['slot_of'])
       return {**state, 'server': self._replicate(state['server']),
-              'params': live['params'], 'client_state': live['client_state']}
+              'params': params, 'client_state': client_state}
     if self.mesh is None:
       return state
     pad = lambda tree, rows: jax.tree.map(
@@ -314,12 +321,9 @@ class Simulator:
     """What a checkpoint holds of `state`, whatever the device count: no padding rows; the
     `host` store's rows as arrays; the `disk` store's as their slot maps (the slot files are not
     copied: population.py). Without a mesh and on the device, `state` itself."""
-    if self.store == 'host':
-      return {**state, 'params': tuple(t.tree for t in state['params']),
-              'client_state': state['client_state'].tree}
-    if self.store == 'disk':
-      return {**state, 'params': tuple({'slot_of': t.slot_of} for t in state['params']),
-              'client_state': {'slot_of': state['client_state'].slot_of}}
+    if self.store != 'device':
+      return {**state, 'params': tuple(t.saved() for t in state['params']),
+              'client_state': state['client_state'].saved()}
     if self.mesh is None:
       return state
     host = self.fetch(state)
@@ -328,33 +332,28 @@ class Simulator:
                             for g, p in zip(self.groups, host['params'])),
             'client_state': jax.tree.map(lambda a: a[:self.num_clients], host['client_state'])}
 
+  def _tables(self, state: RunState) -> tuple:
+    """The host or disk store's tables of rows (none for the device store)."""
+    return () if self.store == 'device' else (*state['params'], state['client_state'])
+
   def before_checkpoint(self, state: RunState) -> RunState:
-    """What the checkpoint of `state` holds (`unpadded`). For the `disk` store, first flushes
-    the slot files and pins the rows this checkpoint refers to."""
-    if self.store == 'disk':
-      for table in (*state['params'], state['client_state']):
-        table.snapshot(state['round'])
+    """What the checkpoint of `state` holds (`unpadded`). The disk store first flushes its slot
+    files and pins the rows this checkpoint refers to."""
+    for table in self._tables(state):
+      table.snapshot(state['round'])
     return self.unpadded(state)
 
   def after_checkpoint(self, state: RunState, kept_steps: list[int]) -> None:
-    """For the `disk` store: keeps the pins of the checkpoints still on disk (after a save,
-    which may have deleted the oldest, or after a restore) and frees the other slots."""
-    if self.store == 'disk':
-      for table in (*state['params'], state['client_state']):
-        table.retain(kept_steps)
-
-  def population_disk_bytes(self, state: RunState) -> int:
-    """Disk taken by the `disk` store's slot files (0 for the other stores)."""
-    if self.store != 'disk':
-      return 0
-    return sum(t.disk_bytes() for t in (*state['params'], state['client_state']))
+    """The disk store keeps the pins of the checkpoints still on disk (after a save, which may
+    have deleted the oldest, or after a restore) and frees its other slots."""
+    for table in self._tables(state):
+      table.retain(kept_steps)
 
   # ------------------------------------------------------------------------------------------
   # State
   # ------------------------------------------------------------------------------------------
   def _client_keys(self, stream: int, client_ids) -> jax.Array:
-    stream_key = jax.random.fold_in(self.root_key, stream)
-    return jax.vmap(lambda c: jax.random.fold_in(stream_key, c))(jnp.asarray(client_ids))
+    return _client_keys(self.root_key, stream, jnp.asarray(client_ids))
 
   def _init_group(self, g: Group, slots) -> PyTree:
     """The initial parameters of the group's members at `slots` (stacked)."""
@@ -390,19 +389,8 @@ class Simulator:
         'costs': {'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0},
     }
     if self.store == 'disk':
-      tables = []
-      for g in self.groups:
-        spec = jax.eval_shape(lambda: jax.tree.map(
-            lambda a: a[0], self._init_group(g, np.zeros(1, int))))
-        tables.append(population.DiskRows(
-            os.path.join(self.population_dir, g.family), spec, g.size,
-            functools.partial(self._init_group, g)))
-      spec = jax.eval_shape(lambda: jax.tree.map(
-          lambda a: a[0], self._init_client_state(np.zeros(1, int))))
-      client_state = population.DiskRows(
-          os.path.join(self.population_dir, 'client_state'), spec, self.num_clients,
-          self._init_client_state)
-      return {**state, 'params': tuple(tables), 'client_state': client_state}
+      params, client_state = self._disk_tables()
+      return {**state, 'params': params, 'client_state': client_state}
     state['params'] = tuple(self._init_group(g, np.arange(g.size)) for g in self.groups)
     state['client_state'] = self._init_client_state(np.arange(self.num_clients))
     if self.store == 'host':
@@ -410,6 +398,17 @@ class Simulator:
                                        for p in state['params']),
               'client_state': population.HostRows(jax.device_get(state['client_state']))}
     return self.place(state)
+
+  def _disk_tables(self):
+    """The disk store's tables over the files in the workdir, every row at its initial value
+    until `restore` or a write: (one per group, the per-client state's)."""
+    def table(name, num_rows, init_fn):
+      row = jax.eval_shape(lambda: jax.tree.map(lambda a: a[0], init_fn(np.zeros(1, int))))
+      return population.DiskRows(os.path.join(self.population_dir, name), row, num_rows,
+                                 init_fn)
+    return (tuple(table(g.family, g.size, functools.partial(self._init_group, g))
+                  for g in self.groups),
+            table('client_state', self.num_clients, self._init_client_state))
 
   # ------------------------------------------------------------------------------------------
   # Training

@@ -43,7 +43,10 @@ PyTree = Any
 
 
 class HostRows:
-  """A table of rows held in RAM: a pytree of numpy arrays with a leading row axis."""
+  """A table of rows held in RAM: a pytree of numpy arrays with a leading row axis.
+
+  Both tables offer read/write, and for checkpoints `saved()` (what a checkpoint holds),
+  `snapshot(step)` and `retain(steps)` (bookkeeping around a checkpoint: none here)."""
 
   def __init__(self, tree: PyTree):
     self.tree = jax.tree.map(np.array, tree)  # writable copies
@@ -54,6 +57,15 @@ class HostRows:
   def write(self, rows: np.ndarray, values: PyTree) -> None:
     for a, v in zip(jax.tree.leaves(self.tree), jax.tree.leaves(values)):
       a[rows] = v
+
+  def saved(self) -> PyTree:
+    return self.tree
+
+  def snapshot(self, step: int) -> None:
+    del step
+
+  def retain(self, steps: list[int]) -> None:
+    del steps
 
 
 class DiskRows:
@@ -143,6 +155,10 @@ class DiskRows:
     self.slot_of[rows] = slots
 
   # --- checkpoints ----------------------------------------------------------------------------
+  def saved(self) -> dict:
+    """What a checkpoint holds of the table: the slot map, not the rows."""
+    return {'slot_of': self.slot_of}
+
   def snapshot(self, step: int) -> np.ndarray:
     """Flushes the slot files and pins the current rows for the checkpoint of round `step`;
     returns the map that checkpoint saves."""
