@@ -61,7 +61,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.families = models.FAMILY_NAMES  # client k gets families[k % len(families)]
-  c.model.conv_impl = 'auto'          # 'auto' (im2col on CPU, xla elsewhere), 'im2col', 'xla'
+  c.model.conv_impl = 'auto'          # 'auto' (band on CPU, xla elsewhere), 'band', 'im2col', 'xla'
 
   c.partition = ml_collections.ConfigDict()
   c.partition.kind = 'pathological'   # 'pathological' or 'dirichlet'
@@ -199,7 +199,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for f in c.model.families:
     need(f in models.FAMILY_NAMES,
          f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
-  one_of('model.conv_impl', c.model.conv_impl, ('auto', 'im2col', 'xla'))
+  one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
 
   n = c.num_clients
   need(n >= 1, f'num_clients must be >= 1, got {n}.')

@@ -39,21 +39,35 @@ def test_pytorch_style_init_bounds():
         assert abs(w.std() - bound / np.sqrt(3)) < 0.05 * bound
 
 
-@pytest.mark.parametrize('family', ['cnn1', 'cnn2'])
-def test_im2col_equals_xla_convolution(family):
+@pytest.mark.parametrize('family,impl', [('cnn1', 'im2col'), ('cnn2', 'im2col'),
+                                         ('cnn1', 'band'), ('cnn2', 'band')])
+def test_cpu_formulations_equal_xla_convolution(family, impl):
   params = models.init_params(models.make_model(family, 10, 'xla'), jax.random.PRNGKey(1))
   x = jax.random.normal(jax.random.PRNGKey(2), (3, 32, 32, 3))
-  out = {impl: models.make_model(family, 10, impl).apply({'params': params}, x)
-         for impl in ('xla', 'im2col')}
-  for a, b in zip(out['xla'], out['im2col']):
+  out = {i: models.make_model(family, 10, i).apply({'params': params}, x) for i in ('xla', impl)}
+  for a, b in zip(out['xla'], out[impl]):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  # Gradients agree too (the im2col path is what trains on the CPU).
-  def loss(p, impl):
-    logits, rep = models.make_model(family, 10, impl).apply({'params': p}, x)
+  # Gradients agree too (the CPU formulations are what train on the CPU).
+  def loss(p, i):
+    logits, rep = models.make_model(family, 10, i).apply({'params': p}, x)
     return jnp.sum(logits ** 2) + jnp.sum(rep)
-  ga, gb = (jax.grad(loss)(params, impl) for impl in ('xla', 'im2col'))
+  ga, gb = (jax.grad(loss)(params, i) for i in ('xla', impl))
   for a, b in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize('tile', [1, 2, 7, 28])
+def test_banded_conv_any_tile_equals_xla(tile):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 32, 3))
+  k = jax.random.normal(jax.random.PRNGKey(1), (5, 5, 3, 4))
+  want = jax.lax.conv_general_dilated(x, k, (1, 1), 'VALID',
+                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  np.testing.assert_allclose(models.banded_conv(x, k, tile), want, rtol=1e-4, atol=1e-4)
+
+
+def test_banded_conv_tile_must_divide_width():
+  with pytest.raises(ValueError, match='must divide'):
+    models.banded_conv(jnp.zeros((1, 14, 14, 2)), jnp.zeros((5, 5, 2, 3)), tile=3)
 
 
 def test_representation_is_500_dim_after_relu():
