@@ -63,7 +63,7 @@ def matmul_roofline(quick: bool) -> dict:
   """float32 matmul FLOP/s: the best over a few large shapes."""
   shapes = [(512, 800, 2000)] if quick else [(512, 800, 2000), (1024, 1024, 1024),
                                              (2048, 2048, 2048)]
-  best = 0.0
+  best, rates = 0.0, []
   for m, k, n in shapes:
     a = jax.random.normal(jax.random.PRNGKey(0), (m, k))
     b = jax.random.normal(jax.random.PRNGKey(1), (k, n))
@@ -75,15 +75,18 @@ def matmul_roofline(quick: bool) -> dict:
       for _ in range(reps):
         out = f(a, b)
       out.block_until_ready()
-    best = max(best, reps * 2 * m * k * n / best_time(run, 3))
-  return {'flops_per_s': best, 'shapes': shapes}
+    rates.append(reps * 2 * m * k * n / best_time(run, 3))
+    best = max(best, rates[-1])
+  return {'flops_per_s': best, 'shapes': shapes, 'shape_flops_per_s': rates}
 
 
 def train_throughput(family: str, batch: int, clients: int, steps: int, roofline: float,
-                     ds: data.Dataset) -> dict:
-  """Images/s of local training (the engine's vmapped local_train) for a group of clients."""
+                     ds: data.Dataset, micro_batch: int = 0) -> dict:
+  """Images/s of local training (the engine's vmapped local_train) for a group of clients, with
+  forward/backward passes of `micro_batch` rows (0: the whole batch)."""
   model = models.make_model(family, ds.num_classes)
-  cfg = client.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std)
+  cfg = client.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std,
+                           micro_batch=micro_batch)
   n = batch * steps
   idx = np.stack([np.arange(n) + c * n for c in range(clients)]).astype(np.int32)
   dd = client.DeviceData(jnp.asarray(ds.images[:clients * n]), jnp.asarray(ds.labels[:clients * n]),
@@ -99,8 +102,8 @@ def train_throughput(family: str, batch: int, clients: int, steps: int, roofline
   seconds = best_time(run, 3)
   images_per_s = clients * n / seconds
   flops = costs.xla_train_flops_per_sample(family, ds.num_classes, batch) * images_per_s
-  return {'family': family, 'batch': batch, 'clients': clients, 'images_per_s': images_per_s,
-          'flops_per_s': flops, 'roofline_share': flops / roofline}
+  return {'family': family, 'batch': batch, 'passes': micro_batch or batch, 'clients': clients,
+          'images_per_s': images_per_s, 'flops_per_s': flops, 'roofline_share': flops / roofline}
 
 
 def padding_share(sim: engine.Simulator, rounds: int, per_call: int | None = None) -> float:
@@ -143,15 +146,15 @@ def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCount
     before = compiles.count, compiles.seconds
     t0 = time.perf_counter()
     state, _ = sim.run_round(state)
-    sim.evaluate(state)
+    ev = sim.evaluate(state)
     first = time.perf_counter() - t0
     first_compiles = (compiles.count - before[0], compiles.seconds - before[1])
     sim.phase_seconds.clear()
     before = compiles.count
     t0 = time.perf_counter()
-    for _ in range(rounds - 1):
+    for _ in range(rounds - 1):  # as the training loop evaluates: only clients trained since
       state, _ = sim.run_round(state)
-      sim.evaluate(state)
+      ev = sim.evaluate(state, previous=ev)
     steady = (time.perf_counter() - t0) / (rounds - 1)
     phases = {k: v / (rounds - 1) for k, v in sim.phase_seconds.items()}
     later_compiles = compiles.count - before
@@ -189,7 +192,9 @@ def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAME
          'jax_version': jax.__version__, 'quick': quick}
   roof = matmul_roofline(quick)
   out['roofline'] = roof
-  print_table('Roofline', ['float32 matmul GFLOP/s'], [[f"{roof['flops_per_s'] / 1e9:.1f}"]])
+  print_table('Roofline (the best is the reference below)', ['float32 matmul', 'GFLOP/s'],
+              [['x'.join(map(str, s)), f'{r / 1e9:.1f}']
+               for s, r in zip(roof['shapes'], roof['shape_flops_per_s'])])
 
   ds = data.synthetic_cifar(10, 50_000 if not quick else 6_000, 10_000 if not quick else 1_000)
   if 'training' in sections:
@@ -202,16 +207,20 @@ def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAME
 
 
 def _training(out, quick, ds, roof, families):
-  cases = ([('cnn5', 64, 1, 2), ('cnn5', 64, 2, 2)] if quick else
-           [(f, b, k, max(2, 2048 // b)) for f in families for b in (512, 64)
-            for k in (1, 2, 5, 10)])
-  out['training'] = [train_throughput(f, b, k, s, roof['flops_per_s'], ds)
-                     for f, b, k, s in cases]
-  print_table('Local training', ['family', 'batch', 'clients', 'images/s', 'GFLOP/s',
-                                 'share of roofline'],
-              [[r['family'], str(r['batch']), str(r['clients']), f"{r['images_per_s']:.0f}",
-                f"{r['flops_per_s'] / 1e9:.1f}", f"{r['roofline_share']:.0%}"]
-               for r in out['training']])
+  # Batch 512 as the engine runs it on this backend (in passes of engine.micro_batch's auto
+  # rows), batch 64, and batch 512 in one pass for one client.
+  passes = engine.micro_batch(config_lib.build('cifar10', 'hetero'))
+  cases = ([('cnn5', 64, 1, 2, 0), ('cnn5', 64, 2, 2, 0)] if quick else
+           [(f, b, k, max(2, 2048 // b), m) for f in families
+            for b, m in ((512, passes), (64, 0)) for k in (1, 2, 5, 10)]
+           + ([(f, 512, 1, 4, 0) for f in families] if passes != 512 else []))
+  out['training'] = [train_throughput(f, b, k, s, roof['flops_per_s'], ds, m)
+                     for f, b, k, s, m in cases]
+  print_table('Local training', ['family', 'batch', 'rows per pass', 'clients', 'images/s',
+                                 'GFLOP/s', 'share of roofline'],
+              [[r['family'], str(r['batch']), str(r['passes']), str(r['clients']),
+                f"{r['images_per_s']:.0f}", f"{r['flops_per_s'] / 1e9:.1f}",
+                f"{r['roofline_share']:.0%}"] for r in out['training']])
 
 
 def _rounds(out, quick, rounds, ds, compiles):

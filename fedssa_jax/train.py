@@ -326,6 +326,7 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
                                                      writer=writer, every_steps=1)
                      if periodic_actions else lambda step: None)
   progress.compile_rounds.append(len(progress.round_times))
+  last_ev = None  # the last evaluation: later ones evaluate only the clients trained since
 
   with _StopRequests() as stop:
     while state['round'] < config.num_rounds:
@@ -336,7 +337,8 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
       check_finite(sim, state, info, ckpts)
       record = None
       if rounds_done % config.eval_every == 0 or last:
-        record = _evaluate(sim, state, info)
+        last_ev = sim.evaluate(state, previous=last_ev)
+        record = _record(sim, state, info, last_ev)
       jax.block_until_ready((state['params'], state['server']))
       dt = time.time() - t0
       progress.round_times.append(dt)
@@ -363,9 +365,9 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
   return state
 
 
-def _evaluate(sim, state, info) -> dict:
-  """The metrics.jsonl record of a round (without its timings), in plain JSON types."""
-  ev = sim.evaluate(state)
+def _record(sim, state, info, ev) -> dict:
+  """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
+  evaluation `ev`."""
   evaluated = ev['evaluated']
   acc = ev['accuracy'][evaluated]
   cohort = info['cohort']

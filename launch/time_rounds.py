@@ -47,7 +47,7 @@ def time_method(c, ds):
   print(f'{c.method}: backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '
         f'{time.time() - t0:.1f} s, groups: '
         + ', '.join(f'{g.family} x{g.size} ({g.clients_per_call}/call)' for g in sim.groups))
-  start, steady = time.time(), []
+  start, steady, ev = time.time(), [], None
   for r in range(1, FLAGS.rounds + 1):
     t0 = time.time()
     state, info = sim.run_round(state)
@@ -57,7 +57,7 @@ def time_method(c, ds):
     line = (f'{c.method} round {r}: train+server {t1 - t0:.2f} s '
             f'({info["train_samples"].sum() / (t1 - t0):.0f} img/s)')
     if r % FLAGS.eval_every == 0 or r == FLAGS.rounds:
-      ev = sim.evaluate(state)
+      ev = sim.evaluate(state, previous=ev)
       line += f', eval {time.time() - t1:.2f} s, mean acc {ev["accuracy"].mean():.4f}'
       print(line, flush=True)
   print(f'{c.method}: {FLAGS.rounds} rounds in {time.time() - start:.1f} s including compiles '

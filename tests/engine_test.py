@@ -20,13 +20,15 @@ def small_config(method='fedssa', clients_per_call=1):
 
 
 def run(config, ds):
+  """Rounds evaluated as the training loop does (each from the previous evaluation)."""
   sim = engine.Simulator(config, ds, data.partition_from_config(config, ds))
   state = sim.init_state()
-  infos = []
+  infos, ev = [], None
   for _ in range(config.num_rounds):
     state, info = sim.run_round(state)
+    ev = sim.evaluate(state, previous=ev)
     infos.append(info)
-  return sim, state, infos, sim.evaluate(state)
+  return sim, state, infos, ev
 
 
 @pytest.fixture(scope='module')
@@ -53,9 +55,43 @@ def test_chunked_vmap_with_dummies_equals_one_client_per_call(runs):
 
 def test_no_retracing_across_rounds(runs):
   for sim, *_ in runs.values():
-    # Every client evaluated with the device store: each group's `whole` call only.
-    for call in (*sim._train_calls, *(calls[0] for calls in sim._eval_calls), sim._aggregate):
+    # FedSSA's evaluations, whole or of the trained clients, run blocks of one fixed size.
+    for call in (*sim._train_calls, *(calls[2] for calls in sim._eval_calls), sim._aggregate):
       assert call._cache_size() == 1
+
+
+def test_evaluation_from_the_previous_one_equals_a_whole_evaluation(runs):
+  sim, state, infos, ev = runs[1]
+  # The last evaluation re-evaluated only the last round's cohort.
+  assert ev['round'] == ROUNDS and ev['reevaluated'] == len(infos[-1]['cohort'])
+  whole = sim.evaluate(state)
+  assert whole['reevaluated'] == sim.num_clients
+  for k in (*sim.EVAL_COUNTS, 'accuracy', 'batch_accuracy'):
+    np.testing.assert_array_equal(ev[k], whole[k])
+  # Two rounds on from an older evaluation: both cohorts are evaluated again.
+  older = sim.evaluate(sim.init_state())
+  assert older['round'] == 0
+  again = sim.evaluate(state, previous=older)
+  trained = np.unique(np.concatenate([i['cohort'] for i in infos]))
+  assert again['reevaluated'] == len(trained)
+  np.testing.assert_array_equal(again['accuracy'], whole['accuracy'])
+
+
+@pytest.mark.parametrize('method,reads', [('fedssa', False), ('standalone', False),
+                                          ('fml', False), ('lg_fedavg', True),
+                                          ('fedproto', True)])
+def test_methods_say_whether_evaluation_reads_the_server(method, reads):
+  from fedssa_jax import methods  # pylint: disable=g-import-not-at-top
+  m = methods.get_method(method)(small_config(method), 10, 10)
+  assert m.eval_reads_server is reads
+
+
+def test_methods_reading_the_server_are_evaluated_whole(small_ds):
+  config = small_config('lg_fedavg')
+  config.num_rounds = 2
+  sim, state, _, ev = run(config, small_ds)
+  assert ev['reevaluated'] == sim.num_clients
+  np.testing.assert_array_equal(ev['accuracy'], sim.evaluate(state)['accuracy'])
 
 
 def test_costs_match_hand_counts(runs):

@@ -55,17 +55,17 @@ def main(workdir, rounds, signal_round=None):
   representations.np.savez_compressed = tracking_savez
 
   captured = {}
-  real_evaluate = train._evaluate  # pylint: disable=protected-access
+  real_record = train._record  # pylint: disable=protected-access
 
-  def capturing_evaluate(sim, state, info):
+  def capturing_record(sim, state, info, ev):
     captured['sharding'] = [str(jax.tree.leaves(p)[0].sharding.spec)
                             if hasattr(jax.tree.leaves(p)[0].sharding, 'spec') else None
                             for p in state['params']]
     captured['mesh_devices'] = sim.num_devices
     if state['round'] == signal_round and jax.process_index() == jax.process_count() - 1:
       os.kill(os.getpid(), signal.SIGTERM)  # as a preempted task gets it
-    return real_evaluate(sim, state, info)
-  train._evaluate = capturing_evaluate  # pylint: disable=protected-access
+    return real_record(sim, state, info, ev)
+  train._record = capturing_record  # pylint: disable=protected-access
 
   try:
     train.train_and_evaluate(config, os.path.abspath(workdir), conftest.synthetic_dataset())

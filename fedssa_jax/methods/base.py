@@ -158,6 +158,15 @@ class Method:
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
   headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
 
+  @property
+  def eval_reads_server(self) -> bool:
+    """Whether a client's test results depend on the server's state (LG-FedAvg's global header,
+    FedProto's prototypes). If not, they change only when the client trains, and the engine
+    re-evaluates only the clients that trained since the last evaluation. By default: whether
+    `eval_params` or `eval_extra` is overridden."""
+    cls = type(self)
+    return cls.eval_params is not Method.eval_params or cls.eval_extra is not Method.eval_extra
+
   def eval_extra(self, server, client_id, logits, rep, y, valid) -> dict:
     """Extra per-client test metrics as int32 correct counts named `eval_metrics`, e.g.
     FedProto's nearest-prototype accuracy. Reported as accuracies per client."""
