@@ -125,6 +125,10 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   # float32 matmul/conv precision: 'default' is the backend's (TF32 on recent NVIDIA GPUs),
   # 'highest' is full float32 everywhere, for numbers comparable across backends.
   c.engine.matmul_precision = 'default'
+  # Mixed precision: 'float32', or 'bfloat16' to run the models' forward and backward in
+  # bfloat16 (for GPUs/TPUs). Parameters, optimizer state, gradients, losses and the server's
+  # aggregation stay float32 either way (fedssa_jax/models.py).
+  c.engine.compute_dtype = 'float32'
   # Devices of the `clients` mesh axis, over which each group's client axis is sharded:
   # 0 = every local device, 1 = one device (no sharding), n = the first n local devices.
   c.engine.mesh_devices = 0
@@ -258,6 +262,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   need(c.engine.matmul_precision in ('default', 'high', 'highest'),
        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
        f'{c.engine.matmul_precision!r}.')
+  one_of('engine.compute_dtype', c.engine.compute_dtype, models.COMPUTE_DTYPES)
   one_of('optimizer.name', c.optimizer.name, ('sgd', 'adam'))
   need(c.engine.mesh_devices >= 0,
        f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '

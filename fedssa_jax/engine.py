@@ -220,7 +220,8 @@ class Simulator:
           1 if backend == 'cpu' else -(-self.k // len(families)))
       # Every device trains as many of a chunk's clients (padded with dummies).
       per_call = round_up(int(min(per_call, len(members), self.k)), self.num_devices)
-      model = models.make_model(fam, ds.num_classes, config.model.conv_impl)
+      model = models.make_model(fam, ds.num_classes, config.model.conv_impl,
+                                config.engine.compute_dtype)
       self.groups.append(Group(fam, members, model, per_call,
                                round_up(len(members), self.num_devices)))
     # client id -> (group index, slot within the group)

@@ -19,6 +19,13 @@ Three formulations compute the same function from the same parameters:
   faster than im2col's (`python -m fedssa_jax.bench`).
 ``conv_impl='auto'`` picks band on the CPU and xla elsewhere. tests/models_test.py checks that all
 three agree.
+
+Mixed precision (``engine.compute_dtype``): parameters are always created in float32 (the master
+weights, which the optimizer updates and the server aggregates); with ``dtype=jnp.bfloat16`` each
+layer casts its input, kernel and bias to bfloat16 before use, so the forward (and the backward
+through it) runs in bfloat16, and the model returns its logits and representation as float32,
+so that losses, softmax, prototypes and metrics are computed in float32. Gradients with respect
+to the float32 parameters come back float32. ``dtype=jnp.float32`` (the default) casts nothing.
 """
 from __future__ import annotations
 
@@ -104,11 +111,17 @@ def banded_conv(x, kernel, tile: int):
   return y.reshape(b, h, w, features)
 
 
+def cast(dtype, *xs):
+  """`xs` in `dtype` (the compute dtype); arrays already in it are returned as they are."""
+  return tuple(x if x.dtype == dtype else x.astype(dtype) for x in xs)
+
+
 class Conv5x5(nn.Module):
-  """5x5 VALID convolution with an HWIO kernel, in any of the formulations."""
+  """5x5 VALID convolution with an HWIO kernel, in any of the formulations, computed in `dtype`."""
   features: int
   conv_impl: str
   tile: int = 4  # output columns per tile of conv_impl='band'
+  dtype: Any = jnp.float32  # compute dtype; the parameters stay float32
 
   @nn.compact
   def __call__(self, x):
@@ -116,6 +129,7 @@ class Conv5x5(nn.Module):
     fan_in = cin * KERNEL * KERNEL
     kernel = self.param('kernel', torch_uniform_init(fan_in), (KERNEL, KERNEL, cin, self.features))
     bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
+    x, kernel, bias = cast(self.dtype, x, kernel, bias)
     if self.conv_impl == 'xla':
       y = jax.lax.conv_general_dilated(
           x, kernel, window_strides=(1, 1), padding='VALID',
@@ -139,37 +153,54 @@ def max_pool_2x2(x, conv_impl: str):
 
 
 class Dense(nn.Module):
+  """Fully connected layer, computed in `dtype` (the parameters stay float32)."""
   features: int
+  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x):
     fan_in = x.shape[-1]
     kernel = self.param('kernel', torch_uniform_init(fan_in), (fan_in, self.features))
     bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
+    x, kernel, bias = cast(self.dtype, x, kernel, bias)
     return x @ kernel + bias
 
 
 class CNN(nn.Module):
-  """One FedSSA CNN family. Returns (logits, representation)."""
+  """One FedSSA CNN family. Returns (logits, representation), both float32.
+
+  `dtype` is the compute dtype of every layer (float32 or bfloat16); parameters are float32.
+  """
   family: Family
   num_classes: int
   conv_impl: str = 'im2col'
+  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x):
-    impl = self.conv_impl
+    impl, dtype = self.conv_impl, self.dtype
     # Band tiles, measured on the 2-core CPU: 4 of conv1's 28 output columns, 5 of conv2's 10.
-    x = max_pool_2x2(nn.relu(Conv5x5(16, impl, tile=4, name='conv1')(x)), impl)
-    x = max_pool_2x2(nn.relu(Conv5x5(self.family.c2, impl, tile=5, name='conv2')(x)), impl)
+    x = max_pool_2x2(nn.relu(Conv5x5(16, impl, tile=4, dtype=dtype, name='conv1')(x)), impl)
+    x = max_pool_2x2(
+        nn.relu(Conv5x5(self.family.c2, impl, tile=5, dtype=dtype, name='conv2')(x)), impl)
     x = x.reshape(x.shape[0], -1)
-    x = nn.relu(Dense(self.family.fc1, name='fc1')(x))
-    rep = nn.relu(Dense(REPR_DIM, name='fc2')(x))
-    logits = Dense(self.num_classes, name='fc3')(rep)
-    return logits, rep
+    x = nn.relu(Dense(self.family.fc1, dtype=dtype, name='fc1')(x))
+    rep = nn.relu(Dense(REPR_DIM, dtype=dtype, name='fc2')(x))
+    logits = Dense(self.num_classes, dtype=dtype, name='fc3')(rep)
+    return cast(jnp.float32, logits, rep)
 
 
-def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto') -> CNN:
-  return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl))
+COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
+               dtype: Any = jnp.float32) -> CNN:
+  """`family_name`'s CNN; `dtype` is its compute dtype (a dtype, or a COMPUTE_DTYPES name)."""
+  if isinstance(dtype, str):
+    if dtype not in COMPUTE_DTYPES:
+      raise ValueError(f'compute dtype must be one of {tuple(COMPUTE_DTYPES)}, got {dtype!r}.')
+    dtype = COMPUTE_DTYPES[dtype]
+  return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl), dtype)
 
 
 def init_params(model: CNN, key, image_shape: Sequence[int] = (32, 32, 3)) -> Any:

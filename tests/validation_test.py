@@ -153,6 +153,8 @@ CASES = [
          ("fedproto.inference must be 'classifier' or 'prototype', got 'nearest'",)),
     Case('unknown optimizer', validate(**{'optimizer.name': 'adamw'}),
          ("Unknown optimizer.name 'adamw'; choose one of ['adam', 'sgd']",)),
+    Case('unknown compute dtype', validate(**{'engine.compute_dtype': 'float16'}),
+         ("Unknown engine.compute_dtype 'float16'; choose one of ['bfloat16', 'float32']",)),
     Case('target 0', validate(target_accuracy=0.0),
          ('target_accuracy must be in (0, 1], got 0.0',)),
     Case('target > 1', validate(target_accuracy=80.0),

@@ -100,7 +100,8 @@ class FedKD(base.Method):
       if not 0.0 < v <= 1.0:
         raise ValueError(f'fedkd.{field} must be in (0, 1], got {v}.')
     self.num_rounds = int(config.num_rounds)
-    self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl)
+    self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
+                                          config.engine.compute_dtype)
     shapes = jax.eval_shape(lambda: models.init_params(self.mentee_model, jax.random.PRNGKey(0)))
     self.mentee_floats = models.param_count(shapes)  # P_5
 

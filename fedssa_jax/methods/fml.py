@@ -45,7 +45,8 @@ class FML(base.Method):
     for field, v in (('alpha', self.alpha), ('beta', self.beta)):
       if not 0.0 <= v <= 1.0:
         raise ValueError(f'fml.{field} must be in [0, 1], got {v}.')
-    self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl)
+    self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl,
+                                        config.engine.compute_dtype)
     shapes = jax.eval_shape(lambda: models.init_params(self.meme_model, jax.random.PRNGKey(0)))
     self.meme_floats = models.param_count(shapes)  # P_5
 
