@@ -99,8 +99,12 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
   saved, now = config_fields(saved_meta['config']), config_fields(config)
   show = lambda d, k: repr(d[k]) if k in d else '(absent)'
   differ = [k for k in sorted(set(saved) | set(now)) if show(saved, k) != show(now, k)]
+  # A field added to the config after the checkpoint was written is fine at its default, which
+  # is the behaviour the run had.
+  base = config_fields(config_lib.base_config(config.dataset))
+  added = {k for k in differ if k not in saved and k in base and now.get(k) == base[k]}
   refused = [f'{k}: checkpoint {show(saved, k)}, now {show(now, k)}' for k in differ
-             if k not in MUTABLE_ON_RESUME]
+             if k not in MUTABLE_ON_RESUME and k not in added]
   if refused:
     raise config_lib.ConfigError(
         f'Cannot resume the run in {where}: its config differs in fields that change the '

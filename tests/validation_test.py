@@ -215,6 +215,14 @@ def test_resume_allows_the_documented_fields_to_change(tmp_path, caplog):
       if v != checkpoint.config_fields(saved)[k]}
 
 
+def test_resume_accepts_fields_added_since_at_their_defaults(tmp_path):
+  meta = checkpoint.run_meta(tiny(), '0' * 16)
+  del meta['config']['engine']['compute_dtype']  # a checkpoint from before the field existed
+  checkpoint.check_resumable(meta, tiny(), str(tmp_path))
+  with pytest.raises(config_lib.ConfigError, match="compute_dtype: checkpoint .absent., now 'bf"):
+    checkpoint.check_resumable(meta, tiny(**{'engine.compute_dtype': 'bfloat16'}), str(tmp_path))
+
+
 def test_existing_configs_stay_valid():
   for dataset in ('cifar10', 'cifar100'):
     for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):
