@@ -109,6 +109,7 @@ class Group:
   model: models.CNN
   clients_per_call: int  # a multiple of the mesh's device count
   rows: int  # stored rows: the size padded to a multiple of the device count
+  eval_model: models.CNN  # the same function, in the formulation fastest forward-only
 
   @property
   def size(self) -> int:
@@ -220,10 +221,11 @@ class Simulator:
           1 if backend == 'cpu' else -(-self.k // len(families)))
       # Every device trains as many of a chunk's clients (padded with dummies).
       per_call = round_up(int(min(per_call, len(members), self.k)), self.num_devices)
-      model = models.make_model(fam, ds.num_classes, config.model.conv_impl,
-                                config.engine.compute_dtype)
+      model, eval_model = (models.make_model(fam, ds.num_classes, config.model.conv_impl,
+                                             config.engine.compute_dtype, forward_only=fwd)
+                           for fwd in (False, True))
       self.groups.append(Group(fam, members, model, per_call,
-                               round_up(len(members), self.num_devices)))
+                               round_up(len(members), self.num_devices), eval_model))
     # client id -> (group index, slot within the group)
     self.group_of = np.empty(self.num_clients, int)
     self.slot_of = np.empty(self.num_clients, int)
@@ -641,7 +643,7 @@ class Simulator:
         # A padding row has no test sample, so its test loop runs no batch (one row at a time,
         # as on the CPU, it costs nothing).
         return client.evaluate(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
-                               data_, apply_fn=g.model.apply, cfg=cfg,
+                               data_, apply_fn=g.eval_model.apply, cfg=cfg,
                                eval_batch_size=eval_batch, extra_fn=extra,
                                extra_names=method.eval_metrics)
       # Inside shard_map, cids holds this device's rows.

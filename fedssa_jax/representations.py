@@ -28,7 +28,7 @@ def compute(sim, state) -> dict[str, np.ndarray]:
       group_params = group_params.tree
 
     @jax.jit
-    def group_reps(group_params, server, model=g.model, members=jnp.asarray(g.members)):
+    def group_reps(group_params, server, model=g.eval_model, members=jnp.asarray(g.members)):
       def one(args):
         slot, cid = args
         params = jax.tree.map(lambda leaf: leaf[slot], group_params)

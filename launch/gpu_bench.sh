@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU, one command (under 8 minutes on an H200): the benchmark harness, then full-length
-# timed FedSSA runs (500 rounds, E=5) at :hetero,n100 and :hetero,n10, on synthetic
-# CIFAR-shaped data (the same work as CIFAR-10; no data set needed).
+# timed FedSSA runs (500 rounds, E=5) at :hetero,n100 and :hetero,n10, and :hetero,n100 again in
+# mixed precision (engine.compute_dtype=bfloat16), on synthetic CIFAR-shaped data (the same work
+# as CIFAR-10; no data set needed).
 #   bash launch/gpu_bench.sh [OUT_DIR]
 # Set ROUNDS to shorten the timed runs, SECTIONS to pick harness sections.
 set -euo pipefail
@@ -17,3 +18,6 @@ for cfg in hetero,n100 hetero,n10; do
   python launch/time_rounds.py --config="configs/cifar10.py:$cfg" --synthetic \
     --config.local_epochs=5 --rounds="$ROUNDS" --eval_every=50 | tee "$OUT/rounds_$cfg.txt"
 done
+python launch/time_rounds.py --config=configs/cifar10.py:hetero,n100 --synthetic \
+  --config.local_epochs=5 --config.engine.compute_dtype=bfloat16 --rounds="$ROUNDS" \
+  --eval_every=50 | tee "$OUT/rounds_hetero,n100_bf16.txt"

@@ -153,7 +153,7 @@ def test_evaluation_equals_plain_per_client_loop(runs, small_ds):
     g, slot = sim.group_of[c], sim.slot_of[c]
     params = jax.tree_util.tree_map(lambda p: p[slot], state['params'][g])
     idx = sim.data.test_idx[c, :sim.data.test_n[c]]
-    logits, _ = sim.groups[g].model.apply({'params': params}, images[np.asarray(idx)])
+    logits, _ = sim.groups[g].eval_model.apply({'params': params}, images[np.asarray(idx)])
     correct = np.argmax(logits, -1) == small_ds.labels[np.asarray(idx)]
     assert ev['count'][c] == len(idx)
     assert ev['accuracy'][c] == pytest.approx(correct.mean())

@@ -65,6 +65,13 @@ def test_banded_conv_any_tile_equals_xla(tile):
   np.testing.assert_allclose(models.banded_conv(x, k, tile), want, rtol=1e-4, atol=1e-4)
 
 
+def test_auto_picks_band_for_training_on_the_cpu_and_xla_for_evaluation():
+  train = 'band' if jax.default_backend() == 'cpu' else 'xla'
+  assert models.make_model('cnn1', 10).conv_impl == train
+  assert models.make_model('cnn1', 10, forward_only=True).conv_impl == 'xla'
+  assert models.make_model('cnn1', 10, 'im2col', forward_only=True).conv_impl == 'im2col'
+
+
 def test_banded_conv_tile_must_divide_width():
   with pytest.raises(ValueError, match='must divide'):
     models.banded_conv(jnp.zeros((1, 14, 14, 2)), jnp.zeros((5, 5, 2, 3)), tile=3)
