@@ -86,10 +86,12 @@ def test_methods_say_whether_evaluation_reads_the_server(method, reads):
   assert m.eval_reads_server is reads
 
 
-def test_methods_reading_the_server_are_evaluated_whole(small_ds):
-  config = small_config('lg_fedavg')
-  config.num_rounds = 2
-  sim, state, _, ev = run(config, small_ds)
+def test_methods_reading_the_server_are_evaluated_whole(small_sim):
+  sim = small_sim('lg_fedavg')
+  state, ev = sim.init_state(), None
+  for _ in range(2):
+    state, _ = sim.run_round(state)
+    ev = sim.evaluate(state, previous=ev)
   assert ev['reevaluated'] == sim.num_clients
   np.testing.assert_array_equal(ev['accuracy'], sim.evaluate(state)['accuracy'])
 
