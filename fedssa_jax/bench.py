@@ -137,17 +137,14 @@ def peak_memory() -> dict:
 def masked_train_seconds(sim: engine.Simulator, state, rounds: int) -> float:
   """Seconds per round of the training calls' work besides training: the same compiled calls
   on the chunks of the last `rounds` rounds (run already, so compiled) with every client
-  masked, so that no step runs (gather, download, upload, server_receive, the scatter and the
-  dispatch remain). The calls take and return the state's arrays (donated), so `state` is used
-  up."""
+  masked (`Simulator.train_on_device`). The calls take the state's arrays (donated), so `state`
+  is used up."""
   params, client_state, server = list(state['params']), state['client_state'], state['server']
   t0 = time.perf_counter()
   for t in range(state['round'] - rounds, state['round']):
     cohort = engine.sample_cohort(sim.config.seed, t, sim.num_clients, sim.k)
-    for gi, slots, active in sim.cohort_chunks(cohort):
-      params[gi], client_state, server, _ = sim._train_calls[gi](  # pylint: disable=protected-access
-          params[gi], client_state, server, sim.data, sim.seen_dev, jnp.asarray(slots, jnp.int32),
-          jnp.asarray(np.zeros_like(active)), jnp.asarray(t, jnp.int32), sim.root_key)
+    client_state, server, _ = sim.train_on_device(params, client_state, server,
+                                                  list(sim.cohort_chunks(cohort)), t, masked=True)
   jax.block_until_ready((params, client_state, server))
   return (time.perf_counter() - t0) / rounds
 

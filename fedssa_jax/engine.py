@@ -44,8 +44,8 @@ Population store (`population_store`): with `device`, the groups' parameters and
 state are arrays in the state, and a chunk is gathered and scattered inside its jitted call.
 With `host` or `disk` they are tables of rows (population.HostRows, population.DiskRows): the
 host reads each chunk's rows, the jitted call trains them (the same step as on the device), and
-the host writes them back, reading the next chunk while this one trains. Evaluation then goes by
-blocks of clients, as it does for a fixed subset of clients (`eval_clients`).
+the host writes them back, reading the next chunk while this one trains. Evaluation goes by
+blocks of clients for every store: gathered on the device, or read from the store.
 """
 from __future__ import annotations
 
@@ -505,13 +505,8 @@ class Simulator:
     tick('sample')
     params, client_state, server = list(state['params']), state['client_state'], state['server']
     if self.store == 'device':
-      chunk_stats = []
-      for gi, slots, active in chunks:
-        params[gi], client_state, server, stats = self._train_calls[gi](
-            params[gi], client_state, server, self.data, self.seen_dev,
-            jnp.asarray(slots, jnp.int32), jnp.asarray(active), jnp.asarray(t, jnp.int32),
-            self.root_key)
-        chunk_stats.append((gi, slots, active, stats))
+      client_state, server, chunk_stats = self.train_on_device(params, client_state, server,
+                                                               chunks, t)
     else:
       server, chunk_stats = self._train_from_store(state, chunks, server, t)
     tick('train', [p for p in params if self.store == 'device'], server)
@@ -553,6 +548,21 @@ class Simulator:
                  'server': server, 'costs': new_costs}
     tick('host')
     return new_state, info
+
+  def train_on_device(self, params: list, client_state, server, chunks, t: int,
+                      masked: bool = False):
+    """Trains round `t`'s `chunks` with the device store, updating the list `params` (one group
+    each) in place. Returns (client_state, server, [(gi, slots, active, stats) per chunk]).
+    `masked` runs the same compiled calls with every client masked, so no step runs: the
+    calls' own work (gather, download, upload, scatter), which the benchmark measures."""
+    chunk_stats = []
+    for gi, slots, active in chunks:
+      active_dev = jnp.asarray(np.zeros_like(active) if masked else active)
+      params[gi], client_state, server, stats = self._train_calls[gi](
+          params[gi], client_state, server, self.data, self.seen_dev,
+          jnp.asarray(slots, jnp.int32), active_dev, jnp.asarray(t, jnp.int32), self.root_key)
+      chunk_stats.append((gi, slots, active, stats))
+    return client_state, server, chunk_stats
 
   def _train_from_store(self, state: RunState, chunks, server, t: int):
     """Training with the population off the device (`host` or `disk` store): each chunk's rows
@@ -618,15 +628,12 @@ class Simulator:
   EVAL_BLOCK = 32
 
   def _make_eval_call(self, g: Group):
-    """Three jitted calls: `whole(group_params, server, data)` evaluates every row of a group
-    held on the device; `rows_call(rows, slots, valid, server, data)` a block of members at
-    `slots` whose parameters `rows` came from a store; `gather_call(group_params, slots, valid,
-    server, data)` the same block gathered from the group on the device. Rows where `valid` is
-    False (padding) evaluate no test batch."""
+    """Two jitted calls: `rows_call(rows, slots, valid, server, data)` evaluates a block of
+    members at `slots` whose parameters `rows` came from a store; `gather_call(group_params,
+    slots, valid, server, data)` the same block gathered from the group on the device. Rows
+    where `valid` is False (padding) evaluate no test batch."""
     method, cfg = self.method, self.train_cfg
-    # Padding rows are evaluated as the group's last member, on no test sample.
-    members = jnp.asarray(np.pad(g.members, (0, g.rows - g.size), mode='edge'))
-    member_rows = jnp.arange(g.rows) < g.size
+    members = jnp.asarray(g.members)
     per_call = self.config.engine.eval_clients_per_call or (
         1 if jax.default_backend() == 'cpu' else g.rows // self.num_devices)
 
@@ -651,14 +658,11 @@ class Simulator:
                          batch_size=min(per_call, cids.shape[0]))
 
     evaluate_rows = self._per_device(evaluate_rows, num_sharded=3)
-    whole = jax.jit(lambda group_params, server, data_: evaluate_rows(
-        group_params, members, member_rows, server, data_))
-
     rows_call = jax.jit(lambda rows, slots, valid, server, data_: evaluate_rows(
         rows, members[slots], valid, server, data_))
     gather_call = jax.jit(lambda group_params, slots, valid, server, data_: evaluate_rows(
         jax.tree.map(lambda a: a[slots], group_params), members[slots], valid, server, data_))
-    return whole, rows_call, gather_call
+    return rows_call, gather_call
 
   def _eval_jobs(self, ids: np.ndarray, reuse: bool) -> list[tuple[int, np.ndarray, int]]:
     """Blocks of the clients `ids` to evaluate: (group index, slots padded to the block size by
@@ -701,13 +705,7 @@ class Simulator:
       counts = {k: np.full(self.num_clients, np.nan) for k in names}
       ids = self.evaluated_ids
     tick = self._phase_timer()
-    server = state['server']
-    if self.store == 'device' and self.eval_ids is None and not reuse:
-      results = [(g, np.arange(g.size), whole(p, server, self.data))
-                 for g, (whole, *_), p in zip(self.groups, self._eval_calls, state['params'])]
-    else:
-      results = self._evaluate_blocks(state, self._eval_jobs(ids, reuse))
-    for g, slots, r in results:
+    for g, slots, r in self._evaluate_blocks(state, self._eval_jobs(ids, reuse)):
       for k, v in self.fetch(r).items():
         counts[k][g.members[slots]] = v[:len(slots)]
     tick('evaluate')
@@ -737,7 +735,7 @@ class Simulator:
 
     results, loaded = [], load(*jobs[0]) if jobs else None
     for i, (gi, slots, n) in enumerate(jobs):
-      _, rows_call, gather_call = self._eval_calls[gi]
+      rows_call, gather_call = self._eval_calls[gi]
       call = gather_call if self.store == 'device' else rows_call
       r = call(loaded, jnp.asarray(slots, jnp.int32), jnp.asarray(np.arange(len(slots)) < n),
                server, self.data)

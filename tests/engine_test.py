@@ -56,7 +56,7 @@ def test_chunked_vmap_with_dummies_equals_one_client_per_call(runs):
 def test_no_retracing_across_rounds(runs):
   for sim, *_ in runs.values():
     # FedSSA's evaluations, whole or of the trained clients, run blocks of one fixed size.
-    for call in (*sim._train_calls, *(calls[2] for calls in sim._eval_calls), sim._aggregate):
+    for call in (*sim._train_calls, *(calls[1] for calls in sim._eval_calls), sim._aggregate):
       assert call._cache_size() == 1
 
 
