@@ -2,7 +2,7 @@
 
 The end-to-end tests run `python -m fedssa_jax.main` in a subprocess, as a user would, on a tiny
 prepared TFDS cifar10 written here (a subprocess cannot see tfds.testing.mock_data). They share
-a persistent XLA compilation cache, so only the first run compiles.
+the session's persistent XLA compilation cache (conftest), so only the first run compiles.
 """
 import json
 import os
@@ -53,9 +53,6 @@ def env(tmp_path_factory):
   write_tiny_tfds_cifar10(str(base / 'tfds'))
   environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
-  environ.update(JAX_COMPILATION_CACHE_DIR=str(base / 'xla_cache'),
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
   return {'data_dir': str(base / 'tfds'), 'environ': environ}
 
 

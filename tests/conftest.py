@@ -1,4 +1,5 @@
 """Shared fixtures: small synthetic data sets that need no TFDS."""
+import os
 import tempfile
 
 import jax
@@ -11,10 +12,19 @@ from fedssa_jax import data
 # would blur the vectorised-equals-plain comparisons. Runs keep the backend's default.
 jax.config.update('jax_default_matmul_precision', 'highest')
 # One persistent XLA cache for the session: the suite's many small simulators (each a new set of
-# jitted functions) compile the same programs again and again; later ones load them instead.
-jax.config.update('jax_compilation_cache_dir', tempfile.mkdtemp(prefix='fedssa_test_xla_'))
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+# jitted functions) compile the same programs again and again; later ones load them instead. It
+# is exported, so the runs the tests start as subprocesses (which inherit the environment, and
+# may import this file) share it; a cache the caller set is kept.
+CACHE_ENV = {'JAX_COMPILATION_CACHE_DIR': None,
+             'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+             'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
+for _var, _value in CACHE_ENV.items():
+  os.environ.setdefault(_var, _value or tempfile.mkdtemp(prefix='fedssa_test_xla_'))
+jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
+jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                  float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
+jax.config.update('jax_persistent_cache_min_entry_size_bytes',
+                  int(os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES']))
 
 
 def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name='cifar10'):

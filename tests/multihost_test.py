@@ -29,19 +29,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(workdir, rounds, processes, devices, cache=None, signal_round=None):
+def launch(workdir, rounds, processes, devices, signal_round=None):
   """Runs multihost_run.py as `processes` processes of `devices` CPU devices each (with
   `signal_round`, the last one sends itself SIGTERM in that round); returns each one's exit
-  status and RESULT, by process index. `cache`: a folder for JAX's compilation cache."""
+  status and RESULT, by process index. They share the session's compilation cache (conftest),
+  so a resumed run loads what its first part compiled."""
   port = free_port()
   procs = []
   for i in range(processes):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
                XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
-    if cache:  # a resumed run compiles what its first part did: from the cache
-      env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
     for var in distributed.ENV.values():
       env.pop(var, None)
     if processes > 1:
@@ -74,12 +71,11 @@ def records(workdir):
 def runs(tmp_path_factory):
   one = tmp_path_factory.mktemp('one_process')
   two = tmp_path_factory.mktemp('two_processes')
-  cache = tmp_path_factory.mktemp('compilation_cache')
   alone = launch(one, ROUNDS, 1, 1)
   # SIGTERM to the second process only, in round 1: both stop after it, then resume.
-  stopped = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, cache, signal_round=1)
+  stopped = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, signal_round=1)
   stopped_records = records(two)
-  resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, cache)
+  resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS)
   return {'one': (one, alone), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
 
 
