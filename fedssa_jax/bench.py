@@ -80,10 +80,11 @@ def matmul_roofline(quick: bool) -> dict:
   return {'flops_per_s': best, 'shapes': shapes, 'shape_flops_per_s': rates}
 
 
-def train_throughput(family: str, batch: int, clients: int, steps: int, roofline: float,
-                     ds: data.Dataset, micro_batch: int = 0) -> dict:
-  """Images/s of local training (the engine's vmapped local_train) for a group of clients, with
-  forward/backward passes of `micro_batch` rows (0: the whole batch)."""
+def train_call(family: str, batch: int, clients: int, steps: int, ds: data.Dataset,
+               micro_batch: int = 0):
+  """The engine's vmapped local_train for a group of `clients` clients of `steps` full batches
+  each, with forward/backward passes of `micro_batch` rows (0: the whole batch). Returns
+  (call, args, images): the jitted call, its arguments, and the samples a call trains on."""
   model = models.make_model(family, ds.num_classes)
   cfg = client.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std,
                            micro_batch=micro_batch)
@@ -97,10 +98,16 @@ def train_throughput(family: str, batch: int, clients: int, steps: int, roofline
   method = standalone.Standalone(None, clients, ds.num_classes)
   train = functools.partial(client.local_train, apply_fn=model.apply, cfg=cfg, method=method)
   call = jax.jit(jax.vmap(lambda p, k, i, n: train({'model': p}, (), k, i, n, dd)))
-  run = lambda: jax.block_until_ready(call(params, keys, dd.train_idx, dd.train_n))
+  return call, (params, keys, dd.train_idx, dd.train_n), clients * n
+
+
+def train_throughput(family: str, batch: int, clients: int, steps: int, roofline: float,
+                     ds: data.Dataset, micro_batch: int = 0) -> dict:
+  """Images/s of local training (`train_call`) and its FLOP/s as a share of `roofline`."""
+  call, args, images = train_call(family, batch, clients, steps, ds, micro_batch)
+  run = lambda: jax.block_until_ready(call(*args))
   run()
-  seconds = best_time(run, 3)
-  images_per_s = clients * n / seconds
+  images_per_s = images / best_time(run, 3)
   flops = costs.xla_train_flops_per_sample(family, ds.num_classes, batch) * images_per_s
   return {'family': family, 'batch': batch, 'passes': micro_batch or batch, 'clients': clients,
           'images_per_s': images_per_s, 'flops_per_s': flops, 'roofline_share': flops / roofline}

@@ -1,0 +1,119 @@
+"""Where local training's time goes, op by op, on the CPU.
+
+  python launch/profile_ops.py --family=cnn1 [--batch=512 --micro_batch=64 --top=25]
+
+Traces the engine's training call (`fedssa_jax.bench.train_call`, one client, synthetic
+CIFAR-shaped data) with XLA:CPU's per-op trace events, and prints each compiled op's time per
+training step and share of the call, its count per step, its result shape and, for matmuls
+(plain dots or library fusions that hold one), the matmul's shape and GFLOP/s. Op names are those
+of the compiled HLO (`--dump_hlo=PATH` writes it). Times come from the trace, so they carry its
+overhead; read them as shares. Plain `dot` ops run on Eigen's thread pool alongside the ops after
+them, so part of their time shows in those ops: a dot above the machine's roofline is one.
+"""
+import collections
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import tempfile
+
+if __name__ == '__main__':  # XLA reads its flags when the backend starts: before JAX's import.
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_cpu_enable_xprof_traceme=true').strip()
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from fedssa_jax import bench, data, models  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum('family', 'cnn1', models.FAMILY_NAMES, 'Model family.')
+flags.DEFINE_integer('batch', 512, 'Batch size.')
+flags.DEFINE_integer('micro_batch', 64, 'Rows per forward/backward pass (0: the whole batch).')
+flags.DEFINE_integer('steps', 4, 'Training steps per traced call.')
+flags.DEFINE_integer('top', 25, 'Ops to list.')
+flags.DEFINE_string('dump_hlo', None, 'Write the compiled HLO text here.')
+
+_INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.-]+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\((.*)$')
+_SHAPE = re.compile(r'\[([\d,]*)\]')
+
+
+def _dims(shape: str) -> list[int]:
+  m = _SHAPE.search(shape)
+  return [int(d) for d in m.group(1).split(',') if d] if m else []
+
+
+def parse_hlo(text: str):
+  """{op name: (result shape, opcode, called computation)}, and {computation: its dot's
+  (m, k, n, flops)} for every computation that holds a dot."""
+  ops, shapes, comp_dots, comp = {}, {}, {}, None
+  for line in text.splitlines():
+    head = re.match(r'^(?:ENTRY )?%([\w.-]+) ', line)
+    if head and line.rstrip().endswith('{'):
+      comp = head.group(1)
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    name, shape, opcode, rest = m.groups()
+    shapes[name] = shape
+    called = re.search(r'calls=%([\w.-]+)', rest)
+    ops[name] = (shape, opcode, called.group(1) if called else None)
+    if opcode == 'dot':
+      operands = re.findall(r'%([\w.-]+)', rest.split(')')[0])
+      lhs = _dims(shapes.get(operands[0], ''))
+      contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
+      k = math.prod(lhs[int(d)] for d in contracting.group(1).split(',') if d) if contracting else 1
+      dims = _dims(shape)
+      out, n = math.prod(dims), (dims[-1] if dims else 1)
+      comp_dots[comp] = comp_dots[name] = (out // n, k, n, 2 * out * k)
+  return ops, comp_dots
+
+
+def main(_):
+  ds = data.synthetic_cifar(10, FLAGS.batch * FLAGS.steps, 100)
+  call, args, images = bench.train_call(FLAGS.family, FLAGS.batch, 1, FLAGS.steps, ds,
+                                        FLAGS.micro_batch)
+  text = call.lower(*args).compile().as_text()
+  if FLAGS.dump_hlo:
+    with open(FLAGS.dump_hlo, 'w') as f:
+      f.write(text)
+  ops, dots = parse_hlo(text)
+  run = lambda: jax.block_until_ready(call(*args))
+  run()
+  seconds = bench.best_time(run, 3)
+  with tempfile.TemporaryDirectory() as tmp:
+    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+    run()
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(glob.glob(f'{tmp}/**/*.json.gz', recursive=True)[0]))
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and e['name'] in ops:
+      total[e['name']] += e['dur'] * 1e-6
+      count[e['name']] += 1
+  traced = sum(total.values())
+  steps = FLAGS.steps
+  print(f'{FLAGS.family}, batch {FLAGS.batch} in passes of {FLAGS.micro_batch or FLAGS.batch}: '
+        f'{images / seconds:,.0f} img/s untraced, {seconds / steps * 1e3:.1f} ms per step; '
+        f'ops in the trace: {traced / steps * 1e3:.1f} ms per step')
+  print(f'{"ms/step":>8} {"share":>6} {"per step":>8}  {"op":34} {"result":26} matmul')
+  for name, t in total.most_common(FLAGS.top):
+    shape, opcode, called = ops[name]
+    dot = dots.get(name) or dots.get(called)
+    mm = (f'[{dot[0]},{dot[1]}]@[{dot[1]},{dot[2]}] {dot[3] * count[name] / t / 1e9:5.0f} GFLOP/s'
+          if dot else '')
+    print(f'{t / steps * 1e3:8.2f} {t / traced:6.1%} {count[name] / steps:8.1f}  {name[:34]:34} '
+          f'{shape[:26]:26} {mm}')
+  by_kind = collections.Counter()
+  for name, t in total.items():
+    by_kind['matmuls' if (dots.get(name) or dots.get(ops[name][2])) else 'other ops'] += t
+  print('; '.join(f'{k} {v / traced:.0%}' for k, v in by_kind.most_common()))
+
+
+if __name__ == '__main__':
+  app.run(main)
