@@ -7,7 +7,7 @@ CIFAR-shaped data) with XLA:CPU's per-op trace events, and prints each compiled 
 training step and share of the call, its count per step, its result shape and, for matmuls
 (plain dots or library fusions that hold one), the matmul's shape and GFLOP/s. Op names are those
 of the compiled HLO (`--dump_hlo=PATH` writes it). Times come from the trace, so they carry its
-overhead; read them as shares. Plain `dot` ops run on Eigen's thread pool alongside the ops after
+overhead (each op's least over `--traces` calls is taken); read them as shares. Plain `dot` ops run on Eigen's thread pool alongside the ops after
 them, so part of their time shows in those ops: a dot above the machine's roofline is one.
 """
 import collections
@@ -35,6 +35,7 @@ flags.DEFINE_integer('batch', 512, 'Batch size.')
 flags.DEFINE_integer('micro_batch', 64, 'Rows per forward/backward pass (0: the whole batch).')
 flags.DEFINE_integer('steps', 4, 'Training steps per traced call.')
 flags.DEFINE_integer('top', 25, 'Ops to list.')
+flags.DEFINE_integer('traces', 3, 'Traced calls; each op counts with its least time among them.')
 flags.DEFINE_string('dump_hlo', None, 'Write the compiled HLO text here.')
 
 _INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.-]+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\((.*)$')
@@ -73,6 +74,22 @@ def parse_hlo(text: str):
   return ops, comp_dots
 
 
+def trace_call(run, ops):
+  """Seconds and count of each compiled op in one traced call of run()."""
+  with tempfile.TemporaryDirectory() as tmp:
+    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+    run()
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(glob.glob(f'{tmp}/**/*.json.gz', recursive=True)[0]))
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and e['name'] in ops:
+      total[e['name']] += e['dur'] * 1e-6
+      count[e['name']] += 1
+  return total, count
+
+
 def main(_):
   ds = data.synthetic_cifar(10, FLAGS.batch * FLAGS.steps, 100)
   call, args, images = bench.train_call(FLAGS.family, FLAGS.batch, 1, FLAGS.steps, ds,
@@ -85,17 +102,12 @@ def main(_):
   run = lambda: jax.block_until_ready(call(*args))
   run()
   seconds = bench.best_time(run, 3)
-  with tempfile.TemporaryDirectory() as tmp:
-    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-    run()
-    jax.profiler.stop_trace()
-    trace = json.load(gzip.open(glob.glob(f'{tmp}/**/*.json.gz', recursive=True)[0]))
-  events = trace['traceEvents'] if isinstance(trace, dict) else trace
-  total, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get('ph') == 'X' and e['name'] in ops:
-      total[e['name']] += e['dur'] * 1e-6
-      count[e['name']] += 1
+  total, count = None, None
+  for _ in range(FLAGS.traces):  # each op's least total over the traced calls
+    t, c = trace_call(run, ops)
+    total = t if total is None else collections.Counter(
+        {name: min(v, t[name]) for name, v in total.items()})
+    count = c
   traced = sum(total.values())
   steps = FLAGS.steps
   print(f'{FLAGS.family}, batch {FLAGS.batch} in passes of {FLAGS.micro_batch or FLAGS.batch}: '
