@@ -17,8 +17,8 @@ Three formulations compute the same function from the same parameters:
   multiplies some zeros, but its matmuls are wider than im2col's skinny [.., 75] @ [75, 16] and
   its patches are fewer: on the 2-core CPU, CNN-1's forward and backward step is about 1.5x
   faster than im2col's (`python -m fedssa_jax.bench`).
-``conv_impl='auto'`` picks band for training on the CPU and xla elsewhere (and for evaluation). tests/models_test.py checks that all
-three agree.
+``conv_impl='auto'`` picks band for training on the CPU and xla elsewhere (and for evaluation).
+tests/models_test.py checks that all three agree.
 
 Mixed precision (``engine.compute_dtype``): parameters are always created in float32 (the master
 weights, which the optimizer updates and the server aggregates); with ``dtype=jnp.bfloat16`` each

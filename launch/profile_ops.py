@@ -7,8 +7,9 @@ CIFAR-shaped data) with XLA:CPU's per-op trace events, and prints each compiled 
 training step and share of the call, its count per step, its result shape and, for matmuls
 (plain dots or library fusions that hold one), the matmul's shape and GFLOP/s. Op names are those
 of the compiled HLO (`--dump_hlo=PATH` writes it). Times come from the trace, so they carry its
-overhead (each op's least over `--traces` calls is taken); read them as shares. Plain `dot` ops run on Eigen's thread pool alongside the ops after
-them, so part of their time shows in those ops: a dot above the machine's roofline is one.
+overhead (each op's least over `--traces` calls is taken); read them as shares. Plain `dot` ops
+run on Eigen's thread pool alongside the ops after them, so part of their time shows in those
+ops: a dot above the machine's roofline is one.
 """
 import collections
 import glob
@@ -24,10 +25,12 @@ if __name__ == '__main__':  # XLA reads its flags when the backend starts: befor
                              ' --xla_cpu_enable_xprof_traceme=true').strip()
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from absl import app, flags
+import jax
 
-from fedssa_jax import bench, data, models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fedssa_jax import bench, data, models
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('family', 'cnn1', models.FAMILY_NAMES, 'Model family.')

@@ -15,11 +15,10 @@ jax.config.update('jax_default_matmul_precision', 'highest')
 # jitted functions) compile the same programs again and again; later ones load them instead. It
 # is exported, so the runs the tests start as subprocesses (which inherit the environment, and
 # may import this file) share it; a cache the caller set is kept.
-CACHE_ENV = {'JAX_COMPILATION_CACHE_DIR': None,
-             'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-             'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
-for _var, _value in CACHE_ENV.items():
-  os.environ.setdefault(_var, _value or tempfile.mkdtemp(prefix='fedssa_test_xla_'))
+if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='fedssa_test_xla_')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
 jax.config.update('jax_persistent_cache_min_compile_time_secs',
                   float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
