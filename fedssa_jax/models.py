@@ -226,6 +226,15 @@ def forward_macs(family_name: str, num_classes: int) -> int:
 
 # --- The header (spec §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
 
+HEADER_ROW = REPR_DIM + 1  # 501 numbers per class row
+
+
+def init_header(key, num_classes: int) -> jax.Array:
+  """A fresh [num_classes, 501] header drawn exactly as a client's fc3 is (PyTorch's init)."""
+  fc3 = Dense(num_classes).init(key, jnp.zeros((1, REPR_DIM)))['params']
+  return header_rows({'fc3': fc3})
+
+
 def header_rows(params) -> jax.Array:
   """fc3 as [num_classes, 501]: row s holds class s's weights and bias."""
   fc3 = params['fc3']

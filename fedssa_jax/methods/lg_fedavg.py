@@ -27,14 +27,8 @@ import jax.numpy as jnp
 from fedssa_jax import models
 from fedssa_jax.methods import base
 
-ROW = models.REPR_DIM + 1  # 501 numbers per class row
+ROW = models.HEADER_ROW  # 501 numbers per class row
 WEIGHTINGS = ('samples', 'uniform')
-
-
-def init_header(key, num_classes: int):
-  """A fresh [C, 501] header with exactly a client fc3's init (models.Dense)."""
-  fc3 = models.Dense(num_classes).init(key, jnp.zeros((1, models.REPR_DIM)))['params']
-  return models.header_rows({'fc3': fc3})
 
 
 class SharedHeader(base.Method):
@@ -52,7 +46,7 @@ class SharedHeader(base.Method):
   def init_server(self, key, seen):
     del seen
     c = self.num_classes
-    return {'global': init_header(key, c),                   # H_g, what clients download
+    return {'global': models.init_header(key, c),                   # H_g, what clients download
             'inbox': jnp.zeros((c, ROW), jnp.float32),       # sum_k w_k H_k of this round
             'inbox_weight': jnp.zeros((), jnp.float32)}      # sum_k w_k of this round
 
