@@ -97,12 +97,14 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
   rounding: another backend or JAX version, or other engine batching.
   """
   saved, now = config_fields(saved_meta['config']), config_fields(config)
-  show = lambda d, k: repr(d[k]) if k in d else '(absent)'
-  differ = [k for k in sorted(set(saved) | set(now)) if show(saved, k) != show(now, k)]
-  # A field added to the config after the checkpoint was written is fine at its default, which
-  # is the behaviour the run had.
+  # A field added to the config after the checkpoint was written is fine at the value that
+  # gives the behaviour the run had: its default, or config_lib.VALUE_BEFORE_FIELD's.
   base = config_fields(config_lib.base_config(config.dataset))
-  added = {k for k in differ if k not in saved and k in base and now.get(k) == base[k]}
+  before = {k: config_lib.VALUE_BEFORE_FIELD.get(k, base[k]) for k in base if k not in saved}
+  show = lambda d, k: (repr(d[k]) if k in d else
+                       f'(absent: the run behaves as {before[k]!r})' if k in before else '(absent)')
+  differ = [k for k in sorted(set(saved) | set(now)) if show(saved, k) != show(now, k)]
+  added = {k for k in differ if k in before and now.get(k) == before[k]}
   refused = [f'{k}: checkpoint {show(saved, k)}, now {show(now, k)}' for k in differ
              if k not in MUTABLE_ON_RESUME and k not in added]
   if refused:

@@ -3,8 +3,9 @@
 `configs/cifar10.py:hetero,n100` calls `get_config('hetero,n100')`, which is
 `build('cifar10', 'hetero,n100')` here. Variants (comma-separated, applied left to right):
 
-  hetero   client k gets family CNN-((k mod 5)+1); reference hetero script: E=25, T_stable=2
-  homo     every client gets CNN-1; reference homo script: E=10, T_stable=45
+  hetero   client k gets family CNN-((k mod 5)+1); reference hetero script: E=25, T_stable=2,
+           fusion 'reference'
+  homo     every client gets CNN-1; reference homo script: E=10, T_stable=45, fusion HOMO_FUSION
   n10      N=10,  C=100%     (the paper's three (N, C) settings)
   n50      N=50,  C=20%
   n100     N=100, C=10%
@@ -62,6 +63,10 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.families = models.FAMILY_NAMES  # client k gets families[k % len(families)]
   c.model.conv_impl = 'auto'          # 'auto' (band on CPU, xla elsewhere), 'band', 'im2col', 'xla'
+  # Initial models: 'family' (one model per family from the run's seed, which every client of
+  # the family starts from, in every method: what the official code does) or 'client' (each
+  # client draws its own).
+  c.model.init_scope = 'family'
 
   c.partition = ml_collections.ConfigDict()
   c.partition.kind = 'pathological'   # 'pathological' or 'dirichlet'
@@ -87,8 +92,11 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.fedssa = ml_collections.ConfigDict()
   c.fedssa.mu0 = 0.5                  # initial weight of the local header rows
   c.fedssa.t_stable = 2               # rounds until mu_t reaches 0
-  c.fedssa.fusion = 'convex'          # 'convex' (paper) or 'reference' (official code)
+  c.fedssa.fusion = 'reference'       # 'reference' (official code: mu*local + global) or
+                                      # 'convex' (mu*local + (1-mu)*global)
   c.fedssa.scope = 'all_owners'       # 'all_owners' (latest uploads) or 'participants'
+  c.fedssa.initial_header = True      # the server's global header theta^0 before round 0 (as
+                                      # the official code); False: no global row until uploads
 
   # The baselines' hyperparameters (spec BASELINES.md; defaults are its first section's).
   c.fd = ml_collections.ConfigDict()
@@ -135,13 +143,22 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   return c
 
 
+# FedSSA's fusion in the homo variant, chosen from measured runs at configs/cifar10.py:homo
+# (docs/results.md, "The homo fusion").
+HOMO_FUSION = 'reference'
+
+# Config fields added after runs were made whose behaviour before the field existed differs from
+# the field's default: a checkpoint written without the field resumes only at this value.
+VALUE_BEFORE_FIELD = {'fedssa.initial_header': False, 'model.init_scope': 'client'}
+
+
 def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
   if name == 'hetero':
     c.model.families = models.FAMILY_NAMES
-    c.local_epochs, c.fedssa.t_stable = 25, 2
+    c.local_epochs, c.fedssa.t_stable, c.fedssa.fusion = 25, 2, 'reference'
   elif name == 'homo':
     c.model.families = ('cnn1',)
-    c.local_epochs, c.fedssa.t_stable = 10, 45
+    c.local_epochs, c.fedssa.t_stable, c.fedssa.fusion = 10, 45, HOMO_FUSION
   elif name in ('n10', 'n50', 'n100'):
     c.num_clients, c.participation = {'n10': (10, 1.0), 'n50': (50, 0.2),
                                       'n100': (100, 0.1)}[name]
@@ -204,6 +221,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(f in models.FAMILY_NAMES,
          f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
   one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
+  one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
 
   n = c.num_clients
   need(n >= 1, f'num_clients must be >= 1, got {n}.')
@@ -259,6 +277,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   need(0 <= c.fedssa.mu0 <= 1, f'fedssa.mu0 must be in [0, 1], got {c.fedssa.mu0}.')
   one_of('fedssa.fusion', c.fedssa.fusion, ('convex', 'reference'))
   one_of('fedssa.scope', c.fedssa.scope, ('all_owners', 'participants'))
+  need(isinstance(c.fedssa.initial_header, bool),
+       f'fedssa.initial_header must be True or False, got {c.fedssa.initial_header!r}.')
   need(c.engine.matmul_precision in ('default', 'high', 'highest'),
        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
        f'{c.engine.matmul_precision!r}.')

@@ -68,8 +68,11 @@ PyTree = Any
 #  'server': pytree, 'costs': dict}
 RunState = dict
 
-# Independent random streams, all derived from the config's seed.
-STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL = range(6)
+# Independent random streams, all derived from the config's seed. STREAM_INIT draws a client's
+# own initial model (model.init_scope='client', keyed by client id); STREAM_FAMILY_INIT a
+# family's shared one ('family', keyed by the family's index in models.FAMILY_NAMES).
+(STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL,
+ STREAM_FAMILY_INIT) = range(7)
 
 CLIENTS = 'clients'  # the mesh axis over which client axes are sharded
 
@@ -360,8 +363,13 @@ class Simulator:
     return _client_keys(self.root_key, stream, jnp.asarray(client_ids))
 
   def _init_group(self, g: Group, slots) -> PyTree:
-    """The initial parameters of the group's members at `slots` (stacked)."""
-    return self._init_fn_padded(self._init_params_fn(g), STREAM_INIT, g.members[np.asarray(slots)])
+    """The initial parameters of the group's members at `slots` (stacked): each one's own draw,
+    or (init_scope 'family') copies of the family's one model, the same in every method."""
+    slots = np.asarray(slots)
+    if self.config.model.init_scope == 'family':
+      family_ids = np.full(len(slots), models.FAMILY_NAMES.index(g.family))
+      return self._init_fn_padded(self._init_params_fn(g), STREAM_FAMILY_INIT, family_ids)
+    return self._init_fn_padded(self._init_params_fn(g), STREAM_INIT, g.members[slots])
 
   def _init_fn_padded(self, fn, stream: int, cids: np.ndarray) -> PyTree:
     """fn(keys of `cids`), computed for a power-of-two count of clients (so a store that makes
@@ -382,7 +390,8 @@ class Simulator:
                                 np.asarray(cids))
 
   def init_state(self) -> RunState:
-    """Each client's model from its own key (no aliasing across clients, spec §2).
+    """Each client's initial model (`_init_group`), in storage of its own (no aliasing across
+    clients, spec §2).
 
     With the `disk` store, the population is not computed here: a row never written reads as
     its initial value, made from the same key on demand (population.DiskRows)."""

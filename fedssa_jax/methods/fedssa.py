@@ -1,14 +1,19 @@
 """FedSSA: semantic-similarity-based, class-wise header aggregation (spec FEDSSA.md §5).
 
 Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
+- Before round 0 (`initial_header`, the default), the server holds a global header theta^0,
+  drawn from the server's key exactly as a client's header is, so every class has a global row
+  from the start and round 0 fuses it (the official code seeds it from a fresh model's fc3).
+  Without it, no class has a global row until an owner uploads.
 - Stabilise (global -> local), before training, on seen classes that have a global row:
-    convex     theta_k^s <- mu_t * theta_k^s + (1 - mu_t) * theta^s     (paper; default)
-    reference  theta_k^s <- mu_t * theta_k^s + theta^s                  (official code)
-  with mu_t = mu0 * cos(t * pi / (2 * T_stable)) for t <= T_stable, else 0.
+    reference  theta_k^s <- mu_t * theta_k^s + theta^s                  (official code; default)
+    convex     theta_k^s <- mu_t * theta_k^s + (1 - mu_t) * theta^s     (a reading of the paper)
+  with mu_t = mu0 * cos(t * pi / (2 * T_stable)) for t <= T_stable, else 0. `reference` grows a
+  seen row by about (1 + mu_t) a round while mu_t > 0; `convex` does not.
 - Upload the seen rows; the server keeps a table U [N, S, 501] of every client's latest upload.
 - Aggregate per class: theta^s = unweighted mean of U_k^s over contributing owners of s
   (`all_owners`: every owner that has uploaded at least once; `participants`: this round's).
-  A class with no contributor keeps its previous global row.
+  A class with no contributor keeps its previous global row (theta^0 until an owner uploads).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 from fedssa_jax import models
 from fedssa_jax.methods import base
 
-ROW = models.REPR_DIM + 1  # 501 numbers per class row
+ROW = models.HEADER_ROW  # 501 numbers per class row
 
 
 def mu_schedule(round_index, mu0: float, t_stable: int):
@@ -52,6 +57,7 @@ class FedSSA(base.Method):
     c = config.fedssa
     self.mu0, self.t_stable = float(c.mu0), int(c.t_stable)
     self.fusion, self.scope = c.fusion, c.scope
+    self.initial_header = bool(c.initial_header)
     if self.fusion not in ('convex', 'reference'):
       raise ValueError(f"fedssa.fusion must be 'convex' or 'reference', got {self.fusion!r}.")
     if self.scope not in ('all_owners', 'participants'):
@@ -59,14 +65,17 @@ class FedSSA(base.Method):
           f"fedssa.scope must be 'all_owners' or 'participants', got {self.scope!r}.")
 
   def init_server(self, key, seen):
-    del key  # nothing random: no global row exists before the first aggregation
     n, s = seen.shape
+    if self.initial_header:  # theta^0: every class has a global row before round 0
+      global_rows, avail = models.init_header(key, s), jnp.ones((s,), bool)
+    else:
+      global_rows, avail = jnp.zeros((s, ROW), jnp.float32), jnp.zeros((s,), bool)
     return {
         'seen': jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
         'table': jnp.zeros((n, s, ROW), jnp.float32),   # latest upload per client
         'uploaded': jnp.zeros((n,), bool),              # has the client ever uploaded?
-        'global': jnp.zeros((s, ROW), jnp.float32),     # theta^s
-        'avail': jnp.zeros((s,), bool),                 # does theta^s exist yet?
+        'global': global_rows,                          # theta^s
+        'avail': avail,                                 # does theta^s exist yet?
     }
 
   def download(self, params, state, server, client_id, seen, round_index):
