@@ -459,6 +459,13 @@ class Simulator:
           ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
           for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
       ]).any(axis=0) & active
+      # The norms of each trained client's seen-class header rows, after training (a diagnostic
+      # of header growth, e.g. FedSSA's `reference` fusion).
+      norms = jnp.linalg.norm(jax.vmap(models.header_rows)(new_params), axis=-1)
+      own = seen[cids]
+      stats['header_norm_max'] = jnp.where(own, norms, 0.0).max(axis=1)
+      stats['header_norm_sum'] = jnp.where(own, norms, 0.0).sum(axis=1)
+      stats['header_rows'] = own.sum(axis=1)
       return new_params, new_state, server, stats
 
     if self.store != 'device':
@@ -552,6 +559,9 @@ class Simulator:
         'client_down_floats': c['down_floats'],
         'client_flops_per_client': flops,
         'nonfinite_params': c['nonfinite'].astype(bool),
+        # Over the seen-class header rows of this round's clients, after training.
+        'header_norm_max': float(c['header_norm_max'].max()),
+        'header_norm_mean': float(c['header_norm_sum'].sum() / max(c['header_rows'].sum(), 1)),
     }
     new_state = {'round': t + 1, 'params': tuple(params), 'client_state': client_state,
                  'server': server, 'costs': new_costs}

@@ -36,7 +36,8 @@ from fedssa_jax import (checkpoint, config_lib, data, distributed, engine, popul
 METRICS_FIELDS = (
     'round', 'mean_accuracy', 'client_accuracy', 'evaluated_clients',
     'participant_accuracy_reference',
-    'train_loss', 'train_accuracy', 'participants', 'up_floats', 'down_floats', 'client_flops',
+    'train_loss', 'train_accuracy', 'header_norm_max', 'header_norm_mean', 'participants',
+    'up_floats', 'down_floats', 'client_flops',
     'cum_up_floats', 'cum_down_floats', 'cum_floats', 'cum_client_flops', 'method_metrics',
     'round_seconds', 'elapsed_seconds')
 SUMMARY_FIELDS = (
@@ -382,6 +383,8 @@ def _record(sim, state, info, ev) -> dict:
       'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
       'train_loss': info['train_loss'],
       'train_accuracy': info['train_accuracy'],
+      'header_norm_max': info['header_norm_max'],
+      'header_norm_mean': info['header_norm_mean'],
       'participants': cohort.tolist(),
       'up_floats': info['up_floats'], 'down_floats': info['down_floats'],
       'client_flops': info['client_flops'],
