@@ -11,7 +11,8 @@ README "Outputs") and writes into `<sweep_dir>/report/`:
 - costs.md      per setting, rounds, floats and client FLOPs to the target accuracy, and how
                 many times more each baseline needs than FedSSA;
 - PNG plots     accuracy against rounds per setting; per-client accuracy box plots per setting
-                (FedSSA and the two best other methods); robustness curves where a setting
+                (FedSSA and the two best other methods); accuracy, train loss and header-row
+                norms against rounds per setting; robustness curves where a setting
                 varies only in classes per client or Dirichlet gamma; t-SNE panels of the saved
                 representations (runs with save_representations=True);
 - index.md      links to all of them.
@@ -275,21 +276,59 @@ def _save(fig, path):
   return path
 
 
+def series(rs, key: str) -> tuple[list[int], np.ndarray]:
+  """(the rounds where every run of `rs` recorded `key`, [runs, rounds] of its values)."""
+  rounds = sorted(set.intersection(*(
+      {x['round'] for x in r.metrics if x.get(key) is not None} for r in rs)))
+  by_round = [{x['round']: x.get(key) for x in r.metrics} for r in rs]
+  return rounds, np.array([[b[t] for t in rounds] for b in by_round], np.float64)
+
+
 def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for m, rs in methods.items():
-    common = sorted(set.intersection(*(set(x['round'] for x in r.metrics) for r in rs)))
+    common, acc = series(rs, 'mean_accuracy')
     if not common:
       continue
-    acc = np.array([[next(x['mean_accuracy'] for x in r.metrics if x['round'] == t)
-                     for t in common] for r in rs]) * 100
+    acc = acc * 100
     line, = ax.plot(common, acc.mean(0), label=m, marker='.' if len(common) < 30 else None)
     if len(rs) > 1:
       ax.fill_between(common, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
   ax.set(xlabel='round', ylabel='mean test accuracy (%)', title=setting.label)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
+  return _save(fig, path)
+
+
+def plot_training_curves(setting: Setting, methods, path: str) -> str:
+  """Per method (seed-mean curves): mean test accuracy, train loss, and the header-row norms
+  (largest, and mean over the trained clients' seen rows), against rounds. A run whose
+  accuracy falls while its header norms climb has headers that grow (FedSSA's `reference`
+  fusion with a long T_stable)."""
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+  panels = (('mean_accuracy', 'mean test accuracy (%)', 100.0),
+            ('train_loss', 'train loss', 1.0),
+            ('header_norm_max', 'header-row norm: max (solid), mean (dashed)', 1.0))
+  for m, rs in methods.items():
+    color = None
+    for ax, (key, label, scale) in zip(axes, panels):
+      keys = (key, 'header_norm_mean') if key == 'header_norm_max' else (key,)
+      for k, style in zip(keys, ('-', '--')):
+        rounds, ys = series(rs, k)
+        if not rounds:
+          continue
+        line, = ax.plot(rounds, ys.mean(0) * scale, style, color=color,
+                        label=m if style == '-' else None)
+        color = line.get_color()
+      ax.set(xlabel='round', ylabel=label)
+      ax.xaxis.get_major_locator().set_params(integer=True)
+      ax.grid(alpha=0.3)
+  axes[1].set_yscale('log')
+  axes[2].set_yscale('log')
+  axes[0].legend(fontsize=7)
+  fig.suptitle(setting.label, fontsize=10)
   return _save(fig, path)
 
 
@@ -403,11 +442,12 @@ def write_report(sweep_dir: str, out_dir: str | None = None) -> str:
     rounds = sorted({r.summary['rounds'] for rs in methods.values() for r in rs})
     curves = plot_accuracy_vs_rounds(s, methods, os.path.join(out_dir, f'rounds_{s.slug}.png'))
     boxes = plot_client_boxes(s, methods, os.path.join(out_dir, f'boxes_{s.slug}.png'))
+    training = plot_training_curves(s, methods, os.path.join(out_dir, f'training_{s.slug}.png'))
     rows.append([s.label, len(methods), '/'.join(map(str, rounds)), f'[png]({rel(curves)})',
-                 f'[png]({rel(boxes)})'])
+                 f'[png]({rel(boxes)})', f'[png]({rel(training)})'])
   index += ['## Per setting', '', markdown_table(
-      ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes'],
-      rows)]
+      ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes',
+       'accuracy, train loss and header norms'], rows)]
 
   robust = robustness_series(grouped)
   if robust:

@@ -1,4 +1,6 @@
-"""FedSSA's stabilisation and class-wise aggregation against plain per-class loops."""
+"""FedSSA's stabilisation and class-wise aggregation against plain per-class loops, and whole
+engine rounds (round 0 and its initial global header included) against a plain per-client loop."""
+import functools
 import math
 
 import jax
@@ -6,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, models
+from fedssa_jax import client, config_lib, engine, models
 from fedssa_jax.methods import fedssa
 
 
@@ -49,7 +51,7 @@ def test_server_round_equals_per_class_loop(scope):
   seen = rng.random((n, s)) < 0.5
   seen[:, 4] = False  # a class nobody owns
   method = make_method(scope, n, s)
-  server = method.init_server(None, jnp.asarray(seen))
+  server = method.init_server(jax.random.PRNGKey(0), jnp.asarray(seen))
   prev_global = rng.normal(size=(s, 501)).astype(np.float32)
   server['global'] = jnp.asarray(prev_global)
   server['avail'] = jnp.asarray([True, False, True, True, True])
@@ -94,3 +96,87 @@ def test_comm_and_fusion_counts():
     assert float(down.flops) == 3 * 501 * want_down  # convex fusion: 3 ops per element
     up = method.upload({'model': down.params}, {}, (), {}, seen[k], 5, 0)
     assert int(up.floats) == 501 * want_up
+
+
+@pytest.mark.parametrize('initial_header', [True, False])
+def test_initial_global_header_is_a_client_header_draw_from_the_server_key(initial_header):
+  c = config_lib.base_config('cifar10')
+  c.fedssa.initial_header = initial_header
+  method = fedssa.FedSSA(c, 3, 10)
+  key = jax.random.PRNGKey(7)
+  server = method.init_server(key, jnp.ones((3, 10), bool))
+  if initial_header:
+    fc3 = models.Dense(10).init(key, jnp.zeros((1, 500)))['params']  # a client's fc3 init
+    want = np.concatenate([fc3['kernel'].T, fc3['bias'][:, None]], axis=1)
+    np.testing.assert_array_equal(np.asarray(server['global']), want)
+    assert np.abs(want).max() <= 1 / math.sqrt(500) and np.asarray(server['avail']).all()
+  else:
+    assert not np.asarray(server['global']).any() and not np.asarray(server['avail']).any()
+
+
+@pytest.mark.parametrize('fusion', ['reference', 'convex'])
+def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
+  """Three engine rounds (T_stable=2: mu_t = 0.5, 0.35, 0) against the spec's round written
+  as plain loops: theta^0 from the server key, each sampled client fusing its seen rows, training
+  alone, uploading its seen rows, and per-class means over every owner that has uploaded."""
+  sim = small_sim('fedssa', **{'fedssa.fusion': fusion})
+  n, s, seen = sim.num_clients, sim.num_classes, sim.seen
+  state = sim.init_state()
+  take = lambda tree, i: jax.tree.map(lambda a: np.asarray(a[i]), tree)
+  params = [take(state['params'][0], sim.slot_of[k]) for k in range(n)]
+  for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
+    jax.tree.map(np.testing.assert_array_equal, p, params[0])
+  glob = np.array(models.init_header(jax.random.fold_in(sim.root_key, engine.STREAM_SERVER), s))
+  g = sim.groups[0]
+  train = jax.jit(functools.partial(client.local_train, apply_fn=g.model.apply,
+                                    cfg=sim.train_cfg, method=sim.method))
+  uploads = {}
+  for t in range(3):
+    state, info = sim.run_round(state)
+    cohort = engine.sample_cohort(sim.config.seed, t, n, sim.k)
+    np.testing.assert_array_equal(info['cohort'], cohort)
+    mu = 0.5 * math.cos(t * math.pi / 4) if t <= 2 else 0.0
+    down = 0
+    for k in cohort:
+      rows = np.array(models.header_rows(params[k]))
+      for c in np.flatnonzero(seen[k]):  # every class has a global row from round 0 on
+        rows[c] = mu * rows[c] + (glob[c] if fusion == 'reference' else (1 - mu) * glob[c])
+        down += 501
+      key = jax.random.fold_in(
+          jax.random.fold_in(jax.random.fold_in(sim.root_key, engine.STREAM_TRAIN), t), k)
+      trained, _, _ = train({'model': models.with_header_rows(params[k], rows)}, (), key,
+                            sim.data.train_idx[k], sim.data.train_n[k], sim.data)
+      params[k] = take(trained['model'], ())
+      uploads[k] = np.asarray(models.header_rows(params[k]))
+    for c in range(s):
+      owners = [uploads[k][c] for k in uploads if seen[k, c]]
+      if owners:
+        glob[c] = np.mean(owners, axis=0)
+    assert info['down_floats'] == down and info['up_floats'] == 501 * seen[cohort].sum()
+    np.testing.assert_allclose(np.asarray(state['server']['global']), glob, rtol=2e-4,
+                               atol=2e-5)
+    for k in cohort:
+      jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
+                   take(state['params'][0], sim.slot_of[k]), params[k])
+
+
+# Per-client training-loss sums of rounds 0..2 on conftest's 5-client simulator (cohort [2, 4]
+# every round), recorded before the initial header and family initialisation existed.
+BEFORE_INITIAL_HEADER = {
+    'convex': [[226.3909454346, 209.8608856201], [139.2159118652, 187.4028167725],
+               [81.8213043213, 126.9172973633]],
+    'reference': [[226.3909454346, 209.8608856201], [124.6630554199, 177.3008880615],
+                  [90.6684188843, 94.1738739014]],
+}
+
+
+@pytest.mark.parametrize('fusion', ['convex', 'reference'])
+def test_without_initial_header_and_with_client_init_the_numbers_are_unchanged(small_sim,
+                                                                                fusion):
+  sim = small_sim('fedssa', **{'fedssa.fusion': fusion, 'fedssa.initial_header': False,
+                               'model.init_scope': 'client'})
+  state = sim.init_state()
+  for want in BEFORE_INITIAL_HEADER[fusion]:
+    state, info = sim.run_round(state)
+    np.testing.assert_array_equal(info['cohort'], [2, 4])
+    np.testing.assert_allclose(info['train_loss_sum'], want, rtol=1e-6)

@@ -104,10 +104,24 @@ def test_plots_and_index(sweep):
   assert 'robustness_k_cifar10_hetero_n100_c0.1.png' in pngs
   assert len([p for p in pngs if p.startswith('rounds_')]) == 3
   assert len([p for p in pngs if p.startswith('boxes_')]) == 3
+  assert len([p for p in pngs if p.startswith('training_')]) == 3
   for p in pngs:
     assert f'({p})' in text
     assert open(os.path.join(out, p), 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
   assert '(accuracy.md)' in text and '(costs.md)' in text
+
+
+def test_series_keeps_the_rounds_every_run_recorded():
+  runs = [report.Run(path='', config={}, derived={}, summary={}, metrics=m, setting=None,
+                     method='fedssa', seed=s)
+          for s, m in enumerate([
+              [{'round': 1, 'header_norm_max': 2.0}, {'round': 2, 'header_norm_max': 4.0},
+               {'round': 3, 'header_norm_max': 8.0}],
+              [{'round': 2, 'header_norm_max': 6.0}, {'round': 3, 'header_norm_max': None},
+               {'round': 4, 'header_norm_max': 1.0}]])]
+  rounds, values = report.series(runs, 'header_norm_max')
+  assert rounds == [2] and values.tolist() == [[4.0], [6.0]]
+  assert report.series(runs, 'train_loss')[0] == []
 
 
 def test_box_plots_show_fedssa_and_the_two_best_others():

@@ -219,8 +219,26 @@ def test_resume_accepts_fields_added_since_at_their_defaults(tmp_path):
   meta = checkpoint.run_meta(tiny(), '0' * 16)
   del meta['config']['engine']['compute_dtype']  # a checkpoint from before the field existed
   checkpoint.check_resumable(meta, tiny(), str(tmp_path))
-  with pytest.raises(config_lib.ConfigError, match="compute_dtype: checkpoint .absent., now 'bf"):
+  with pytest.raises(config_lib.ConfigError,
+                     match="compute_dtype: checkpoint .absent: the run behaves as 'float32'., "
+                           "now 'bf"):
     checkpoint.check_resumable(meta, tiny(**{'engine.compute_dtype': 'bfloat16'}), str(tmp_path))
+
+
+def test_runs_from_before_the_initial_header_resume_only_at_their_behaviour(tmp_path):
+  """A checkpoint without fedssa.initial_header and model.init_scope was made with no initial
+  header and per-client initial models: it resumes with those values, and is refused (naming
+  them) at the new defaults."""
+  meta = checkpoint.run_meta(tiny(), '0' * 16)
+  del meta['config']['fedssa']['initial_header'], meta['config']['model']['init_scope']
+  with pytest.raises(config_lib.ConfigError) as e:
+    checkpoint.check_resumable(meta, tiny(), str(tmp_path))
+  assert ('fedssa.initial_header: checkpoint (absent: the run behaves as False), now True; '
+          "model.init_scope: checkpoint (absent: the run behaves as 'client'), now 'family'"
+          in str(e.value))
+  checkpoint.check_resumable(
+      meta, tiny(**{'fedssa.initial_header': False, 'model.init_scope': 'client'}),
+      str(tmp_path))
 
 
 def test_existing_configs_stay_valid():
