@@ -3,9 +3,10 @@
 `configs/cifar10.py:hetero,n100` calls `get_config('hetero,n100')`, which is
 `build('cifar10', 'hetero,n100')` here. Variants (comma-separated, applied left to right):
 
-  hetero   client k gets family CNN-((k mod 5)+1); reference hetero script: E=25, T_stable=2,
-           fusion 'reference'
-  homo     every client gets CNN-1; reference homo script: E=10, T_stable=45, fusion HOMO_FUSION
+  hetero   client k gets family CNN-((k mod 5)+1); the reference hetero script's N=10, C=100%,
+           E=25, T_stable=2, fusion 'reference'
+  homo     every client gets CNN-1; the reference homo script's N=50, C=20%, E=10, T_stable=45;
+           fusion HOMO_FUSION
   n10      N=10,  C=100%     (the paper's three (N, C) settings)
   n50      N=50,  C=20%
   n100     N=100, C=10%
@@ -155,9 +156,11 @@ VALUE_BEFORE_FIELD = {'fedssa.initial_header': False, 'model.init_scope': 'clien
 def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
   if name == 'hetero':
     c.model.families = models.FAMILY_NAMES
+    c.num_clients, c.participation = 10, 1.0
     c.local_epochs, c.fedssa.t_stable, c.fedssa.fusion = 25, 2, 'reference'
   elif name == 'homo':
     c.model.families = ('cnn1',)
+    c.num_clients, c.participation = 50, 0.2
     c.local_epochs, c.fedssa.t_stable, c.fedssa.fusion = 10, 45, HOMO_FUSION
   elif name in ('n10', 'n50', 'n100'):
     c.num_clients, c.participation = {'n10': (10, 1.0), 'n50': (50, 0.2),
