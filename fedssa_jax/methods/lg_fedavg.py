@@ -46,7 +46,7 @@ class SharedHeader(base.Method):
   def init_server(self, key, seen):
     del seen
     c = self.num_classes
-    return {'global': models.init_header(key, c),                   # H_g, what clients download
+    return {'global': models.init_header(key, c),            # H_g, what clients download
             'inbox': jnp.zeros((c, ROW), jnp.float32),       # sum_k w_k H_k of this round
             'inbox_weight': jnp.zeros((), jnp.float32)}      # sum_k w_k of this round
 
