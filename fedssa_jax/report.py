@@ -310,7 +310,7 @@ def plot_training_curves(setting: Setting, methods, path: str) -> str:
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
   panels = (('mean_accuracy', 'mean test accuracy (%)', 100.0),
             ('train_loss', 'train loss', 1.0),
-            ('header_norm_max', 'header-row norm: max (solid), mean (dashed)', 1.0))
+            ('header_norm_max', 'header-row norm: max (—), mean (--)', 1.0))
   for m, rs in methods.items():
     color = None
     for ax, (key, label, scale) in zip(axes, panels):
@@ -325,8 +325,12 @@ def plot_training_curves(setting: Setting, methods, path: str) -> str:
       ax.set(xlabel='round', ylabel=label)
       ax.xaxis.get_major_locator().set_params(integer=True)
       ax.grid(alpha=0.3)
-  axes[1].set_yscale('log')
-  axes[2].set_yscale('log')
+  plain = lambda v, _: f'{v:g}'
+  for ax in axes[1:]:
+    ax.set_yscale('log')
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis='y', which='minor', labelsize=7)
   axes[0].legend(fontsize=7)
   fig.suptitle(setting.label, fontsize=10)
   return _save(fig, path)
