@@ -296,6 +296,7 @@ def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
     if len(rs) > 1:
       ax.fill_between(common, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
   ax.set(xlabel='round', ylabel='mean test accuracy (%)', title=setting.label)
+  ax.xaxis.get_major_locator().set_params(integer=True)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
   return _save(fig, path)
@@ -394,24 +395,53 @@ def plot_robustness(key, methods, path: str) -> str:
   return _save(fig, path)
 
 
+FAMILY_MARKERS = 'o^sDv'  # CNN-1..5
+
+
 def plot_tsne(title: str, reps: dict[str, dict], path: str, max_points: int = 3000,
-              seed: int = 0) -> str:
-  """One panel per method: t-SNE of the saved representations, coloured by class."""
+              seed: int = 0, families: dict[str, list] | None = None) -> str:
+  """One panel per method: t-SNE of the saved representations, coloured by class, with a
+  marker per model family where `families` (method -> each client's family) is given, and
+  legends for both (a colour bar for more than 20 classes)."""
   from sklearn.manifold import TSNE  # pylint: disable=g-import-not-at-top
   plt = _pyplot()
-  fig, axes = plt.subplots(1, len(reps), figsize=(4.5 * len(reps), 4.2), squeeze=False)
+  fig, axes = plt.subplots(1, len(reps), figsize=(4.5 * len(reps) + 1.5, 4.6), squeeze=False)
   rng = np.random.default_rng(seed)
+  num_classes = 1 + max(int(saved['labels'].max()) for saved in reps.values())
+  listed = num_classes <= 20  # one colour per class, with a legend; else a colour bar
+  cmap = plt.get_cmap('tab10' if num_classes <= 10 else 'tab20' if listed else 'viridis')
+  colour = lambda y: cmap(y) if listed else cmap(y / max(num_classes - 1, 1))
   for ax, (m, saved) in zip(axes[0], reps.items()):
-    x, y = saved['representations'].astype(np.float32), saved['labels']
+    x, y, c = saved['representations'].astype(np.float32), saved['labels'], saved['client']
     if len(x) > max_points:
       keep = rng.choice(len(x), max_points, replace=False)
-      x, y = x[keep], y[keep]
+      x, y, c = x[keep], y[keep], c[keep]
     emb = TSNE(n_components=2, init='pca', random_state=seed,
                perplexity=float(min(30, max(2, len(x) // 4)))).fit_transform(x)
-    ax.scatter(emb[:, 0], emb[:, 1], c=y, cmap='tab10' if y.max() < 10 else 'tab20', s=3)
+    fam = np.asarray((families or {}).get(m, ['all'] * (c.max() + 1)))[c]
+    names = sorted(set(fam))
+    for i, f in enumerate(names):
+      pts = fam == f
+      ax.scatter(emb[pts, 0], emb[pts, 1], color=colour(y[pts]), s=4,
+                 marker=FAMILY_MARKERS[i % 5], linewidths=0)
     ax.set(title=m, xticks=[], yticks=[])
+    if len(names) > 1:
+      ax.legend([plt.Line2D([], [], marker=FAMILY_MARKERS[i % 5], color='grey', ls='')
+                 for i in range(len(names))], names, title='family', fontsize=7,
+                title_fontsize=7, loc='best', markerscale=1.2)
+  if listed:
+    fig.legend([plt.Line2D([], [], marker='o', color=colour(k), ls='')
+                for k in range(num_classes)],
+               [f'class {k}' for k in range(num_classes)], loc='center right', fontsize=7,
+               title='class', title_fontsize=8)
+    fig.subplots_adjust(right=0.86)
+  else:
+    bar = plt.cm.ScalarMappable(plt.Normalize(0, num_classes - 1), cmap)
+    fig.colorbar(bar, ax=axes[0].tolist(), label='class')
   fig.suptitle(title)
-  return _save(fig, path)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,16 +495,20 @@ def write_report(sweep_dir: str, out_dir: str | None = None) -> str:
     index.append('')
 
   tsne = collections.defaultdict(dict)  # (setting, seed) -> method -> saved arrays
+  families = collections.defaultdict(dict)  # (setting, seed) -> method -> each client's family
   for r in runs:
     path = os.path.join(r.path, representations.FILENAME)
     if os.path.exists(path):
       tsne[(r.setting, r.seed)][r.method] = dict(np.load(path))
+      if 'client_family' in r.derived:
+        families[(r.setting, r.seed)][r.method] = r.derived['client_family']
   if tsne:
     index += ['## t-SNE of the test representations', '']
     for (s, seed), reps in sorted(tsne.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1])):
       reps = dict(sorted(reps.items(), key=lambda kv: _method_key(kv[0])))
       path = plot_tsne(f'{s.label}, seed {seed}', reps,
-                       os.path.join(out_dir, f'tsne_{s.slug}_s{seed}.png'))
+                       os.path.join(out_dir, f'tsne_{s.slug}_s{seed}.png'),
+                       families=families[(s, seed)])
       index.append(f'- [{s.label}, seed {seed}: {", ".join(reps)}]({rel(path)})')
     index.append('')
 

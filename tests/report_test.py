@@ -9,7 +9,8 @@ from fedssa_jax import config_lib, report, representations
 
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
-              accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8)):
+              accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8),
+              derived=None):
   """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json."""
   c = config_lib.build(dataset, variants)
   c.method, c.seed = method, seed
@@ -22,7 +23,7 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
   d = os.path.join(root, name)
   os.makedirs(d)
   with open(os.path.join(d, 'config.json'), 'w') as f:
-    json.dump({'config': c.to_dict(), 'derived': {}}, f)
+    json.dump({'config': c.to_dict(), 'derived': derived or {}}, f)
   with open(os.path.join(d, 'metrics.jsonl'), 'w') as f:
     for i, a in enumerate(accs):
       f.write(json.dumps({'round': i + 1, 'mean_accuracy': a}) + '\n')
@@ -133,11 +134,11 @@ def test_box_plots_show_fedssa_and_the_two_best_others():
 def test_tsne_panels_from_saved_representations(tmp_path):
   rng = np.random.default_rng(0)
   for m in ('fedssa', 'fedproto'):
-    d = write_run(str(tmp_path), m, method=m)
+    d = write_run(str(tmp_path), m, method=m, derived={'client_family': ['cnn1', 'cnn2']})
     labels = np.repeat(np.arange(4), 15)
     reps = (labels[:, None] * 3 + rng.normal(size=(60, 500))).astype(np.float16)
     np.savez(os.path.join(d, representations.FILENAME), representations=reps, labels=labels,
-             client=np.zeros(60, np.int32))
+             client=np.arange(60, dtype=np.int32) % 2)
   text = open(report.write_report(str(tmp_path))).read()
   assert '[cifar10 N=10, C=100% hetero, seed 0: fedssa, fedproto](tsne_cifar10_hetero_n10_c1_s0.png)' \
       in text
