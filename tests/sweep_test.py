@@ -25,7 +25,8 @@ sweeps = sweep.load_sweeps()
     ('table1', 2 * 3 * 8 * 3), ('table2', 2 * 3 * 8 * 3), ('fig4', 144), ('fig8', 144),
     ('comm_compute', 2 * 8 * 3), ('fig5', 2), ('fig6_7', (5 + 6 + 2 * 5) * 2 * 3),
     ('appendix_participation', 2 * 5 * 2 * 3), ('appendix_ablation', 2 * 2 * 3 * 3),
-    ('appendix_mu0', 2 * 7 * 3), ('appendix_t_stable', 2 * 7 * 3), ('small', 6)])
+    ('appendix_mu0', 2 * 7 * 3), ('appendix_t_stable', 2 * 7 * 3), ('small', 6),
+    ('partial', 8 * 3 + 2 + 3), ('partial_homo', 8 * 3 + 2 + 3)])
 def test_every_sweep_expands_to_unique_names_and_valid_configs(name, count):
   from fedssa_jax import config_lib
   runs = sweeps.get_sweep(name)
