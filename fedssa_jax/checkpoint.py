@@ -46,6 +46,7 @@ MUTABLE_ON_RESUME = (
     'engine.clients_per_call', 'engine.eval_clients_per_call',  # how clients are batched
     'engine.micro_batch',     # how a step's rows are batched
     'engine.mesh_devices',    # how clients are placed on devices (checkpoints hold no padding)
+    'guard.max_train_loss', 'guard.loss_growth',  # when to stop a diverging run
 )
 # Of those, the ones that change how XLA computes (vmapped or not), so the float rounding: a
 # resume that changes them, or the backend or JAX version, gets a warning.

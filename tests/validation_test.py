@@ -142,7 +142,7 @@ CASES = [
          ("cannot be read from data_dir=", 'prepare.py', '--config.download=True'),
          data.DataError),
     Case('batch_size 0', validate(batch_size=0), ('batch_size must be > 0, got 0',)),
-    Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 0, got -1',)),
+    Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 1, got -1',)),
     Case('T_stable < 0', validate(**{'fedssa.t_stable': -1}),
          ('fedssa.t_stable must be >= 0, got -1',)),
     Case('mu0 > 1', validate(**{'fedssa.mu0': 1.5}), ('fedssa.mu0 must be in [0, 1], got 1.5',)),
@@ -210,6 +210,7 @@ def test_resume_allows_the_documented_fields_to_change(tmp_path, caplog):
   changed.engine.eval_clients_per_call = 3
   changed.engine.micro_batch, changed.engine.mesh_devices = 8, 2
   changed.save_representations = True
+  changed.guard.max_train_loss, changed.guard.loss_growth = 50.0, 0.0
   assert set(checkpoint.MUTABLE_ON_RESUME) == {
       k for k, v in checkpoint.config_fields(changed).items()
       if v != checkpoint.config_fields(saved)[k]}
