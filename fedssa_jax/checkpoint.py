@@ -60,6 +60,10 @@ class CheckpointError(RuntimeError):
   """No checkpoint in a workdir can be read, with what to do about it."""
 
 
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (e.g. a full disk); says which one is intact."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
   step: int          # the round the checkpoint was written after
@@ -129,6 +133,13 @@ def state_digest(state) -> str:
     h.update(f'{jax.tree_util.keystr(path)} {a.dtype}{a.shape}'.encode())
     h.update(a.tobytes())
   return h.hexdigest()
+
+
+def _root_cause(e: BaseException) -> str:
+  """`type: message` of the innermost exception (orbax wraps the OSError of a full disk)."""
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  return f'{type(e).__name__}: {str(e)[:200]}'
 
 
 def _place_like(value: np.ndarray, like):
@@ -234,11 +245,22 @@ class Checkpointer:
     """Writes the checkpoint of round state['round'] and drops the oldest beyond `keep`."""
     host_state = distributed.fetch(state)  # the same on every process
     progress = dict(progress, state_digest=state_digest(host_state))
-    self._manager.save(
-        int(state['round']), force=True,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
-                                progress=ocp.args.JsonSave(progress),
-                                meta=ocp.args.JsonSave(meta)))
+    step = int(state['round'])
+    try:
+      self._manager.save(
+          step, force=True,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
+                                  progress=ocp.args.JsonSave(progress),
+                                  meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # pylint: disable=broad-except  (orbax wraps OSErrors variously)
+      earlier = [s for s in self.steps() if s < step]
+      safe = (f'The checkpoint of round {earlier[-1]} is intact, and a rerun of the same '
+              'command resumes from it' if earlier else
+              'No earlier checkpoint exists, so a rerun of the same command starts over')
+      raise CheckpointWriteError(
+          f'Could not write the checkpoint of round {step} to {self.directory} '
+          f'({_root_cause(e)}). {safe} once there is space (or the folder is writable) '
+          'again.') from e
 
   def close(self) -> None:
     self._manager.close()

@@ -176,7 +176,6 @@ def main_with_a_nan_after_round(nan_round):
   """`python -m fedssa_jax.main`, with NaN put into the parameters of one client of the cohort
   of round `nan_round` before it trains, so that its training diverges. Prints which client and
   family."""
-  from absl import app  # pylint: disable=g-import-not-at-top
   from fedssa_jax import main  # pylint: disable=g-import-not-at-top
   run_round = engine.Simulator.run_round
 
@@ -192,7 +191,7 @@ def main_with_a_nan_after_round(nan_round):
     return run_round(sim, state)
 
   engine.Simulator.run_round = run_round_with_a_nan
-  app.run(main.main)
+  sys.exit(main.run_cli(sys.argv))
 
 
 def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path):
