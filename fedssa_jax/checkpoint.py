@@ -17,11 +17,13 @@ counter in the state is the RNG state.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -152,6 +154,52 @@ def _place_like(value: np.ndarray, like):
   return jnp.asarray(value)
 
 
+class _NotFromOrbax(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return f'{os.sep}orbax{os.sep}' not in record.pathname
+
+
+@contextlib.contextmanager
+def _orbax_logs_dropped():
+  """Within the block, orbax's own log lines (through absl's logger) are dropped: restoring an
+  unreadable step logs an ERROR with a traceback per item, where `_skip` says it once."""
+  absl_logger, drop = logging.getLogger('absl'), _NotFromOrbax()
+  absl_logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(drop)
+
+
+class _NotFromAbandonedReads(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith('Future exception was never retrieved')
+
+
+_abandoned_reads_silenced = False
+
+
+def _silence_abandoned_reads() -> None:
+  """A restore that fails on one array returns while orbax's reads of the step's other arrays
+  are in flight. As they finish, tensorstore calls back into the asyncio loop that orbax has
+  closed by then ("RuntimeError: Event loop is closed", through sys.unraisablehook, one
+  traceback per array), and asyncio logs their failures ("Future exception was never retrieved").
+  `_skip`'s warning says all of that once: from the first skipped checkpoint on, both are dropped
+  (other unraisable exceptions and asyncio logs still get through)."""
+  global _abandoned_reads_silenced
+  if _abandoned_reads_silenced:
+    return
+  _abandoned_reads_silenced = True
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == 'Event loop is closed'):
+      previous(unraisable)
+  sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_NotFromAbandonedReads())
+
+
 class Checkpointer:
   """Saves and restores a run's checkpoints in one folder; skips unreadable ones with a warning.
 
@@ -181,6 +229,7 @@ class Checkpointer:
     return [s for s in reversed(self.steps()) if s not in self._unreadable]
 
   def _skip(self, step: int, error: Exception) -> None:
+    _silence_abandoned_reads()
     self._unreadable.add(step)
     earlier = [s for s in self._candidates() if s < step]
     then = (f'falling back to the previous one (round {earlier[0]})' if earlier
@@ -201,8 +250,9 @@ class Checkpointer:
       return None
     for step in self._candidates():
       try:
-        return step, self._manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        with _orbax_logs_dropped():
+          return step, self._manager.restore(
+              step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
       except Exception as e:  # pylint: disable=broad-except  (any failure means unreadable)
         self._skip(step, e)
     raise self._none_readable()
@@ -222,9 +272,10 @@ class Checkpointer:
         template)
     for step in self._candidates():
       try:
-        r = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(on_host), progress=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        with _orbax_logs_dropped():
+          r = self._manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(on_host), progress=ocp.args.JsonRestore(),
+              meta=ocp.args.JsonRestore()))
         if state_digest(r.state) != r.progress['state_digest']:
           raise ValueError('the state does not match the digest saved with it')
       except Exception as e:  # pylint: disable=broad-except

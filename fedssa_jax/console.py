@@ -72,13 +72,13 @@ class _QuietFormatter(logging.Formatter):
     return message
 
 
-def setup(verbose: bool) -> None:
-  """Routes all logging (Python's and absl's, which feeds Python's) to stderr, filtered unless
-  `verbose`."""
+@contextlib.contextmanager
+def configured(verbose: bool):
+  """Within the block, all logging (Python's, and absl's, which feeds it) goes to stderr,
+  filtered unless `verbose`; the logging setup before it comes back after it."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   root = logging.getLogger()
-  for h in list(root.handlers):
-    root.removeHandler(h)
+  saved = root.handlers[:], root.level, absl_logging.get_verbosity()
   handler = logging.StreamHandler(sys.stderr)
   if verbose:
     handler.setFormatter(logging.Formatter(
@@ -86,7 +86,14 @@ def setup(verbose: bool) -> None:
   else:
     handler.setFormatter(_QuietFormatter())
     handler.addFilter(_Quiet())
-  root.addHandler(handler)
+  root.handlers = [handler]
   root.setLevel(logging.INFO)
   absl_logging.set_verbosity(absl_logging.INFO)
   logging.captureWarnings(True)  # warnings.warn(...) through the same filter
+  try:
+    yield
+  finally:
+    logging.captureWarnings(False)
+    root.handlers, _, _ = saved
+    root.setLevel(saved[1])
+    absl_logging.set_verbosity(saved[2])

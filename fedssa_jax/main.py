@@ -85,6 +85,9 @@ def run(flag_values: flags.FlagValues):
 def _flag_error_text(e: Exception) -> str:
   """A flag or config-override error as one line (config_flags nests KeyErrors' reprs)."""
   text = str(e)
+  head, _, trace = text.partition('Traceback (most recent call last):')
+  if trace:  # config_flags puts the config file's traceback in the message: keep its last line
+    text = head + trace.strip().splitlines()[-1]
   while len(text) > 1 and text[0] == text[-1] and text[0] in '\'"':
     text = text[1:-1].replace('\\n', ' ').replace("\\'", "'")
   text = ' '.join(text.split())
@@ -104,7 +107,11 @@ def run_cli(argv) -> int:
   into one paragraph each; bugs keep their traceback.
   """
   verbose = console.verbose_requested(argv)
-  console.setup(verbose)
+  with console.configured(verbose):
+    return _run_cli(argv, verbose)
+
+
+def _run_cli(argv, verbose: bool) -> int:
   flag_values = flags.FlagValues()
   define_flags(flag_values)
   if any(a in ('-h', '--help', '--helpshort', '--helpfull') for a in argv[1:]):
@@ -115,6 +122,7 @@ def run_cli(argv) -> int:
   try:
     try:
       rest = flag_values(list(argv))
+      flag_values.config.method  # a config file that failed to load raises here
     except Exception as e:  # pylint: disable=broad-except  (flags, config file or an override)
       if verbose:
         traceback.print_exc()

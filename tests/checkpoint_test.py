@@ -20,30 +20,12 @@ import pytest
 
 from fedssa_jax import checkpoint, engine, train
 
-from conftest import synthetic_dataset
+from conftest import write_tiny_tfds_cifar10
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ROUNDS = 6
 TIMING_FIELDS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
                  'first_round_seconds')
-
-
-def write_tiny_tfds_cifar10(data_dir, num_train=200, num_test=100):
-  """A prepared TFDS 'cifar10' of a few synthetic images, as ../shared/data/cifar10/prepare.py
-  writes the real one: the builder's own metadata, only the examples are local."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
-  ds = synthetic_dataset(num_train, num_test)
-
-  def examples(split):
-    for i in ds.tfds_splits[split]:
-      key = f'{split}_{i:05d}'
-      yield key, {'id': key, 'image': ds.images[i], 'label': int(ds.labels[i])}
-
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(cifar.Cifar10, '_split_generators',
-               lambda self, dl_manager: {'train': examples('train'), 'test': examples('test')})
-    tfds.builder('cifar10', data_dir=data_dir).download_and_prepare()
 
 
 @pytest.fixture(scope='module')
