@@ -1,8 +1,10 @@
 """Bad configs, data, workdirs and checkpoints: each gets a message that names the field and the
 fix, before any compute (no case here compiles anything)."""
 import dataclasses
+import gc
 import logging
 import os
+import time
 from typing import Callable
 
 import jax
@@ -229,3 +231,30 @@ def test_existing_configs_stay_valid():
     for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):
       config_lib.validate(config_lib.build(dataset, variants))
   config_lib.validate(config_lib.build('cifar10', 'tiny'))
+
+
+def test_a_fallback_prints_no_tracebacks_of_abandoned_reads(tmp_path, capfd, caplog):
+  """A state of many arrays whose data file is cut: orbax fails on one array while its reads of
+  the others are in flight, which end in a closed event loop (checkpoint._silence_abandoned_reads)."""
+  def state(r):
+    rng = np.random.default_rng(r)
+    return {'round': r, 'params': ({f'w{i}': rng.normal(size=(4, 25_000)).astype(np.float32)
+                                    for i in range(30)},)}
+  ckpts = checkpoint.Checkpointer(str(tmp_path))
+  for r in (1, 2):
+    ckpts.save(state(r), {'history': []}, {'config': {}})
+  ckpts.close()
+  files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / '2') for f in fs]
+  largest = max(files, key=os.path.getsize)
+  os.truncate(largest, os.path.getsize(largest) // 2)
+  with caplog.at_level(logging.INFO):
+    ckpts = checkpoint.Checkpointer(str(tmp_path))
+    assert ckpts.restore_latest(state(0)).step == 1
+    ckpts.close()
+    time.sleep(1)  # the abandoned reads finish
+    gc.collect()   # ... and their futures are collected
+  out, err = capfd.readouterr()
+  assert 'Event loop is closed' not in out + err + caplog.text
+  assert 'Future exception was never retrieved' not in caplog.text
+  (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert warning.startswith('The checkpoint of round 2 in') and 'round 1' in warning
