@@ -62,3 +62,16 @@ def hold(workdir: str):
     yield path
   finally:
     os.close(fd)  # releases the lock
+
+
+def in_use(workdir: str) -> str | None:
+  """Who holds the workdir's lock ("pid ... on host ..."), or None when no live process does."""
+  path = os.path.join(workdir, LOCK_FILE)
+  if not os.path.exists(path):
+    return None
+  try:
+    with hold(workdir):
+      return None
+  except WorkdirLocked:
+    with open(path) as f:
+      return f.read().strip() or 'a process that has not written its pid yet'
