@@ -85,15 +85,20 @@ def _missing_data_error(name, split, data_dir, why, download):
       f'{_prepare_hint(name, data_dir)}')
 
 
+def _root(builder) -> str:
+  """The data_dir of a builder (its data_dir is <data_dir>/<name>/<version>)."""
+  return os.path.dirname(os.path.dirname(os.path.normpath(builder.data_dir)))
+
+
 def _damaged_data_error(builder, split, what):
-  """The prepared files of `split` cannot be read: names them and how to prepare them again."""
-  files = sorted(glob.glob(os.path.join(builder.data_dir, f'{builder.name}-{split}.*'))) or [
-      os.path.join(builder.data_dir, f'{builder.name}-{split}.* (none there)')]
-  again = _prepare_hint(builder.name, os.path.dirname(os.path.dirname(builder.data_dir)))
+  """The prepared files of `split` cannot be used: names them and how to prepare them again."""
+  files = sorted(glob.glob(os.path.join(builder.data_dir, f'{builder.name}-{split}.*')))
+  again = (_prepare_hint(builder.name, _root(builder)) or
+           ' With network access, --config.download=True lets TFDS prepare it.')
   return DataError(
-      f'The prepared {builder.name!r} in {builder.data_dir} cannot be used: {what}. Files of '
-      f'split {split!r}: {", ".join(files)}. They are missing, truncated or corrupt: delete '
-      f'{builder.data_dir} and prepare it again.{again or " With network access, rerun with --config.download=True to let TFDS prepare it."}')
+      f'The prepared {builder.name!r} in {builder.data_dir} is missing, truncated or corrupt: '
+      f'{what}. Its {split!r} files: {", ".join(files) or "none"}. Delete {builder.data_dir} '
+      f'and prepare it again.{again}')
 
 
 def _builder(name, data_dir):
@@ -120,7 +125,7 @@ def _check_prepared(builder, split) -> None:
         f'The prepared {builder.name!r} in {builder.data_dir} has no {" or ".join(missing)} '
         f'feature (it has {", ".join(features.keys())}): the simulator needs labelled images. '
         'Point --config.data_dir at an image-classification data set with "image" and "label", '
-        f'or prepare it again.{_prepare_hint(builder.name, None)}')
+        f'or prepare it again.{_prepare_hint(builder.name, _root(builder))}')
 
 
 def _read_split(name: str, split: str, data_dir: str | None, download: bool):
@@ -144,7 +149,7 @@ def _read_split(name: str, split: str, data_dir: str | None, download: bool):
       return arrays['image'].astype(np.uint8), arrays['label'].astype(np.int32)
     return _read_records(tfds.data_source(name, split=split, data_dir=data_dir, download=False))
   except Exception as e:  # pylint: disable=broad-except  (Riegeli, open(), tf.data errors)
-    raise _damaged_data_error(builder, split, f'{type(e).__name__}: {str(e)[:200]}') from e
+    raise _damaged_data_error(builder, split, f'{type(e).__name__}: {str(e)[:120]}') from e
 
 
 def _read_records(source):
