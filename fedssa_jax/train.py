@@ -297,9 +297,11 @@ def _train_and_evaluate(config, workdir, dataset):
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       f.write(json.dumps(summary, indent=2, default=_jsonable))
-  logging.info('Done: final mean accuracy %s, best %s, wall %.1f s',
-               summary['final_mean_accuracy'], summary['best_mean_accuracy'],
-               summary['wall_seconds'])
+  acc = lambda a: 'n/a' if a is None else f'{a:.4f}'
+  logging.info('Done: final mean accuracy %s, best %s (round %s), wall %.1f s; summary in %s',
+               acc(summary['final_mean_accuracy']), acc(summary['best_mean_accuracy']),
+               summary['best_round'], summary['wall_seconds'],
+               os.path.join(workdir, 'summary.json'))
   return summary
 
 
