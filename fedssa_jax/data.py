@@ -137,18 +137,20 @@ def _read_split(name: str, split: str, data_dir: str | None, download: bool):
       builder.download_and_prepare(file_format='array_record')
     except Exception as e:  # pylint: disable=broad-except
       raise _missing_data_error(name, split, data_dir, e, download) from e
-  if not builder.is_prepared():
-    raise _missing_data_error(name, split, data_dir, 'no prepared copy there, and '
-                              '--config.download=False', download=False)
-  _check_prepared(builder, split)
+  prepared = builder.is_prepared()  # (tfds.testing.mock_data reads without a prepared copy)
+  if prepared:
+    _check_prepared(builder, split)
   try:
-    if 'TFRECORD' in str(builder.info.file_format).upper():
+    if prepared and 'TFRECORD' in str(builder.info.file_format).upper():
       # tfrecord data dirs (tfds.load's classic format) are read through tf.data in one batch.
       arrays = tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir, batch_size=-1,
                                        download=False))
       return arrays['image'].astype(np.uint8), arrays['label'].astype(np.int32)
     return _read_records(tfds.data_source(name, split=split, data_dir=data_dir, download=False))
   except Exception as e:  # pylint: disable=broad-except  (Riegeli, open(), tf.data errors)
+    if not prepared:
+      raise _missing_data_error(name, split, data_dir, 'no prepared copy there, and '
+                                '--config.download=False', download=False) from e
     raise _damaged_data_error(builder, split, f'{type(e).__name__}: {str(e)[:120]}') from e
 
 
