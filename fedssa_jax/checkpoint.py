@@ -17,11 +17,13 @@ counter in the state is the RNG state.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -46,6 +48,7 @@ MUTABLE_ON_RESUME = (
     'engine.clients_per_call', 'engine.eval_clients_per_call',  # how clients are batched
     'engine.micro_batch',     # how a step's rows are batched
     'engine.mesh_devices',    # how clients are placed on devices (checkpoints hold no padding)
+    'guard.max_train_loss', 'guard.loss_growth',  # when to stop a diverging run
 )
 # Of those, the ones that change how XLA computes (vmapped or not), so the float rounding: a
 # resume that changes them, or the backend or JAX version, gets a warning.
@@ -57,6 +60,10 @@ ITEMS = ('state', 'progress', 'meta')
 
 class CheckpointError(RuntimeError):
   """No checkpoint in a workdir can be read, with what to do about it."""
+
+
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (e.g. a full disk); says which one is intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +139,13 @@ def state_digest(state) -> str:
   return h.hexdigest()
 
 
+def _root_cause(e: BaseException) -> str:
+  """`type: message` of the innermost exception (orbax wraps the OSError of a full disk)."""
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  return f'{type(e).__name__}: {str(e)[:200]}'
+
+
 def _place_like(value: np.ndarray, like):
   """A restored host array, placed as `like` is: a run that resumes then compiles the very
   programs of an uninterrupted run (committed arrays would add sharding annotations)."""
@@ -140,6 +154,52 @@ def _place_like(value: np.ndarray, like):
   if like.committed:
     return distributed.put(value, like.sharding)
   return jnp.asarray(value)
+
+
+class _NotFromOrbax(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return f'{os.sep}orbax{os.sep}' not in record.pathname
+
+
+@contextlib.contextmanager
+def _orbax_logs_dropped():
+  """Within the block, orbax's own log lines (through absl's logger) are dropped: restoring an
+  unreadable step logs an ERROR with a traceback per item, where `_skip` says it once."""
+  absl_logger, drop = logging.getLogger('absl'), _NotFromOrbax()
+  absl_logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(drop)
+
+
+class _NotFromAbandonedReads(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith('Future exception was never retrieved')
+
+
+_abandoned_reads_silenced = False
+
+
+def _silence_abandoned_reads() -> None:
+  """A restore that fails on one array returns while orbax's reads of the step's other arrays
+  are in flight. As they finish, tensorstore calls back into the asyncio loop that orbax has
+  closed by then ("RuntimeError: Event loop is closed", through sys.unraisablehook, one
+  traceback per array), and asyncio logs their failures ("Future exception was never retrieved").
+  `_skip`'s warning says all of that once: from the first skipped checkpoint on, both are dropped
+  (other unraisable exceptions and asyncio logs still get through)."""
+  global _abandoned_reads_silenced
+  if _abandoned_reads_silenced:
+    return
+  _abandoned_reads_silenced = True
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == 'Event loop is closed'):
+      previous(unraisable)
+  sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_NotFromAbandonedReads())
 
 
 class Checkpointer:
@@ -171,6 +231,7 @@ class Checkpointer:
     return [s for s in reversed(self.steps()) if s not in self._unreadable]
 
   def _skip(self, step: int, error: Exception) -> None:
+    _silence_abandoned_reads()
     self._unreadable.add(step)
     earlier = [s for s in self._candidates() if s < step]
     then = (f'falling back to the previous one (round {earlier[0]})' if earlier
@@ -191,8 +252,9 @@ class Checkpointer:
       return None
     for step in self._candidates():
       try:
-        return step, self._manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        with _orbax_logs_dropped():
+          return step, self._manager.restore(
+              step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
       except Exception as e:  # pylint: disable=broad-except  (any failure means unreadable)
         self._skip(step, e)
     raise self._none_readable()
@@ -212,9 +274,10 @@ class Checkpointer:
         template)
     for step in self._candidates():
       try:
-        r = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(on_host), progress=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        with _orbax_logs_dropped():
+          r = self._manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(on_host), progress=ocp.args.JsonRestore(),
+              meta=ocp.args.JsonRestore()))
         if state_digest(r.state) != r.progress['state_digest']:
           raise ValueError('the state does not match the digest saved with it')
       except Exception as e:  # pylint: disable=broad-except
@@ -235,11 +298,22 @@ class Checkpointer:
     """Writes the checkpoint of round state['round'] and drops the oldest beyond `keep`."""
     host_state = distributed.fetch(state)  # the same on every process
     progress = dict(progress, state_digest=state_digest(host_state))
-    self._manager.save(
-        int(state['round']), force=True,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
-                                progress=ocp.args.JsonSave(progress),
-                                meta=ocp.args.JsonSave(meta)))
+    step = int(state['round'])
+    try:
+      self._manager.save(
+          step, force=True,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
+                                  progress=ocp.args.JsonSave(progress),
+                                  meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # pylint: disable=broad-except  (orbax wraps OSErrors variously)
+      earlier = [s for s in self.steps() if s < step]
+      safe = (f'The checkpoint of round {earlier[-1]} is intact, and a rerun of the same '
+              'command resumes from it' if earlier else
+              'No earlier checkpoint exists, so a rerun of the same command starts over')
+      raise CheckpointWriteError(
+          f'Could not write the checkpoint of round {step} to {self.directory} '
+          f'({_root_cause(e)}). {safe} once there is space (or the folder is writable) '
+          'again.') from e
 
   def close(self) -> None:
     self._manager.close()

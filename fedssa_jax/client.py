@@ -34,7 +34,7 @@ class TrainConfig:
   lr: float = 0.005
   momentum: float = 0.9
   weight_decay: float = 5e-5
-  clip_norm: float = 50.0
+  clip_norm: float = 50.0  # 0: no clipping
   adam_b1: float = 0.9
   adam_b2: float = 0.999
   # Rows per forward/backward pass within a step (0: the whole batch). A step's gradient is
@@ -71,7 +71,8 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     step = optax.adam(cfg.lr, b1=cfg.adam_b1, b2=cfg.adam_b2)
   else:
     raise ValueError(f"optimizer.name must be 'sgd' or 'adam', got {cfg.optimizer!r}.")
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+  clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
+  return optax.chain(clip,
                      optax.add_decayed_weights(cfg.weight_decay), step)
 
 

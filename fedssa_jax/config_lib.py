@@ -30,6 +30,8 @@ DATASET_DEFAULTS = {
     'cifar10': dict(num_classes=10, classes_per_client=2, target_accuracy=0.8),
     'cifar100': dict(num_classes=100, classes_per_client=10, target_accuracy=0.5),
 }
+# Training images of each data set (TFDS 'train'), for the checks that run before it loads.
+TRAIN_IMAGES = {'cifar10': 50_000, 'cifar100': 50_000}
 
 
 def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
@@ -84,11 +86,17 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.optimizer.lr = 0.005
   c.optimizer.momentum = 0.9
   c.optimizer.weight_decay = 5e-5     # L2 added to the gradient (torch SGD)
-  c.optimizer.clip_norm = 50.0        # global gradient-norm clip, per model
+  c.optimizer.clip_norm = 50.0        # global gradient-norm clip, per model; 0 = no clip
   c.optimizer.adam_b1 = 0.9           # Adam's betas (FedClassAvg's official code: 0.5, 0.999)
   c.optimizer.adam_b2 = 0.999
 
   c.augment = True                    # flip + RandomErasing + pad-4 crop, on device
+
+  # The blow-up guard (train.check_blowup): stops a run whose round train loss is finite but
+  # diverging. 0 turns a test off. README.md ("The blow-up guard") justifies the defaults.
+  c.guard = ml_collections.ConfigDict()
+  c.guard.max_train_loss = 1e3        # a round's mean train loss above this stops the run
+  c.guard.loss_growth = 1e3           # ... or above this factor times the best round so far
 
   c.fedssa = ml_collections.ConfigDict()
   c.fedssa.mu0 = 0.5                  # initial weight of the local header rows
@@ -199,6 +207,22 @@ def matmul_precision(c: ml_collections.ConfigDict):
   return jax.default_matmul_precision(None if p == 'default' else p)
 
 
+def _numbers(d: dict, prefix: str = ''):
+  """(dotted field, value) of every float in a nested config dict."""
+  for k, v in d.items():
+    if isinstance(v, dict):
+      yield from _numbers(v, f'{prefix}{k}.')
+    elif isinstance(v, float):
+      yield prefix + k, v
+
+
+def _default(dataset: str, field: str):
+  node = base_config(dataset)
+  for part in field.split('.'):
+    node = node[part]
+  return node
+
+
 class ConfigError(ValueError):
   """A config value that cannot work, with the fix in its message."""
 
@@ -219,6 +243,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   one_of('dataset', c.dataset, DATASET_DEFAULTS)
   one_of('method', c.method, methods.METHODS)
+  for field, value in _numbers(c.to_dict()):
+    need(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
+         f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
   need(len(c.model.families) >= 1, 'model.families must name at least one family.')
   for f in c.model.families:
     need(f in models.FAMILY_NAMES,
@@ -234,14 +261,27 @@ def validate(c: ml_collections.ConfigDict) -> None:
   need(int(math.floor(c.participation * n)) >= 1,
        f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
        f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
-  need(c.num_rounds >= 0, f'num_rounds must be >= 0, got {c.num_rounds}.')
-  need(c.local_epochs >= 0, f'local_epochs must be >= 0, got {c.local_epochs}.')
+  train_images = TRAIN_IMAGES[c.dataset]
+  need(n <= train_images,
+       f'num_clients={n} is more than the {train_images:,} training images of {c.dataset}, and '
+       f'every client needs at least one training sample. Set num_clients to at most '
+       f'{train_images:,} (the cross-device variant xdevice uses 10,000).')
+  need(c.num_rounds >= 1, f'num_rounds must be >= 1, got {c.num_rounds}.')
+  need(c.local_epochs >= 1,
+       f'local_epochs must be >= 1, got {c.local_epochs}: with no local training a round '
+       'changes nothing.')
+  need(0 <= c.seed < 2**63, f'seed must be in [0, 2**63), got {c.seed}.')
+  need(-1 <= c.partition.seed < 2**63,
+       f'partition.seed must be in [0, 2**63), or -1 to use `seed`; got {c.partition.seed}.')
   need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
   need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
   need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
   need(c.eval_clients >= 0,
        f'eval_clients must be 0 (all clients) or a count of clients to evaluate, got '
        f'{c.eval_clients}.')
+  need(c.eval_clients <= n,
+       f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
+       f'most {n}, or to 0 to evaluate all of them.')
   one_of('population_store', c.population_store, ('device', 'host', 'disk'))
   need(not (c.save_representations and c.population_store == 'disk'),
        'save_representations needs every client model at once, which the disk store does not '
@@ -287,6 +327,22 @@ def validate(c: ml_collections.ConfigDict) -> None:
        f'{c.engine.matmul_precision!r}.')
   one_of('engine.compute_dtype', c.engine.compute_dtype, models.COMPUTE_DTYPES)
   one_of('optimizer.name', c.optimizer.name, ('sgd', 'adam'))
+  o = c.optimizer
+  need(o.lr > 0, f'optimizer.lr must be > 0, got {o.lr} (the default is 0.005).')
+  need(0 <= o.momentum < 1,
+       f'optimizer.momentum must be in [0, 1), got {o.momentum} (0 is plain SGD; the default '
+       'is 0.9).')
+  need(o.weight_decay >= 0, f'optimizer.weight_decay must be >= 0, got {o.weight_decay}.')
+  need(o.clip_norm >= 0,
+       f'optimizer.clip_norm must be > 0, or 0 to turn clipping off; got {o.clip_norm}.')
+  for b in ('adam_b1', 'adam_b2'):
+    need(0 <= o[b] < 1, f'optimizer.{b} must be in [0, 1), got {o[b]}.')
+  for field in ('max_train_loss', 'loss_growth'):
+    need(c.guard[field] >= 0,
+         f'guard.{field} must be >= 0 (0 turns that test off), got {c.guard[field]}.')
+  need(c.guard.loss_growth == 0 or c.guard.loss_growth > 1,
+       f'guard.loss_growth={c.guard.loss_growth} would stop a run whose loss merely stays '
+       'level: set it above 1 (the default is 1000), or to 0 to turn that test off.')
   need(c.engine.mesh_devices >= 0,
        f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
        'device count.')

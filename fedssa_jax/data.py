@@ -8,6 +8,7 @@ with one indexing op and no Python loop (spec FEDSSA.md §3).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 from typing import Sequence
@@ -60,39 +61,100 @@ class DataError(ValueError):
 # Loading
 # --------------------------------------------------------------------------------------------
 
-def _missing_data_error(name, split, data_dir, e):
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  where = data_dir or '~/tensorflow_datasets'
-  if not tfds.builder(name, data_dir=data_dir).is_prepared():
-    e = f'no prepared copy in {where}; downloading it failed: {type(e).__name__}'
-  hint = ''
-  if name == 'cifar10':
-    hint = (' Offline, prepare one with: python ../shared/data/cifar10/prepare.py '
-            f'--tfds_data_dir {where}')
+def _where(data_dir):
+  return data_dir or '~/tensorflow_datasets'
+
+
+def _prepare_hint(name, data_dir):
+  if name != 'cifar10':
+    return ''
+  return (' Offline, prepare one with: python ../shared/data/cifar10/prepare.py '
+          f'--tfds_data_dir {_where(data_dir)}')
+
+
+def _missing_data_error(name, split, data_dir, why, download):
+  """`why`: what went wrong (an exception, or a sentence)."""
+  where = _where(data_dir)
+  why = f'{type(why).__name__}: {str(why)[:200]}' if isinstance(why, Exception) else why
+  if download:
+    why = f'no prepared copy in {where}; downloading it failed: {why}'
   return DataError(
-      f'TFDS data set {name!r} (split {split!r}) cannot be read from data_dir={where!r} ({e}). Set --config.data_dir to a folder that holds a prepared '
-      f'{name!r}, or, with network access, set --config.download=True so that TFDS downloads '
-      f'and prepares it.{hint}')
+      f'TFDS data set {name!r} (split {split!r}) cannot be read from data_dir={where!r} ({why}). '
+      f'Set --config.data_dir to a folder that holds a prepared {name!r}, or, with network '
+      'access, set --config.download=True so that TFDS downloads and prepares it.'
+      f'{_prepare_hint(name, data_dir)}')
+
+
+def _root(builder) -> str:
+  """The data_dir of a builder (its data_dir is <data_dir>/<name>/<version>)."""
+  return os.path.dirname(os.path.dirname(os.path.normpath(builder.data_dir)))
+
+
+def _damaged_data_error(builder, split, what):
+  """The prepared files of `split` cannot be used: names them and how to prepare them again."""
+  files = sorted(glob.glob(os.path.join(builder.data_dir, f'{builder.name}-{split}.*')))
+  again = (_prepare_hint(builder.name, _root(builder)) or
+           ' With network access, --config.download=True lets TFDS prepare it.')
+  return DataError(
+      f'The prepared {builder.name!r} in {builder.data_dir} is missing, truncated or corrupt: '
+      f'{what}. Its {split!r} files: {", ".join(files) or "none"}. Delete {builder.data_dir} '
+      f'and prepare it again.{again}')
+
+
+def _builder(name, data_dir):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    return tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # pylint: disable=broad-except  (a corrupt dataset_info.json, ...)
+    raise DataError(
+        f'The TFDS metadata of {name!r} in data_dir={_where(data_dir)!r} cannot be read '
+        f'({type(e).__name__}: {str(e)[:200]}). Delete that data set\'s folder there and '
+        f'prepare it again.{_prepare_hint(name, data_dir)}') from e
+
+
+def _check_prepared(builder, split) -> None:
+  """DataErrors for a prepared data set without the split, or without images and labels."""
+  splits = sorted(builder.info.splits.keys())
+  if split not in splits:
+    raise _damaged_data_error(builder, split, f'it has no {split!r} split (its splits: '
+                              f'{", ".join(splits) or "none"})')
+  features = builder.info.features
+  missing = [f for f in ('image', 'label') if f not in features]
+  if missing:
+    raise DataError(
+        f'The prepared {builder.name!r} in {builder.data_dir} has no {" or ".join(missing)} '
+        f'feature (it has {", ".join(features.keys())}): the simulator needs labelled images. '
+        'Point --config.data_dir at an image-classification data set with "image" and "label", '
+        f'or prepare it again.{_prepare_hint(builder.name, _root(builder))}')
 
 
 def _read_split(name: str, split: str, data_dir: str | None, download: bool):
   """Reads a whole split as (uint8 images, int32 labels)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  builder = tfds.builder(name, data_dir=data_dir)
+  builder = _builder(name, data_dir)
   if download and not builder.is_prepared():
     try:
       builder.download_and_prepare(file_format='array_record')
     except Exception as e:  # pylint: disable=broad-except
-      raise _missing_data_error(name, split, data_dir, e) from e
-  if builder.is_prepared() and 'TFRECORD' in str(builder.info.file_format).upper():
-    # tfrecord data dirs (tfds.load's classic format) are read through tf.data in one batch.
-    arrays = tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir, batch_size=-1,
-                                     download=False))
-    return arrays['image'].astype(np.uint8), arrays['label'].astype(np.int32)
+      raise _missing_data_error(name, split, data_dir, e, download) from e
+  prepared = builder.is_prepared()  # (tfds.testing.mock_data reads without a prepared copy)
+  if prepared:
+    _check_prepared(builder, split)
   try:
-    source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
-  except Exception as e:  # pylint: disable=broad-except
-    raise _missing_data_error(name, split, data_dir, e) from e
+    if prepared and 'TFRECORD' in str(builder.info.file_format).upper():
+      # tfrecord data dirs (tfds.load's classic format) are read through tf.data in one batch.
+      arrays = tfds.as_numpy(tfds.load(name, split=split, data_dir=data_dir, batch_size=-1,
+                                       download=False))
+      return arrays['image'].astype(np.uint8), arrays['label'].astype(np.int32)
+    return _read_records(tfds.data_source(name, split=split, data_dir=data_dir, download=False))
+  except Exception as e:  # pylint: disable=broad-except  (Riegeli, open(), tf.data errors)
+    if not prepared:
+      raise _missing_data_error(name, split, data_dir, 'no prepared copy there, and '
+                                '--config.download=False', download=False) from e
+    raise _damaged_data_error(builder, split, f'{type(e).__name__}: {str(e)[:120]}') from e
+
+
+def _read_records(source):
   n = len(source)
   # Shaped like the stored images, so that check_fits_models can say what does not fit.
   images = np.empty((n, *(np.shape(source[0]['image']) if n else IMAGE_SHAPE)), np.uint8)
@@ -124,7 +186,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
     return load_npz(name, data_dir)
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   parts = [_read_split(name, split, data_dir, download) for split in ('train', 'test')]
-  num_classes = tfds.builder(name, data_dir=data_dir).info.features['label'].num_classes
+  num_classes = _builder(name, data_dir).info.features['label'].num_classes
   logging.info('Loaded %s: %d train + %d test images, %d classes.', name, len(parts[0][1]),
                len(parts[1][1]), num_classes)
   return from_arrays(name, *parts[0], *parts[1], num_classes)

@@ -1,26 +1,50 @@
-"""Runs one federated experiment. Intentionally kept short: flags, logging and the workdir.
+"""Runs one federated experiment. Intentionally kept short: flags, console and exit status.
 
   python -m fedssa_jax.main --config=configs/cifar10.py:hetero,n10 --workdir=runs/demo \
       --config.num_rounds=20 --config.local_epochs=1
 
-Rerunning a command with the same --workdir resumes the run from its newest checkpoint. SIGTERM
-or SIGINT stop a run after the current round and its checkpoint, with exit status 75
-(train.EXIT_PREEMPTED).
+Rerunning a command with the same --workdir resumes the run from its newest checkpoint; while a
+run is going, its workdir is locked (fedssa_jax/workdir_lock.py). SIGTERM or SIGINT stop a run
+after the current round and its checkpoint, with exit status 75 (train.EXIT_PREEMPTED).
+
+A user's error (a config, data, workdir or checkpoint that cannot work, a diverged run) prints as
+one paragraph that says what to do, without a traceback; --verbose (or FEDSSA_VERBOSE=1) shows
+tracebacks and every library's logs. Exit statuses: EXIT_* below and in README.md.
 
 Several processes (hosts, or one per accelerator) run the same command and join through
 jax.distributed: see --distributed and fedssa_jax/distributed.py.
 """
 import sys
 
-from absl import app
+from fedssa_jax import console
+
+if __name__ == '__main__' and not console.verbose_requested(sys.argv):
+  console.import_tensorflow_quietly()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import logging
+import traceback
+
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-from fedssa_jax import distributed
-from fedssa_jax import train
+from fedssa_jax import checkpoint, config_lib, data, distributed, train, workdir_lock
 
-FLAGS = flags.FLAGS
+EXIT_FAILED = 1       # the run failed: it diverged, a checkpoint could not be written, or a bug
+EXIT_BAD_INPUT = 2    # a config, command line, data set, workdir or checkpoint that cannot work
+EXIT_LOCKED = 73      # another run holds the workdir (sysexits.h's EX_CANTCREAT)
+EXIT_PREEMPTED = train.EXIT_PREEMPTED  # 75: stopped by a signal after a checkpoint; rerun
+EXIT_INTERRUPTED = 130  # a second SIGINT: stopped at once, after the last checkpoint
+
+# Errors that are the user's to fix, each with its exit status; their message is the whole story.
+USER_ERRORS = (
+    (config_lib.ConfigError, EXIT_BAD_INPUT),
+    (data.DataError, EXIT_BAD_INPUT),
+    (checkpoint.CheckpointError, EXIT_BAD_INPUT),
+    (workdir_lock.WorkdirLocked, EXIT_LOCKED),
+    (train.DivergenceError, EXIT_FAILED),
+    (checkpoint.CheckpointWriteError, EXIT_FAILED),
+)
 
 
 def define_flags(flag_values: flags.FlagValues) -> None:
@@ -29,6 +53,8 @@ def define_flags(flag_values: flags.FlagValues) -> None:
   flags.DEFINE_string('workdir', None, 'Where config.json, metrics.jsonl, events and '
                       'summary.json are written.', flag_values=flag_values)
   flags.mark_flags_as_required(['config', 'workdir'], flag_values=flag_values)
+  flags.DEFINE_bool('verbose', False, 'Tracebacks for every error, and every library\'s logs '
+                    '(also FEDSSA_VERBOSE=1).', flag_values=flag_values)
   # Many processes (fedssa_jax/distributed.py): each flag falls back to its FEDSSA_* variable.
   flags.DEFINE_enum('distributed', 'auto', list(distributed.MODES),
                     'jax.distributed.initialize: auto (when an address below or SLURM/Open MPI '
@@ -45,27 +71,90 @@ def define_flags(flag_values: flags.FlagValues) -> None:
                     '($FEDSSA_LOCAL_DEVICE_IDS; default all).', flag_values=flag_values)
 
 
-define_flags(FLAGS)
-
-
 def run(flag_values: flags.FlagValues):
-  logging.set_verbosity(logging.INFO)
   # Before anything touches a JAX backend.
   distributed.initialize(distributed.settings(
       flag_values.distributed, flag_values.coordinator_address, flag_values.num_processes,
       flag_values.process_id, flag_values.local_device_ids))
-  return train.train_and_evaluate(flag_values.config, flag_values.workdir)
+  config = flag_values.config
+  logging.info('Running %s on %s (%s), outputs in %s', config.method, config.dataset,
+               flag_values['config'].config_filename, flag_values.workdir)
+  return train.train_and_evaluate(config, flag_values.workdir)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+def _flag_error_text(e: Exception) -> str:
+  """A flag or config-override error as one line (config_flags nests KeyErrors' reprs)."""
+  text = str(e)
+  head, _, trace = text.partition('Traceback (most recent call last):')
+  if trace:  # config_flags puts the config file's traceback in the message: keep its last line
+    text = head + trace.strip().splitlines()[-1]
+  while len(text) > 1 and text[0] == text[-1] and text[0] in '\'"':
+    text = text[1:-1].replace('\\n', ' ').replace("\\'", "'")
+  text = ' '.join(text.split())
+  if isinstance(e, (KeyError, AttributeError)):
+    return f'No such config field: {text}'
+  return text
+
+
+def _error(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def run_cli(argv) -> int:
+  """The command line: parses `argv` (argv[0] is the program), runs, returns the exit status.
+
+  Sets up the console (quiet unless --verbose or FEDSSA_VERBOSE=1) and turns the user's errors
+  into one paragraph each; bugs keep their traceback.
+  """
+  verbose = console.verbose_requested(argv)
+  with console.configured(verbose):
+    return _run_cli(argv, verbose)
+
+
+def _run_cli(argv, verbose: bool) -> int:
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  if any(a in ('-h', '--help', '--helpshort', '--helpfull') for a in argv[1:]):
+    print(flag_values.main_module_help() or flag_values.get_help(), flush=True)
+    return 0
+  previous_argv = sys.argv
+  sys.argv = list(argv)  # config_flags reads the --config.* overrides from sys.argv
   try:
-    run(FLAGS)
-  except train.Preempted as e:
-    logging.warning('%s', e)
-    sys.exit(train.EXIT_PREEMPTED)
+    try:
+      rest = flag_values(list(argv))
+      flag_values.config.method  # a config file that failed to load raises here
+    except Exception as e:  # pylint: disable=broad-except  (flags, config file or an override)
+      if verbose:
+        traceback.print_exc()
+      _error(f'Command line error: {_flag_error_text(e)} (python -m fedssa_jax.main --help '
+             'lists the flags; configs/*.py and config_lib.base_config the config fields.)')
+      return EXIT_BAD_INPUT
+    if len(rest) > 1:
+      _error(f'Command line error: unexpected arguments {rest[1:]}; every setting is a flag, '
+             'e.g. --config.num_rounds=5.')
+      return EXIT_BAD_INPUT
+    try:
+      run(flag_values)
+    except train.Preempted as e:
+      logging.warning('%s', e)
+      return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+      _error('Interrupted at once, without a checkpoint of the current round. Rerun the same '
+             'command to resume from the last checkpoint.')
+      return EXIT_INTERRUPTED
+    except tuple(error for error, _ in USER_ERRORS) as e:
+      if verbose:
+        traceback.print_exc()
+      _error(f'{type(e).__name__}: {e}')
+      return next(status for error, status in USER_ERRORS if isinstance(e, error))
+    return 0
+  finally:
+    sys.argv = previous_argv
+
+
+def main() -> None:
+  sys.exit(run_cli(sys.argv))
 
 
 if __name__ == '__main__':
-  app.run(main)
+  main()

@@ -10,6 +10,7 @@ Outputs in `workdir`:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,7 +30,7 @@ except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it
   metric_writers = periodic_actions = None
 
 from fedssa_jax import (checkpoint, config_lib, data, distributed, engine, population,
-                        representations)
+                        representations, workdir_lock)
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
@@ -56,7 +57,8 @@ class Preempted(Exception):
 
 
 class DivergenceError(FloatingPointError):
-  """A NaN or inf in a client's training loss or parameters; nothing of the round was saved."""
+  """A NaN or inf in a client's training loss or parameters, or a loss that blew up (the
+  `guard` config); nothing of the round was saved."""
 
 
 def _jsonable(x):
@@ -79,13 +81,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        dataset: data.Dataset | None = None) -> dict:
   """Runs `config` and writes its outputs to `workdir`. Returns the summary dict.
 
-  Resumes from the newest checkpoint in `workdir` if there is one. Raises Preempted if SIGTERM
-  or SIGINT stopped the run (after checkpointing), DivergenceError on a NaN or inf.
+  Resumes from the newest checkpoint in `workdir` if there is one. Holds the workdir's lock
+  throughout. Raises ConfigError, data.DataError or checkpoint.CheckpointError for input that
+  cannot work, workdir_lock.WorkdirLocked if another process runs in `workdir`, Preempted if
+  SIGTERM or SIGINT stopped the run (after checkpointing), DivergenceError on a NaN, inf or a
+  blown-up loss, and checkpoint.CheckpointWriteError when a checkpoint cannot be written.
   """
   config_lib.validate(config)
   check_workdir_writable(workdir)
-  with config_lib.matmul_precision(config):
+  with _workdir_lock(workdir), config_lib.matmul_precision(config):
     return _train_and_evaluate(config, workdir, dataset)
+
+
+@contextlib.contextmanager
+def _workdir_lock(workdir: str):
+  """The workdir's lock, held by process 0 (the one that writes the outputs); every process
+  stops when it is refused."""
+  with contextlib.ExitStack() as stack:
+    refused = None
+    if jax.process_index() == 0:
+      try:
+        stack.enter_context(workdir_lock.hold(workdir))
+      except workdir_lock.WorkdirLocked as e:
+        refused = e
+    if distributed.any_process(refused is not None):
+      raise refused or workdir_lock.WorkdirLocked(
+          f'--workdir={workdir!r} is in use by another run (process 0 says by which).')
+    yield
 
 
 def check_workdir_writable(workdir: str) -> None:
@@ -110,10 +132,12 @@ class Progress:
   # Indices into round_times of each process's first round, which compiles.
   compile_rounds: list = dataclasses.field(default_factory=list)
   elapsed_seconds: float = 0.0  # wall time of the run so far, over all its processes
+  best_train_loss: float | None = None  # the lowest round train loss so far (the blow-up guard)
 
   @classmethod
   def from_checkpoint(cls, saved: dict) -> Progress:
-    return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls)})
+    # Fields added since a checkpoint was written take their defaults.
+    return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
 
 
 def first_reaching(history: list[dict], target: float) -> dict | None:
@@ -210,14 +234,45 @@ def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpoin
     by_family.setdefault(sim.groups[sim.group_of[c]].family, []).append(
         f'{c} ({" and ".join(problems[c])})')
   where = '; '.join(f'family {f}: clients {", ".join(cs)}' for f, cs in by_family.items())
-  steps = ckpts.steps()
-  kept = (f'the last good checkpoint, of round {steps[-1]}, is kept intact in '
-          f'{ckpts.directory}' if steps else 'no checkpoint was written')
   raise DivergenceError(
       f'Training diverged in round {state["round"]}: a NaN or inf in the training loss or '
-      f'parameters of {where}. Nothing of this round was saved; {kept}. A resume must keep the '
-      'config, so start again in a new --workdir with a smaller optimizer.lr or '
+      f'parameters of {where}. Nothing of this round was saved; {_kept(ckpts)}. A resume must '
+      'keep the config, so start again in a new --workdir with a smaller optimizer.lr or '
       'optimizer.clip_norm.')
+
+
+def _kept(ckpts: checkpoint.Checkpointer) -> str:
+  steps = ckpts.steps()
+  return (f'the last good checkpoint, of round {steps[-1]}, is kept intact in '
+          f'{ckpts.directory}' if steps else 'no checkpoint was written')
+
+
+def check_blowup(config, sim: engine.Simulator, state, info, best: float | None,
+                 ckpts: checkpoint.Checkpointer) -> None:
+  """Raises DivergenceError when the round's (finite) train loss blew up: above
+  guard.max_train_loss, or above guard.loss_growth times `best` (the lowest round loss so far)
+  and above ln(classes), a uniform guess's cross-entropy. Names the round, the statistic and
+  the clients whose own loss is past the same bound."""
+  g, loss = config.guard, info['train_loss']
+  chance = float(np.log(sim.num_classes))
+  if g.max_train_loss and loss > g.max_train_loss:
+    bound = g.max_train_loss
+    stat = (f'the mean train loss {loss:.4g} is above guard.max_train_loss='
+            f'{g.max_train_loss:g}')
+  elif g.loss_growth and best is not None and loss > max(g.loss_growth * best, chance):
+    bound = max(g.loss_growth * best, chance)
+    stat = (f'the mean train loss {loss:.4g} is {loss / best:.3g} times the best round\'s '
+            f'{best:.4g}, above guard.loss_growth={g.loss_growth:g} (and above ln(classes) = '
+            f'{chance:.3g})')
+  else:
+    return
+  client_loss = info['train_loss_sum'] / np.maximum(info['train_samples'], 1)
+  tripped = [f'{c} ({l:.3g})' for c, l in zip(info['cohort'], client_loss) if l > bound]
+  raise DivergenceError(
+      f'Training blew up in round {state["round"]}: {stat}; clients (loss) past it: '
+      f'{", ".join(tripped) or "none alone"}. Nothing of this round was saved; {_kept(ckpts)}. '
+      'Start again in a new --workdir with a smaller optimizer.lr or optimizer.clip_norm (or '
+      'raise or turn off the guard with --config.guard.max_train_loss / loss_growth; 0 is off).')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,9 +298,11 @@ def _train_and_evaluate(config, workdir, dataset):
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       f.write(json.dumps(summary, indent=2, default=_jsonable))
-  logging.info('Done: final mean accuracy %s, best %s, wall %.1f s',
-               summary['final_mean_accuracy'], summary['best_mean_accuracy'],
-               summary['wall_seconds'])
+  acc = lambda a: 'n/a' if a is None else f'{a:.4f}'
+  logging.info('Done: final mean accuracy %s, best %s (round %s), wall %.1f s; summary in %s',
+               acc(summary['final_mean_accuracy']), acc(summary['best_mean_accuracy']),
+               summary['best_round'], summary['wall_seconds'],
+               os.path.join(workdir, 'summary.json'))
   return summary
 
 
@@ -336,6 +393,9 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
       rounds_done = state['round']
       last = rounds_done == config.num_rounds
       check_finite(sim, state, info, ckpts)
+      check_blowup(config, sim, state, info, progress.best_train_loss, ckpts)
+      if progress.best_train_loss is None or info['train_loss'] < progress.best_train_loss:
+        progress.best_train_loss = info['train_loss']
       record = None
       if rounds_done % config.eval_every == 0 or last:
         last_ev = sim.evaluate(state, previous=last_ev)

@@ -25,7 +25,10 @@ from absl import app
 from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from fedssa_jax import workdir_lock  # pylint: disable=wrong-import-position  (no JAX)
 EXIT_PREEMPTED = 75  # fedssa_jax.train.EXIT_PREEMPTED (not imported: this script loads no JAX)
+EXIT_LOCKED = 73     # fedssa_jax.main.EXIT_LOCKED: another process runs in the workdir
 
 flags.DEFINE_string('sweep', None, 'A sweep name from configs/sweeps.py.')
 flags.DEFINE_string('sweep_dir', None, 'Folder of the run workdirs; default runs/sweeps/<sweep>.')
@@ -97,6 +100,12 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
     while queue or running:
       while queue and len(running) < parallel:
         name, cmd, workdir = queue.pop(0)
+        holder = workdir_lock.in_use(workdir) if os.path.isdir(workdir) else None
+        if holder:  # another sweep (or a user) runs it; its lock would refuse a second copy
+          print(f'[{total - len(queue)}/{total}] {name}: {_outcome(EXIT_LOCKED, workdir)} '
+                f'({holder})', flush=True)
+          unfinished.append(name)
+          continue
         os.makedirs(workdir, exist_ok=True)
         log = open(os.path.join(workdir, 'sweep.log'), 'a')
         running[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
@@ -130,6 +139,9 @@ def _outcome(rc: int, workdir: str) -> str:
     return 'done'
   if rc == EXIT_PREEMPTED:
     return 'stopped after a checkpoint (rerun the sweep to resume it)'
+  if rc == EXIT_LOCKED:
+    return ('not started: another process is running it in this workdir; rerun the sweep once '
+            'that one is done')
   return f'FAILED with exit status {rc}; see {os.path.join(workdir, "sweep.log")}'
 
 

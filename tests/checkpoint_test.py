@@ -20,30 +20,12 @@ import pytest
 
 from fedssa_jax import checkpoint, engine, train
 
-from conftest import synthetic_dataset
+from conftest import write_tiny_tfds_cifar10
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ROUNDS = 6
 TIMING_FIELDS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
                  'first_round_seconds')
-
-
-def write_tiny_tfds_cifar10(data_dir, num_train=200, num_test=100):
-  """A prepared TFDS 'cifar10' of a few synthetic images, as ../shared/data/cifar10/prepare.py
-  writes the real one: the builder's own metadata, only the examples are local."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
-  ds = synthetic_dataset(num_train, num_test)
-
-  def examples(split):
-    for i in ds.tfds_splits[split]:
-      key = f'{split}_{i:05d}'
-      yield key, {'id': key, 'image': ds.images[i], 'label': int(ds.labels[i])}
-
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(cifar.Cifar10, '_split_generators',
-               lambda self, dl_manager: {'train': examples('train'), 'test': examples('test')})
-    tfds.builder('cifar10', data_dir=data_dir).download_and_prepare()
 
 
 @pytest.fixture(scope='module')
@@ -176,7 +158,6 @@ def main_with_a_nan_after_round(nan_round):
   """`python -m fedssa_jax.main`, with NaN put into the parameters of one client of the cohort
   of round `nan_round` before it trains, so that its training diverges. Prints which client and
   family."""
-  from absl import app  # pylint: disable=g-import-not-at-top
   from fedssa_jax import main  # pylint: disable=g-import-not-at-top
   run_round = engine.Simulator.run_round
 
@@ -192,7 +173,7 @@ def main_with_a_nan_after_round(nan_round):
     return run_round(sim, state)
 
   engine.Simulator.run_round = run_round_with_a_nan
-  app.run(main.main)
+  sys.exit(main.run_cli(sys.argv))
 
 
 def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path):

@@ -39,6 +39,25 @@ def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name=
                       {'train': np.arange(num_train), 'test': np.arange(num_train, m)})
 
 
+def write_tiny_tfds_cifar10(data_dir, num_train=200, num_test=100, file_format=None):
+  """A prepared TFDS 'cifar10' of a few synthetic images, as ../shared/data/cifar10/prepare.py
+  writes the real one: the builder's own metadata, only the examples are local. `file_format`:
+  TFDS's default (None), or e.g. 'array_record' (what prepare.py and a download write)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
+  ds = synthetic_dataset(num_train, num_test)
+
+  def examples(split):
+    for i in ds.tfds_splits[split]:
+      key = f'{split}_{i:05d}'
+      yield key, {'id': key, 'image': ds.images[i], 'label': int(ds.labels[i])}
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(cifar.Cifar10, '_split_generators',
+               lambda self, dl_manager: {'train': examples('train'), 'test': examples('test')})
+    tfds.builder('cifar10', data_dir=data_dir).download_and_prepare(file_format=file_format)
+
+
 @pytest.fixture(scope='session')
 def small_ds():
   return synthetic_dataset()

@@ -114,3 +114,22 @@ def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, 
   # The runs start in the repository root (config paths are relative to it) and import it.
   cwd, pythonpath = seen.read_text().splitlines()
   assert cwd == REPO and pythonpath.split(os.pathsep)[0] == REPO
+
+
+def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
+  """A run whose workdir another process holds (another sweep, a user) is not started; one that
+  got past that check is refused by the run itself (exit status 73), and both are reported."""
+  from fedssa_jax import workdir_lock  # pylint: disable=g-import-not-at-top
+  held, raced = tmp_path / 'held', tmp_path / 'raced'
+  held.mkdir()
+  marker = tmp_path / 'started'
+  jobs = [('held', [sys.executable, '-c', f'open({str(marker)!r}, "w")'], str(held)),
+          ('raced', [sys.executable, '-c', 'raise SystemExit(73)'], str(raced))]
+  with workdir_lock.hold(str(held)):
+    unfinished = sweep.run_local(jobs, parallel=1)
+  assert sorted(unfinished) == ['held', 'raced'] and not marker.exists()
+  out = capsys.readouterr().out
+  assert (f'held: not started: another process is running it in this workdir; rerun the sweep '
+          f'once that one is done (pid {os.getpid()} on host') in out
+  assert 'raced: not started: another process is running it in this workdir' in out
+  assert workdir_lock.in_use(str(held)) is None  # released

@@ -1,8 +1,10 @@
 """Bad configs, data, workdirs and checkpoints: each gets a message that names the field and the
 fix, before any compute (no case here compiles anything)."""
 import dataclasses
+import gc
 import logging
 import os
+import time
 from typing import Callable
 
 import jax
@@ -142,7 +144,7 @@ CASES = [
          ("cannot be read from data_dir=", 'prepare.py', '--config.download=True'),
          data.DataError),
     Case('batch_size 0', validate(batch_size=0), ('batch_size must be > 0, got 0',)),
-    Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 0, got -1',)),
+    Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 1, got -1',)),
     Case('T_stable < 0', validate(**{'fedssa.t_stable': -1}),
          ('fedssa.t_stable must be >= 0, got -1',)),
     Case('mu0 > 1', validate(**{'fedssa.mu0': 1.5}), ('fedssa.mu0 must be in [0, 1], got 1.5',)),
@@ -210,6 +212,7 @@ def test_resume_allows_the_documented_fields_to_change(tmp_path, caplog):
   changed.engine.eval_clients_per_call = 3
   changed.engine.micro_batch, changed.engine.mesh_devices = 8, 2
   changed.save_representations = True
+  changed.guard.max_train_loss, changed.guard.loss_growth = 50.0, 0.0
   assert set(checkpoint.MUTABLE_ON_RESUME) == {
       k for k, v in checkpoint.config_fields(changed).items()
       if v != checkpoint.config_fields(saved)[k]}
@@ -246,3 +249,30 @@ def test_existing_configs_stay_valid():
     for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):
       config_lib.validate(config_lib.build(dataset, variants))
   config_lib.validate(config_lib.build('cifar10', 'tiny'))
+
+
+def test_a_fallback_prints_no_tracebacks_of_abandoned_reads(tmp_path, capfd, caplog):
+  """A state of many arrays whose data file is cut: orbax fails on one array while its reads of
+  the others are in flight, which end in a closed event loop (checkpoint._silence_abandoned_reads)."""
+  def state(r):
+    rng = np.random.default_rng(r)
+    return {'round': r, 'params': ({f'w{i}': rng.normal(size=(4, 25_000)).astype(np.float32)
+                                    for i in range(30)},)}
+  ckpts = checkpoint.Checkpointer(str(tmp_path))
+  for r in (1, 2):
+    ckpts.save(state(r), {'history': []}, {'config': {}})
+  ckpts.close()
+  files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / '2') for f in fs]
+  largest = max(files, key=os.path.getsize)
+  os.truncate(largest, os.path.getsize(largest) // 2)
+  with caplog.at_level(logging.INFO):
+    ckpts = checkpoint.Checkpointer(str(tmp_path))
+    assert ckpts.restore_latest(state(0)).step == 1
+    ckpts.close()
+    time.sleep(1)  # the abandoned reads finish
+    gc.collect()   # ... and their futures are collected
+  out, err = capfd.readouterr()
+  assert 'Event loop is closed' not in out + err + caplog.text
+  assert 'Future exception was never retrieved' not in caplog.text
+  (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert warning.startswith('The checkpoint of round 2 in') and 'round 1' in warning
