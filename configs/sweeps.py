@@ -157,7 +157,10 @@ PARTIAL_SCHEDULE = {'local_epochs': 5, 'batch_size': 64, 'num_rounds': 60, 'eval
 def _partial_participation(models: str) -> list[Run]:
   setting = f'{models},n100'
   s = PARTIAL_SCHEDULE
-  return (grid(['cifar10'], [setting], override_sets=[s])
+  # Seed 0 of every method first, with its controls and ablations, so that a sweep cut short
+  # already holds a complete one-seed comparison.
+  return ([r for seed in SEEDS for r in grid(['cifar10'], [setting], seeds=(seed,),
+                                              override_sets=[s])]
           # Controls: a method that only rescales the cross-entropy step shows up against these.
           + grid(['cifar10'], [setting], ('standalone',), (0,),
                  [{**s, 'optimizer__lr': lr} for lr in (0.0025, 0.01)])
