@@ -1,0 +1,135 @@
+"""Checks that a change moves no number: every method's 5-round tiny run, record by record.
+
+Runs a 5-round `configs/cifar10.py:hetero,n10,tiny` run (5 clients, 3 a round, batch 16) of every
+method, plus FedSSA from the host and disk population stores and on a two-device mesh, each as
+its own `python -m fedssa_jax.main` process, into `--out`. With `--reference`, a folder an
+earlier commit's run of this script wrote, it then compares every run's `metrics.jsonl` records
+and `summary.json` with the reference's, timings aside, and exits 1 on any difference.
+
+  git stash; python launch/same_numbers.py --out=/tmp/before --data_dir=~/tensorflow_datasets
+  git stash pop; python launch/same_numbers.py --out=/tmp/after --reference=/tmp/before \\
+      --data_dir=~/tensorflow_datasets
+
+Without `--data_dir` the runs use TFDS's mock data (random images), which needs no download.
+Each run's command and the commit are written to `<out>/runs.json`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from configs import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_OUT = flags.DEFINE_string('out', None, 'Folder of the runs (created).', required=True)
+_REFERENCE = flags.DEFINE_string('reference', None, 'An earlier --out to compare with.')
+_DATA_DIR = flags.DEFINE_string('data_dir', None, 'TFDS data_dir; default: TFDS mock data.')
+_ONLY = flags.DEFINE_list('only', [], 'Run only these run names (default: all).')
+
+CONFIG = 'configs/cifar10.py:hetero,n10,tiny'
+ROUNDS = 5
+# Fields that are timings, or paths, which differ between any two runs.
+TIMING = {'seconds_per_round_steady', 'first_round_seconds', 'wall_seconds', 'round_seconds',
+          'elapsed_seconds'}
+
+# name -> (extra --config overrides, environment)
+RUNS = {m: ({'method': m}, {}) for m in sweeps.METHODS}
+RUNS['fedssa-host'] = ({'method': 'fedssa', 'population_store': 'host'}, {})
+RUNS['fedssa-disk'] = ({'method': 'fedssa', 'population_store': 'disk'}, {})
+RUNS['fedssa-mesh2'] = ({'method': 'fedssa', 'engine.mesh_devices': 2},
+                        {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+
+_MOCK = """
+import sys, tensorflow_datasets as tfds
+from fedssa_jax import main
+with tfds.testing.mock_data(num_examples=400):
+  sys.exit(main.run_cli(sys.argv))
+"""
+
+
+def command(name: str, workdir: str) -> list[str]:
+  overrides, _ = RUNS[name]
+  args = [f'--config={CONFIG}', f'--workdir={workdir}', f'--config.num_rounds={ROUNDS}',
+          *(f'--config.{k}={v}' for k, v in overrides.items())]
+  if _DATA_DIR.value:
+    return [sys.executable, '-m', 'fedssa_jax.main', *args,
+            f'--config.data_dir={os.path.expanduser(_DATA_DIR.value)}']
+  return [sys.executable, '-c', _MOCK, *args]
+
+
+def records(workdir: str) -> tuple[list[dict], dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    history = [json.loads(line) for line in f]
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
+  return history, summary
+
+
+def differences(a, b, path: str = '') -> list[str]:
+  """Where two JSON values differ, timings aside (floats compared exactly; NaN equals NaN)."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    out = [f'{path}.{k}: only in one' for k in set(a) ^ set(b) if k not in TIMING]
+    for k in sorted(set(a) & set(b) - TIMING):
+      out += differences(a[k], b[k], f'{path}.{k}')
+    return out
+  if isinstance(a, list) and isinstance(b, list):
+    if len(a) != len(b):
+      return [f'{path}: {len(a)} entries, now {len(b)}']
+    return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f'{path}[{i}]')]
+  if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    return []
+  return [] if a == b else [f'{path}: {a!r}, now {b!r}']
+
+
+def main(argv):
+  del argv
+  out = os.path.abspath(_OUT.value)
+  os.makedirs(out, exist_ok=True)
+  commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True,
+                          text=True, check=False).stdout.strip()
+  dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=ROOT,
+                         capture_output=True, text=True, check=False).stdout.strip()
+  names = _ONLY.value or list(RUNS)
+  log = {'commit': commit + (' (with uncommitted changes)' if dirty else ''), 'runs': {}}
+  failed = []
+  for name in names:
+    workdir = os.path.join(out, name)
+    cmd = command(name, workdir)
+    env = {**os.environ, **RUNS[name][1], 'PYTHONPATH': ROOT}
+    log['runs'][name] = {'command': cmd, 'env': RUNS[name][1]}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if r.returncode:
+      failed.append(name)
+      print(f'{name}: the run failed (exit {r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}')
+      continue
+    history, summary = records(workdir)
+    print(f'{name}: {len(history)} records, final mean accuracy '
+          f'{summary["final_mean_accuracy"]:.6f}')
+  with open(os.path.join(out, 'runs.json'), 'w') as f:
+    json.dump(log, f, indent=1)
+  if _REFERENCE.value:
+    for name in names:
+      if name in failed:
+        continue
+      ref = os.path.join(os.path.abspath(_REFERENCE.value), name)
+      if not os.path.exists(os.path.join(ref, 'summary.json')):
+        print(f'{name}: no reference run in {ref}')
+        failed.append(name)
+        continue
+      diff = differences(records(ref), records(os.path.join(out, name)))
+      print(f'{name}: ' + ('identical' if not diff else
+                           f'{len(diff)} differences, first: ' + '; '.join(diff[:5])))
+      failed += [name] if diff else []
+  if failed:
+    print(f'Not the same: {", ".join(failed)}')
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main)
