@@ -123,8 +123,7 @@ def padding_share(sim: engine.Simulator, rounds: int, per_call: int | None = Non
   m = sim.train_cfg.micro_batch if sim.method.per_sample_loss else b
   useful = total = 0
   for t in range(rounds):
-    cohort = engine.sample_cohort(sim.config.seed, t, sim.num_clients, sim.k)
-    for gi, slots, active in sim.cohort_chunks(cohort, per_call):
+    for gi, slots, active in sim.chunks(sim.cohort(t), per_call):
       n = sim.train_n[sim.groups[gi].members[slots[active]]]
       useful += n.sum()
       for step in range(-(-n.max() // b)):
@@ -144,16 +143,31 @@ def peak_memory() -> dict:
 def masked_train_seconds(sim: engine.Simulator, state, rounds: int) -> float:
   """Seconds per round of the training calls' work besides training: the same compiled calls
   on the chunks of the last `rounds` rounds (run already, so compiled) with every client
-  masked (`Simulator.train_on_device`). The calls take the state's arrays (donated), so `state`
-  is used up."""
-  params, client_state, server = list(state['params']), state['client_state'], state['server']
+  masked, so that no step runs (`Simulator.train_chunks`). The calls take the state's arrays
+  (donated), so `state` is used up."""
+  params, client_state, server = list(state.params), state.client_state, state.server
   t0 = time.perf_counter()
-  for t in range(state['round'] - rounds, state['round']):
-    cohort = engine.sample_cohort(sim.config.seed, t, sim.num_clients, sim.k)
-    client_state, server, _ = sim.train_on_device(params, client_state, server,
-                                                  list(sim.cohort_chunks(cohort)), t, masked=True)
+  for t in range(state.round - rounds, state.round):
+    masked = [(gi, slots, np.zeros_like(active)) for gi, slots, active in
+              sim.chunks(sim.cohort(t))]
+    client_state, server, _ = sim.train_chunks(params, client_state, server, masked, t)
   jax.block_until_ready((params, client_state, server))
   return (time.perf_counter() - t0) / rounds
+
+
+class PhaseTimer:
+  """The Simulator's `phase` callback of a benchmark: adds the time since the last call to
+  phase `name`, after waiting for `arrays` (the syncs cost overlap, so runs go without it)."""
+
+  def __init__(self):
+    self.seconds: dict[str, float] = {}
+    self.last = time.perf_counter()
+
+  def __call__(self, name: str, *arrays) -> None:
+    jax.block_until_ready(arrays)
+    now = time.perf_counter()
+    self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+    self.last = now
 
 
 def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCounter,
@@ -163,7 +177,8 @@ def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCount
   c.local_epochs, c.num_rounds = 1, rounds
   c.update_from_flattened_dict(overrides)
   with config_lib.matmul_precision(c):
-    sim = engine.Simulator(c, ds, data.partition_from_config(c, ds), profile=True)
+    timer = PhaseTimer()
+    sim = engine.Simulator(c, ds, data.partition_from_config(c, ds), phase=timer)
     state = sim.init_state()
     before = compiles.count, compiles.seconds
     t0 = time.perf_counter()
@@ -171,14 +186,14 @@ def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCount
     ev = sim.evaluate(state)
     first = time.perf_counter() - t0
     first_compiles = (compiles.count - before[0], compiles.seconds - before[1])
-    sim.phase_seconds.clear()
+    timer.seconds.clear()
     before = compiles.count
     t0 = time.perf_counter()
     for _ in range(rounds - 1):  # as the training loop evaluates: only clients trained since
       state, _ = sim.run_round(state)
       ev = sim.evaluate(state, previous=ev)
     steady = (time.perf_counter() - t0) / (rounds - 1)
-    phases = {k: v / (rounds - 1) for k, v in sim.phase_seconds.items()}
+    phases = {k: v / (rounds - 1) for k, v in timer.seconds.items()}
     later_compiles = compiles.count - before
     if overhead:
       phases['train: gather/download/upload/scatter'] = masked_train_seconds(sim, state, rounds - 1)

@@ -283,9 +283,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
        f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
        f'most {n}, or to 0 to evaluate all of them.')
   one_of('population_store', c.population_store, ('device', 'host', 'disk'))
-  need(not (c.save_representations and c.population_store == 'disk'),
-       'save_representations needs every client model at once, which the disk store does not '
-       "hold in memory: set population_store='host' or 'device', or save_representations=False.")
   need(0 < c.target_accuracy <= 1,
        f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
        'a fraction (0.8 is 80%).')

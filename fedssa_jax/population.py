@@ -1,18 +1,24 @@
-"""Where the client population lives between rounds: `population_store` = device, host or disk.
+"""Where the client population lives between rounds: one interface, three stores.
 
 Every FedSSA client keeps a whole private model, so the population outgrows device memory first
-(10,000 clients of the five families are about 60 GB of float32), then host memory. The store
-decides where a family group's stacked parameters and the per-client method state live:
+(10,000 clients of the five families are about 60 GB of float32), then host memory. A store
+decides where each family group's stacked parameters and the per-client method state live, and
+so how a chunk of clients reaches its jitted training call and goes back:
 
-- `device`: on the accelerator (sharded along the `clients` mesh axis). A chunk of clients is
-  gathered and scattered inside its jitted training call. The fastest, and the default.
-- `host`: numpy arrays in RAM (`HostRows`). Each chunk's rows are copied to the device before its
-  call and back after it; the engine reads the next chunk while the device trains this one.
-- `disk`: memory-mapped files in `<workdir>/population/` (`DiskRows`), read and written a chunk
-  at a time as for `host`.
+- `DeviceStore` (`population_store='device'`): arrays on the accelerator (sharded along the
+  `clients` mesh axis). A chunk is gathered and scattered inside its jitted call (donated
+  buffers). The fastest, and the default.
+- `HostStore` ('host'): numpy tables in RAM (`HostRows`). Each chunk's rows are copied to the
+  device before its call and back after it; the next chunk is read while the device trains this
+  one.
+- `DiskStore` ('disk'): memory-mapped files in `<workdir>/population/` (`DiskRows`), read and
+  written a chunk at a time as for `host`.
 
 The computation is the same whatever the store (the chunk's rows go through the same jitted
-training step), so the three give identical metrics.
+training step), so the three give identical metrics. The engine speaks to a store through
+`Store` alone: the initial population, training and evaluating chunks, and the checkpoint
+sequence (`saved`, `before_checkpoint`, `after_checkpoint`, `live`), which train.py runs the same
+way for every store.
 
 Disk layout and checkpoints. A table of rows (one family's client models, or every client's
 method state) is one file per leaf, `<table>/leaf<i>.bin`, holding `capacity` *slots* of one row
@@ -30,6 +36,7 @@ files are sparse: an unused slot takes no disk); the store needs about
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -37,7 +44,11 @@ import shutil
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from fedssa_jax import config_lib
+from fedssa_jax.placement import Placement
 
 PyTree = Any
 
@@ -203,6 +214,293 @@ class DiskRows:
       self.pinned[m[m >= 0]] = True
 
 
-def reset(directory: str) -> None:
-  """Deletes a disk store (a fresh run in a workdir with no checkpoint)."""
-  shutil.rmtree(directory, ignore_errors=True)
+# ----------------------------------------------------------------------------------------------
+# The stores
+# ----------------------------------------------------------------------------------------------
+
+def _take(tree: PyTree, rows) -> PyTree:
+  return jax.tree.map(lambda a: a[rows], tree)
+
+
+class Store:
+  """Where the groups' parameters and the per-client state live, and how chunks of them reach
+  the jitted calls. `params` is a tuple (one entry per group) and `client_state` one entry over
+  all N clients, in whatever form the store keeps them (arrays, or tables of rows); the run
+  state holds them between rounds.
+
+  `init_group(group, slots)` and `init_client_state(client_ids)` give initial rows (stacked).
+  `train_chunk(params, state, cids, active, server, data, seen, round, key)` trains one chunk's
+  rows (engine.py) and `evaluate_rows(params, cids, valid, server, data)` evaluates them
+  (evaluation.py); a store wraps each into the jitted calls that bring its rows to them.
+  """
+
+  def __init__(self, placement: Placement, groups: list, num_clients: int,
+               init_group: Callable, init_client_state: Callable):
+    self.placement = placement
+    self.groups = groups
+    self.num_clients = num_clients
+    self.init_group = init_group
+    self.init_client_state = init_client_state
+
+  # --- the population ---------------------------------------------------------------------------
+  def initial(self, fresh: bool = True) -> tuple[tuple, PyTree]:
+    """(params, client_state) of round 0. `fresh`: no checkpoint will be restored, so anything a
+    previous run left (the disk store's files) is discarded."""
+    raise NotImplementedError
+
+  def saved(self, params, client_state) -> tuple[tuple, PyTree]:
+    """What a checkpoint holds of them: host arrays without padding rows, whatever the device
+    count (or the disk store's slot maps)."""
+    raise NotImplementedError
+
+  def live(self, params, client_state) -> tuple[tuple, PyTree]:
+    """The inverse of `saved`: a checkpoint's population, made live in the store."""
+    raise NotImplementedError
+
+  def before_checkpoint(self, params, client_state, step: int) -> None:
+    """Called before the checkpoint of round `step` is written (the disk store flushes its
+    files and pins the rows the checkpoint refers to)."""
+    del params, client_state, step
+
+  def after_checkpoint(self, params, client_state, kept_steps: list[int]) -> None:
+    """Called after a checkpoint save or restore, with the rounds of the checkpoints still kept
+    (the disk store frees the slots that none of them refers to)."""
+    del params, client_state, kept_steps
+
+  # --- chunks -----------------------------------------------------------------------------------
+  def train_call(self, g, train_chunk: Callable) -> Callable:
+    raise NotImplementedError
+
+  def train(self, params: list, client_state, server, chunks, calls, consts):
+    """Trains `chunks` [(group index, slots, active)] with the groups' `calls` (`train_call`),
+    updating the list `params` in place; `consts` are (data, seen, round, root key). Returns
+    (client_state, server, [(group index, slots, active, stats) per chunk])."""
+    raise NotImplementedError
+
+  def eval_call(self, g, evaluate_rows: Callable) -> Callable:
+    raise NotImplementedError
+
+  def evaluate(self, params, jobs, calls, server, data) -> list:
+    """Runs the group `calls` (`eval_call`) on `jobs` [(group index, slots, count of real
+    slots)], one block of clients per call. Returns [(group index, slots, result)], the results
+    still on the device."""
+    raise NotImplementedError
+
+
+class DeviceStore(Store):
+  """Every group's parameters and the per-client state as device arrays, padded to a multiple
+  of the device count and sharded along `clients` (placement.py)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.client_rows = self.placement.rows(self.num_clients)
+
+  def initial(self, fresh=True):
+    del fresh
+    params = tuple(self.init_group(g, np.arange(g.size)) for g in self.groups)
+    return self.live(params, self.init_client_state(np.arange(self.num_clients)))
+
+  def saved(self, params, client_state):
+    if self.placement.mesh is None:
+      return params, client_state
+    params, client_state = self.placement.fetch((params, client_state))
+    return (tuple(_take(p, slice(0, g.size)) for g, p in zip(self.groups, params)),
+            _take(client_state, slice(0, self.num_clients)))
+
+  def live(self, params, client_state):
+    return (tuple(self.placement.shard_rows(p, g.rows) for g, p in zip(self.groups, params)),
+            self.placement.shard_rows(client_state, self.client_rows))
+
+  def train_call(self, g, train_chunk):
+    members, place = jnp.asarray(g.members), self.placement
+
+    def call(group_params, client_state, server, data_, seen, slots, active, round_index,
+             root_key):
+      """Trains one chunk. slots [P] index the group (g.rows = dummy), active [P] bool."""
+      safe = jnp.minimum(slots, g.size - 1)
+      cids = members[safe]
+      new_params, new_state, server, stats = train_chunk(
+          _take(group_params, safe), _take(client_state, cids), cids, active, server, data_,
+          seen, round_index, root_key)
+      # Dummies scatter out of range, so their writes are dropped.
+      put = lambda tree, new, dest: jax.tree.map(
+          lambda a, b: a.at[dest].set(b, mode='drop'), tree, new)
+      group_params = put(group_params, new_params, jnp.where(active, slots, g.rows))
+      client_state = put(client_state, new_state, jnp.where(active, cids, self.client_rows))
+      return (place.constrain(group_params, True), place.constrain(client_state, True),
+              place.constrain(server, False), stats)
+
+    return jax.jit(call, donate_argnums=(0, 1, 2))
+
+  def train(self, params, client_state, server, chunks, calls, consts):
+    chunk_stats = []
+    for gi, slots, active in chunks:
+      params[gi], client_state, server, stats = calls[gi](
+          params[gi], client_state, server, consts[0], consts[1], jnp.asarray(slots, jnp.int32),
+          jnp.asarray(active), *consts[2:])
+      chunk_stats.append((gi, slots, active, stats))
+    return client_state, server, chunk_stats
+
+  def eval_call(self, g, evaluate_rows):
+    members = jnp.asarray(g.members)
+    return jax.jit(lambda group_params, slots, valid, server, data_: evaluate_rows(
+        _take(group_params, slots), members[slots], valid, server, data_))
+
+  def evaluate(self, params, jobs, calls, server, data):
+    return [(gi, slots, calls[gi](params[gi], jnp.asarray(slots, jnp.int32),
+                                  jnp.asarray(np.arange(len(slots)) < n), server, data))
+            for gi, slots, n in jobs]
+
+
+class _RowStore(Store):
+  """A store of tables of rows off the device (`HostRows`, `DiskRows`): the host reads each
+  chunk's rows and puts them on the device, the jitted call trains them (the same step as on
+  the device), and the host writes them back, reading the next chunk while this one trains."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    if jax.process_count() > 1:
+      raise config_lib.ConfigError(
+          f'population_store={self.name!r} runs in one process; across {jax.process_count()} '
+          "processes use population_store='device', which splits the population over the "
+          "processes' devices (each holds its own shards), or run one process per machine.")
+
+  name = ''
+
+  def saved(self, params, client_state):
+    return tuple(t.saved() for t in params), client_state.saved()
+
+  def train_call(self, g, train_chunk):
+    place = self.placement
+
+    def call(params, state, server, data_, seen, cids, active, round_index, root_key):
+      """Trains one chunk whose rows (params, state) the host passed in; returns them."""
+      params, state, server, stats = train_chunk(
+          params, state, cids, active, server, data_, seen, round_index, root_key)
+      return (place.constrain(params, True), place.constrain(state, True),
+              place.constrain(server, False), stats)
+    return jax.jit(call, donate_argnums=(0, 1, 2))
+
+  def train(self, params, client_state, server, chunks, calls, consts):
+    def load(gi, slots, active):
+      g = self.groups[gi]
+      safe = np.minimum(slots, g.size - 1)  # dummies run on a copy of a real row
+      cids = g.members[safe]
+      rows = self.placement.to_device((params[gi].read(safe), client_state.read(cids)))
+      return rows, jnp.asarray(cids, jnp.int32), jnp.asarray(active)
+
+    def write_back(gi, slots, active, new_params, new_state):
+      new_params, new_state = jax.device_get((new_params, new_state))
+      params[gi].write(slots[active], _take(new_params, active))
+      client_state.write(self.groups[gi].members[slots[active]], _take(new_state, active))
+
+    chunk_stats, pending = [], None
+    loaded = load(*chunks[0]) if chunks else None
+    for i, (gi, slots, active) in enumerate(chunks):
+      (rows, cstate), cids, active_dev = loaded
+      new_params, new_state, server, stats = calls[gi](
+          rows, cstate, server, consts[0], consts[1], cids, active_dev, *consts[2:])
+      chunk_stats.append((gi, slots, active, stats))
+      if pending is not None:
+        write_back(*pending)
+      loaded = load(*chunks[i + 1]) if i + 1 < len(chunks) else None
+      pending = (gi, slots, active, new_params, new_state)
+    if pending is not None:
+      write_back(*pending)
+    return client_state, server, chunk_stats
+
+  def eval_call(self, g, evaluate_rows):
+    members = jnp.asarray(g.members)
+    return jax.jit(lambda rows, slots, valid, server, data_: evaluate_rows(
+        rows, members[slots], valid, server, data_))
+
+  def evaluate(self, params, jobs, calls, server, data):
+    """The next block is read while the device evaluates this one."""
+    load = lambda gi, slots, n: self.placement.to_device(params[gi].read(slots))
+    results, loaded = [], load(*jobs[0]) if jobs else None
+    for i, (gi, slots, n) in enumerate(jobs):
+      r = calls[gi](loaded, jnp.asarray(slots, jnp.int32),
+                    jnp.asarray(np.arange(len(slots)) < n), server, data)
+      loaded = load(*jobs[i + 1]) if i + 1 < len(jobs) else None
+      results.append((gi, slots, r))
+    return results
+
+
+class HostStore(_RowStore):
+  """Numpy tables in RAM."""
+  name = 'host'
+
+  def initial(self, fresh=True):
+    del fresh
+    params = tuple(self.init_group(g, np.arange(g.size)) for g in self.groups)
+    return self.live(*jax.device_get(
+        (params, self.init_client_state(np.arange(self.num_clients)))))
+
+  def live(self, params, client_state):
+    return tuple(HostRows(p) for p in params), HostRows(client_state)
+
+
+def _in_powers_of_two(init_fn: Callable) -> Callable:
+  """init_fn(ids), computed for a power-of-two count of ids (so that a store making initial rows
+  on demand compiles a few programs, not one per count) and cut back. Each row's values depend
+  on its own id alone, so they do not depend on the count."""
+  def padded(ids):
+    ids = np.asarray(ids)
+    n = len(ids)
+    size = 1 << max(n - 1, 0).bit_length()
+    out = init_fn(np.pad(ids, (0, size - n), mode='edge'))
+    return out if size == n else jax.tree.map(lambda a: a[:n], out)
+  return padded
+
+
+class DiskStore(_RowStore):
+  """Memory-mapped, copy-on-write slot files in `directory` (`DiskRows`). Rows never written
+  read as their initial values, made on demand."""
+  name = 'disk'
+
+  def __init__(self, *args, directory: str | None = None, **kwargs):
+    super().__init__(*args, **kwargs)
+    if directory is None:
+      raise config_lib.ConfigError(
+          "population_store='disk' keeps the population in the run's workdir: give the "
+          'Simulator a workdir, or use the device or host store.')
+    self.directory = directory
+
+  def initial(self, fresh=True):
+    if fresh:  # what a run without a checkpoint left
+      shutil.rmtree(self.directory, ignore_errors=True)
+    return self._tables()
+
+  def _tables(self):
+    """The tables over the files in the directory, every row at its initial value until
+    `restore` or a write: (one per group, the per-client state's)."""
+    def table(name, num_rows, init_fn):
+      init_fn = _in_powers_of_two(init_fn)
+      row = jax.eval_shape(lambda: jax.tree.map(lambda a: a[0], init_fn(np.zeros(1, int))))
+      return DiskRows(os.path.join(self.directory, name), row, num_rows, init_fn)
+    return (tuple(table(g.family, g.size, functools.partial(self.init_group, g))
+                  for g in self.groups),
+            table('client_state', self.num_clients, self.init_client_state))
+
+  def live(self, params, client_state):
+    tables, state_table = self._tables()
+    for table, saved in zip((*tables, state_table), (*params, client_state)):
+      table.restore(saved['slot_of'])
+    return tables, state_table
+
+  def before_checkpoint(self, params, client_state, step):
+    for table in (*params, client_state):
+      table.snapshot(step)
+
+  def after_checkpoint(self, params, client_state, kept_steps):
+    for table in (*params, client_state):
+      table.retain(kept_steps)
+
+
+STORES = {'device': DeviceStore, 'host': HostStore, 'disk': DiskStore}
+
+
+def make_store(name: str, *args, directory: str | None = None) -> Store:
+  if name == 'disk':
+    return DiskStore(*args, directory=directory)
+  return STORES[name](*args)

@@ -32,7 +32,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from fedssa_jax import config_lib, representations
+from fedssa_jax import config_lib, evaluation
 
 METHOD_ORDER = ('fedssa', 'standalone', 'fd', 'fedproto', 'fml', 'fedkd', 'lg_fedavg',
                 'fedclassavg')
@@ -497,7 +497,7 @@ def write_report(sweep_dir: str, out_dir: str | None = None) -> str:
   tsne = collections.defaultdict(dict)  # (setting, seed) -> method -> saved arrays
   families = collections.defaultdict(dict)  # (setting, seed) -> method -> each client's family
   for r in runs:
-    path = os.path.join(r.path, representations.FILENAME)
+    path = os.path.join(r.path, evaluation.REPRESENTATIONS_FILE)
     if os.path.exists(path):
       tsne[(r.setting, r.seed)][r.method] = dict(np.load(path))
       if 'client_family' in r.derived:

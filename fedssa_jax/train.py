@@ -29,8 +29,7 @@ try:
 except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
   metric_writers = periodic_actions = None
 
-from fedssa_jax import (checkpoint, config_lib, data, distributed, engine, population,
-                        representations, workdir_lock)
+from fedssa_jax import checkpoint, config_lib, data, distributed, engine, workdir_lock
 
 
 # The keys of every metrics.jsonl record; README.md documents each one.
@@ -156,16 +155,16 @@ def make_summary(config, state, progress: Progress) -> dict:
   return {
       'method': config.method,
       'dataset': config.dataset,
-      'rounds': state['round'],
+      'rounds': state.round,
       'final_mean_accuracy': accs[-1] if accs else None,
       'best_mean_accuracy': max(accs) if accs else None,
       'best_round': history[int(np.argmax(accs))]['round'] if accs else None,
       'final_client_accuracy': history[-1]['client_accuracy'] if history else None,
       'target_accuracy': config.target_accuracy,
       'to_target': first_reaching(history, config.target_accuracy),
-      'cum_up_floats': state['costs']['up_floats'],
-      'cum_down_floats': state['costs']['down_floats'],
-      'cum_client_flops': state['costs']['client_flops'],
+      'cum_up_floats': state.costs['up_floats'],
+      'cum_down_floats': state.costs['down_floats'],
+      'cum_client_flops': state.costs['client_flops'],
       # Steady-state seconds per round exclude each process's first round, which compiles.
       'seconds_per_round_steady': float(np.mean(steady)) if steady
                                   else (times[0] if times else None),
@@ -221,11 +220,11 @@ class _StopRequests:
 def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpointer) -> None:
   """Raises DivergenceError naming the round, clients and families with a NaN or inf."""
   problems = {}  # client id -> what is not finite
-  cohort = info['cohort']
-  for c in cohort[~np.isfinite(info['train_loss_sum'])]:
+  cohort = info.cohort
+  for c in cohort[~np.isfinite(info.train_loss_sum)]:
     problems.setdefault(int(c), []).append('loss')
   # Only the clients that trained this round have new parameters (the engine checks them).
-  for c in cohort[info['nonfinite_params']]:
+  for c in cohort[info.nonfinite_params]:
     problems.setdefault(int(c), []).append('parameters')
   if not problems:
     return
@@ -253,7 +252,7 @@ def check_blowup(config, sim: engine.Simulator, state, info, best: float | None,
   guard.max_train_loss, or above guard.loss_growth times `best` (the lowest round loss so far)
   and above ln(classes), a uniform guess's cross-entropy. Names the round, the statistic and
   the clients whose own loss is past the same bound."""
-  g, loss = config.guard, info['train_loss']
+  g, loss = config.guard, info.train_loss
   chance = float(np.log(sim.num_classes))
   if g.max_train_loss and loss > g.max_train_loss:
     bound = g.max_train_loss
@@ -266,8 +265,8 @@ def check_blowup(config, sim: engine.Simulator, state, info, best: float | None,
             f'{chance:.3g})')
   else:
     return
-  client_loss = info['train_loss_sum'] / np.maximum(info['train_samples'], 1)
-  tripped = [f'{c} ({l:.3g})' for c, l in zip(info['cohort'], client_loss) if l > bound]
+  client_loss = info.train_loss_sum / np.maximum(info.train_samples, 1)
+  tripped = [f'{c} ({l:.3g})' for c, l in zip(info.cohort, client_loss) if l > bound]
   raise DivergenceError(
       f'Training blew up in round {state["round"]}: {stat}; clients (loss) past it: '
       f'{", ".join(tripped) or "none alone"}. Nothing of this round was saved; {_kept(ckpts)}. '
@@ -289,7 +288,7 @@ def _train_and_evaluate(config, workdir, dataset):
     state = _run_rounds(config, workdir, sim, state, progress, meta, ckpts, start)
     if config.save_representations:  # computed by every process, written by process 0
       logging.info('Representations written to %s',
-                   representations.save(sim, state, workdir))
+                   sim.save_representations(state, workdir))
   finally:
     ckpts.close()
 
@@ -329,8 +328,6 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
         f'{ckpts.directory} ({saved_meta["partition_fingerprint"]}): data_dir='
         f'{config.data_dir!r} holds other data than the run started with. Point '
         '--config.data_dir at that data, or use a new --workdir.')
-  if latest is None and config.population_store == 'disk':
-    population.reset(os.path.join(workdir, 'population'))  # what a run without a checkpoint left
   sim = engine.Simulator(config, ds, cd, workdir=workdir)
 
   derived = {
@@ -353,12 +350,12 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
   logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
                ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
 
-  state = sim.init_state()
-  restored = ckpts.restore_latest(template=sim.unpadded(state))
+  state = sim.init_state(fresh=latest is None)
+  restored = ckpts.restore_latest(template=sim.saved(state))
   if restored is None:
     progress = Progress()
   else:
-    state, progress = sim.place(restored.state), Progress.from_checkpoint(restored.progress)
+    state, progress = sim.live(restored.state), Progress.from_checkpoint(restored.progress)
     ckpts.discard_after(restored.step)
     sim.after_checkpoint(state, ckpts.steps())
     logging.info('Resuming after round %d from %s.', restored.step, ckpts.directory)
@@ -387,20 +384,20 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
   last_ev = None  # the last evaluation: later ones evaluate only the clients trained since
 
   with _StopRequests() as stop:
-    while state['round'] < config.num_rounds:
+    while state.round < config.num_rounds:
       t0 = time.time()
       state, info = sim.run_round(state)
-      rounds_done = state['round']
+      rounds_done = state.round
       last = rounds_done == config.num_rounds
       check_finite(sim, state, info, ckpts)
       check_blowup(config, sim, state, info, progress.best_train_loss, ckpts)
-      if progress.best_train_loss is None or info['train_loss'] < progress.best_train_loss:
-        progress.best_train_loss = info['train_loss']
+      if progress.best_train_loss is None or info.train_loss < progress.best_train_loss:
+        progress.best_train_loss = info.train_loss
       record = None
       if rounds_done % config.eval_every == 0 or last:
         last_ev = sim.evaluate(state, previous=last_ev)
         record = _record(sim, state, info, last_ev)
-      jax.block_until_ready((state['params'], state['server']))
+      jax.block_until_ready((state.params, state.server))
       dt = time.time() - t0
       progress.round_times.append(dt)
       if record is not None:
@@ -429,31 +426,31 @@ def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
 def _record(sim, state, info, ev) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
   evaluation `ev`."""
-  evaluated = ev['evaluated']
-  acc = ev['accuracy'][evaluated]
-  cohort = info['cohort']
+  evaluated = ev.evaluated
+  acc = ev.accuracy[evaluated]
+  cohort = info.cohort
   # The reference's figure, over the participants that are evaluated (None if none is).
-  cohort_acc = ev['batch_accuracy'][np.intersect1d(cohort, evaluated)]
-  costs = state['costs']
+  cohort_acc = ev.batch_accuracy[np.intersect1d(cohort, evaluated)]
+  costs = state.costs
   return {
-      'round': state['round'],
+      'round': state.round,
       'mean_accuracy': float(acc.mean()),
       'client_accuracy': acc.tolist(),
       'evaluated_clients': 'all' if len(evaluated) == sim.num_clients else len(evaluated),
       'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
-      'train_loss': info['train_loss'],
-      'train_accuracy': info['train_accuracy'],
-      'header_norm_max': info['header_norm_max'],
-      'header_norm_mean': info['header_norm_mean'],
+      'train_loss': info.train_loss,
+      'train_accuracy': info.train_accuracy,
+      'header_norm_max': info.header_norm_max,
+      'header_norm_mean': info.header_norm_mean,
       'participants': cohort.tolist(),
-      'up_floats': info['up_floats'], 'down_floats': info['down_floats'],
-      'client_flops': info['client_flops'],
+      'up_floats': info.up_floats, 'down_floats': info.down_floats,
+      'client_flops': info.client_flops,
       'cum_up_floats': costs['up_floats'],
       'cum_down_floats': costs['down_floats'],
       'cum_floats': costs['up_floats'] + costs['down_floats'],
       'cum_client_flops': costs['client_flops'],
       # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
-      'method_metrics': {name: float(ev[name][evaluated].mean())
+      'method_metrics': {name: float(ev.metrics[name][evaluated].mean())
                          for name in sim.method.eval_metrics},
   }
 
@@ -484,4 +481,4 @@ def _log_round(config, rounds_done, record, info, round_times) -> None:
   eta = steady * (config.num_rounds - rounds_done)
   acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
   logging.info('round %d/%d: %s, train loss %.4f, %.2f s/round, ETA %.0f s', rounds_done,
-               config.num_rounds, acc_text, info['train_loss'], round_times[-1], eta)
+               config.num_rounds, acc_text, info.train_loss, round_times[-1], eta)

@@ -55,10 +55,10 @@ def time_method(c, ds):
     t1 = time.time()
     steady += [t1 - t0] if r > 1 else []
     line = (f'{c.method} round {r}: train+server {t1 - t0:.2f} s '
-            f'({info["train_samples"].sum() / (t1 - t0):.0f} img/s)')
+            f'({info.train_samples.sum() / (t1 - t0):.0f} img/s)')
     if r % FLAGS.eval_every == 0 or r == FLAGS.rounds:
       ev = sim.evaluate(state, previous=ev)
-      line += f', eval {time.time() - t1:.2f} s, mean acc {ev["accuracy"].mean():.4f}'
+      line += f', eval {time.time() - t1:.2f} s, mean acc {ev.accuracy.mean():.4f}'
       print(line, flush=True)
   print(f'{c.method}: {FLAGS.rounds} rounds in {time.time() - start:.1f} s including compiles '
         f'and evaluations; train+server {np.mean(steady or [0]):.3f} s/round after round 1',

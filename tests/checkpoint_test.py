@@ -162,13 +162,13 @@ def main_with_a_nan_after_round(nan_round):
   run_round = engine.Simulator.run_round
 
   def run_round_with_a_nan(sim, state):
-    if state['round'] + 1 == nan_round:
-      cohort = engine.sample_cohort(sim.config.seed, state['round'], sim.num_clients, sim.k)
+    if state.round + 1 == nan_round:
+      cohort = engine.sample_cohort(sim.config.seed, state.round, sim.num_clients, sim.k)
       client = int(cohort[-1])
       g, slot = sim.group_of[client], sim.slot_of[client]
-      params = list(state['params'])
+      params = list(state.params)
       params[g] = jax.tree.map(lambda p: p.at[slot].set(np.nan), params[g])
-      state = dict(state, params=tuple(params))
+      state = state.replace(params=tuple(params))
       print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
     return run_round(sim, state)
 

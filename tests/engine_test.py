@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine
+from fedssa_jax import config_lib, data, engine, evaluation
 
 ROUNDS = 3
 
@@ -41,40 +41,42 @@ def test_chunked_vmap_with_dummies_equals_one_client_per_call(runs):
   (_, s1, i1, e1), (sim3, s3, i3, e3) = runs[1], runs[3]
   assert [g.clients_per_call for g in sim3.groups] == [3, 3]
   # Some round padded a family's chunk with dummies (fewer than 3 of it sampled).
-  counts = [np.bincount(sim3.group_of[i['cohort']], minlength=2) for i in i3]
+  counts = [np.bincount(sim3.group_of[i.cohort], minlength=2) for i in i3]
   assert any((c % 3 != 0).any() for c in counts)
   for a, b in zip(i1, i3):
-    np.testing.assert_array_equal(a['cohort'], b['cohort'])
-    np.testing.assert_array_equal(a['train_samples'], b['train_samples'])
-    assert a['train_loss'] == pytest.approx(b['train_loss'], rel=1e-4)
-    assert a['client_flops'] == b['client_flops'] and a['up_floats'] == b['up_floats']
+    np.testing.assert_array_equal(a.cohort, b.cohort)
+    np.testing.assert_array_equal(a.train_samples, b.train_samples)
+    assert a.train_loss == pytest.approx(b.train_loss, rel=1e-4)
+    assert a.client_flops == b.client_flops and a.up_floats == b.up_floats
   for x, y in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(s3)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-5)
-  np.testing.assert_allclose(e1['accuracy'], e3['accuracy'], atol=1e-9)
+  np.testing.assert_allclose(e1.accuracy, e3.accuracy, atol=1e-9)
 
 
 def test_no_retracing_across_rounds(runs):
   for sim, *_ in runs.values():
     # FedSSA's evaluations, whole or of the trained clients, run blocks of one fixed size.
-    for call in (*sim._train_calls, *(calls[1] for calls in sim._eval_calls), sim._aggregate):
+    for call in (*sim._train_calls, *sim.evaluator.calls, sim._aggregate):
       assert call._cache_size() == 1
 
 
 def test_evaluation_from_the_previous_one_equals_a_whole_evaluation(runs):
   sim, state, infos, ev = runs[1]
   # The last evaluation re-evaluated only the last round's cohort.
-  assert ev['round'] == ROUNDS and ev['reevaluated'] == len(infos[-1]['cohort'])
+  assert ev.round == ROUNDS and ev.reevaluated == len(infos[-1].cohort)
   whole = sim.evaluate(state)
-  assert whole['reevaluated'] == sim.num_clients
-  for k in (*sim.EVAL_COUNTS, 'accuracy', 'batch_accuracy'):
-    np.testing.assert_array_equal(ev[k], whole[k])
+  assert whole.reevaluated == sim.num_clients
+  for k in evaluation.COUNTS:
+    np.testing.assert_array_equal(ev.counts[k], whole.counts[k])
+  np.testing.assert_array_equal(ev.accuracy, whole.accuracy)
+  np.testing.assert_array_equal(ev.batch_accuracy, whole.batch_accuracy)
   # Two rounds on from an older evaluation: both cohorts are evaluated again.
   older = sim.evaluate(sim.init_state())
-  assert older['round'] == 0
+  assert older.round == 0
   again = sim.evaluate(state, previous=older)
-  trained = np.unique(np.concatenate([i['cohort'] for i in infos]))
-  assert again['reevaluated'] == len(trained)
-  np.testing.assert_array_equal(again['accuracy'], whole['accuracy'])
+  trained = np.unique(np.concatenate([i.cohort for i in infos]))
+  assert again.reevaluated == len(trained)
+  np.testing.assert_array_equal(again.accuracy, whole.accuracy)
 
 
 @pytest.mark.parametrize('method,reads', [('fedssa', False), ('standalone', False),
@@ -92,48 +94,48 @@ def test_methods_reading_the_server_are_evaluated_whole(small_sim):
   for _ in range(2):
     state, _ = sim.run_round(state)
     ev = sim.evaluate(state, previous=ev)
-  assert ev['reevaluated'] == sim.num_clients
-  np.testing.assert_array_equal(ev['accuracy'], sim.evaluate(state)['accuracy'])
+  assert ev.reevaluated == sim.num_clients
+  np.testing.assert_array_equal(ev.accuracy, sim.evaluate(state).accuracy)
 
 
 def test_costs_match_hand_counts(runs):
   sim, state, infos, _ = runs[1]
   cfg = sim.config
-  up = sum(501 * sim.seen[i['cohort']].sum() for i in infos)
-  assert state['costs']['up_floats'] == up
+  up = sum(501 * sim.seen[i.cohort].sum() for i in infos)
+  assert state.costs['up_floats'] == up
   # Every class has a global row from the start (the initial header): every round downloads
   # each participant's seen rows, round 0 included.
   for i in infos:
-    assert i['down_floats'] == 501 * sim.seen[i['cohort']].sum() == i['up_floats']
+    assert i.down_floats == 501 * sim.seen[i.cohort].sum() == i.up_floats
   fps = np.array([sim.flops_per_sample[sim.config.model.families[c % 2]]
                   for c in range(sim.num_clients)])  # client k has families[k % 2]
-  train_flops = sum((fps[i['cohort']] * cfg.local_epochs * sim.train_n[i['cohort']]).sum()
+  train_flops = sum((fps[i.cohort] * cfg.local_epochs * sim.train_n[i.cohort]).sum()
                     for i in infos)
-  fusion = state['costs']['client_flops'] - train_flops
+  fusion = state.costs['client_flops'] - train_flops
   assert 0 < fusion <= 3 * 501 * sim.seen.sum() * ROUNDS
   for i in infos:
-    np.testing.assert_array_equal(i['train_samples'], cfg.local_epochs * sim.train_n[i['cohort']])
+    np.testing.assert_array_equal(i.train_samples, cfg.local_epochs * sim.train_n[i.cohort])
 
 
 def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   sim, state, infos, ev = run(small_config('standalone'), small_ds)
-  assert state['server'] == {}
-  assert state['costs']['up_floats'] == state['costs']['down_floats'] == 0
+  assert state.server == {}
+  assert state.costs['up_floats'] == state.costs['down_floats'] == 0
   fs_sim, fs_state, fs_infos, fs_ev = runs[1]
   # The same initial models and cohorts; FedSSA fuses the initial global header from round 0.
-  jax.tree.map(np.testing.assert_array_equal, sim.init_state()['params'],
-               fs_sim.init_state()['params'])
+  jax.tree.map(np.testing.assert_array_equal, sim.init_state().params,
+               fs_sim.init_state().params)
   np.testing.assert_array_equal(infos[0]['cohort'], fs_infos[0]['cohort'])
   assert infos[0]['train_loss'] != pytest.approx(fs_infos[0]['train_loss'], rel=1e-3)
-  assert not np.allclose(state['params'][0]['fc3']['kernel'],
-                         fs_state['params'][0]['fc3']['kernel'])
+  assert not np.allclose(state.params[0]['fc3']['kernel'],
+                         fs_state.params[0]['fc3']['kernel'])
   # Extractors of clients that never took part are their own initial ones, in both runs.
-  never = sorted(set(range(10)) - set(np.concatenate([i['cohort'] for i in infos]).tolist()))
+  never = sorted(set(range(10)) - set(np.concatenate([i.cohort for i in infos]).tolist()))
   assert never, 'pick a seed that leaves a client out'
   for c in never:
     g, slot = sim.group_of[c], sim.slot_of[c]
-    np.testing.assert_array_equal(state['params'][g]['fc1']['kernel'][slot],
-                                  fs_state['params'][g]['fc1']['kernel'][slot])
+    np.testing.assert_array_equal(state.params[g]['fc1']['kernel'][slot],
+                                  fs_state.params[g]['fc1']['kernel'][slot])
 
 
 @pytest.mark.parametrize('scope', ['family', 'client'])
@@ -141,7 +143,7 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
   config = small_config()
   config.model.init_scope = scope
   sim = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
-  params = sim.init_state()['params']
+  params = sim.init_state().params
   kernels = [np.asarray(p['conv1']['kernel']) for p in params]  # same shape in both families
   distinct = {k.tobytes() for group in kernels for k in group}
   if scope == 'client':
@@ -151,17 +153,17 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
     # The family's model is its own draw: the same whichever families the run has.
     config.model.families = ('cnn4',)
     sim4 = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
-    np.testing.assert_array_equal(sim4.init_state()['params'][0]['conv1']['kernel'][0],
+    np.testing.assert_array_equal(sim4.init_state().params[0]['conv1']['kernel'][0],
                                   kernels[1][0])
 
 
 def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
   sim, state, infos, _ = runs[3]
   norms = []
-  for c in infos[-1]['cohort']:
+  for c in infos[-1].cohort:
     g, slot = sim.group_of[c], sim.slot_of[c]
-    rows = np.concatenate([state['params'][g]['fc3']['kernel'][slot].T,
-                           state['params'][g]['fc3']['bias'][slot][:, None]], axis=1)
+    rows = np.concatenate([state.params[g]['fc3']['kernel'][slot].T,
+                           state.params[g]['fc3']['bias'][slot][:, None]], axis=1)
     norms += [np.linalg.norm(rows[s]) for s in np.flatnonzero(sim.seen[c])]
   assert infos[-1]['header_norm_max'] == pytest.approx(max(norms), rel=1e-5)
   assert infos[-1]['header_norm_mean'] == pytest.approx(np.mean(norms), rel=1e-5)
@@ -181,13 +183,13 @@ def test_evaluation_equals_plain_per_client_loop(runs, small_ds):
   images = (images - np.array(small_ds.mean)) / np.array(small_ds.std)
   for c in range(sim.num_clients):
     g, slot = sim.group_of[c], sim.slot_of[c]
-    params = jax.tree_util.tree_map(lambda p: p[slot], state['params'][g])
+    params = jax.tree_util.tree_map(lambda p: p[slot], state.params[g])
     idx = sim.data.test_idx[c, :sim.data.test_n[c]]
     logits, _ = sim.groups[g].eval_model.apply({'params': params}, images[np.asarray(idx)])
     correct = np.argmax(logits, -1) == small_ds.labels[np.asarray(idx)]
-    assert ev['count'][c] == len(idx)
-    assert ev['accuracy'][c] == pytest.approx(correct.mean())
+    assert ev.count[c] == len(idx)
+    assert ev.accuracy[c] == pytest.approx(correct.mean())
     # The reference's per-batch metric: mean over batches of eval_batch_size.
     b = sim.config.eval_batch_size
     batches = [correct[i:i + b].mean() for i in range(0, len(correct), b)]
-    assert ev['batch_accuracy'][c] == pytest.approx(np.mean(batches))
+    assert ev.batch_accuracy[c] == pytest.approx(np.mean(batches))

@@ -123,7 +123,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   n, s, seen = sim.num_clients, sim.num_classes, sim.seen
   state = sim.init_state()
   take = lambda tree, i: jax.tree.map(lambda a: np.asarray(a[i]), tree)
-  params = [take(state['params'][0], sim.slot_of[k]) for k in range(n)]
+  params = [take(state.params[0], sim.slot_of[k]) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
   glob = np.array(models.init_header(jax.random.fold_in(sim.root_key, engine.STREAM_SERVER), s))
@@ -134,7 +134,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   for t in range(3):
     state, info = sim.run_round(state)
     cohort = engine.sample_cohort(sim.config.seed, t, n, sim.k)
-    np.testing.assert_array_equal(info['cohort'], cohort)
+    np.testing.assert_array_equal(info.cohort, cohort)
     mu = 0.5 * math.cos(t * math.pi / 4) if t <= 2 else 0.0
     down = 0
     for k in cohort:
@@ -152,12 +152,12 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
       owners = [uploads[k][c] for k in uploads if seen[k, c]]
       if owners:
         glob[c] = np.mean(owners, axis=0)
-    assert info['down_floats'] == down and info['up_floats'] == 501 * seen[cohort].sum()
-    np.testing.assert_allclose(np.asarray(state['server']['global']), glob, rtol=2e-4,
+    assert info.down_floats == down and info.up_floats == 501 * seen[cohort].sum()
+    np.testing.assert_allclose(np.asarray(state.server['global']), glob, rtol=2e-4,
                                atol=2e-5)
     for k in cohort:
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
-                   take(state['params'][0], sim.slot_of[k]), params[k])
+                   take(state.params[0], sim.slot_of[k]), params[k])
 
 
 # Per-client training-loss sums of rounds 0..2 on conftest's 5-client simulator (cohort [2, 4]
@@ -178,5 +178,5 @@ def test_without_initial_header_and_with_client_init_the_numbers_are_unchanged(s
   state = sim.init_state()
   for want in BEFORE_INITIAL_HEADER[fusion]:
     state, info = sim.run_round(state)
-    np.testing.assert_array_equal(info['cohort'], [2, 4])
-    np.testing.assert_allclose(info['train_loss_sum'], want, rtol=1e-6)
+    np.testing.assert_array_equal(info.cohort, [2, 4])
+    np.testing.assert_allclose(info.train_loss_sum, want, rtol=1e-6)

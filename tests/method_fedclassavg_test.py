@@ -195,16 +195,16 @@ def test_one_round_through_the_engine(small_sim):
   sim = small_sim('fedclassavg')
   c = sim.config
   for fam in c.model.families:  # a second view plus the 2B x 2B similarity matrix
-    assert sim.flops_per_sample[fam] == 2 * sim._model_flops(fam) + 24 * 16 * 500
+    assert sim.flops_per_sample[fam] == 2 * sim.model_flops(fam) + 24 * 16 * 500
   state = sim.init_state()
   for _ in range(2):
     state, info = sim.run_round(state)
-    assert np.isfinite(info['train_loss'])
-    hand = np.full(len(info['cohort']), 501 * sim.num_classes)  # 5,010 each way
-    np.testing.assert_array_equal(info['client_up_floats'], hand)
-    np.testing.assert_array_equal(info['client_down_floats'], hand)
-    np.testing.assert_allclose(info['client_flops_per_client'],
-                               sim.client_flops_per_sample[info['cohort']]
-                               * sim.train_n[info['cohort']])
+    assert np.isfinite(info.train_loss)
+    hand = np.full(len(info.cohort), 501 * sim.num_classes)  # 5,010 each way
+    np.testing.assert_array_equal(info.client_up_floats, hand)
+    np.testing.assert_array_equal(info.client_down_floats, hand)
+    np.testing.assert_allclose(info.client_flops_per_client,
+                               sim.client_flops_per_sample[info.cohort]
+                               * sim.train_n[info.cohort])
   ev = sim.evaluate(state)
-  assert np.isfinite(ev['accuracy']).all() and (ev['count'] > 0).all()
+  assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

@@ -236,23 +236,23 @@ def test_engine_round_trip(small_sim):
   c = sim.config
   p5 = 665_048 + 501 * 10
   for fam, fps in sim.flops_per_sample.items():
-    assert fps == pytest.approx(sim._model_flops(fam) + sim._model_flops('cnn5') + 6 * 500 ** 2)
+    assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5') + 6 * 500 ** 2)
   state = sim.init_state()
   held = np.zeros(c.num_clients, int)
   charged = set()
   for t in range(c.num_rounds):
-    last = int(state['server']['last_floats'])
+    last = int(state.server['last_floats'])
     state, info = sim.run_round(state)
-    assert np.isfinite(info['train_loss'])
-    want_down = [0 if t == 0 else last if held[k] == t - 1 else p5 for k in info['cohort']]
-    np.testing.assert_array_equal(info['client_down_floats'], want_down)
+    assert np.isfinite(info.train_loss)
+    want_down = [0 if t == 0 else last if held[k] == t - 1 else p5 for k in info.cohort]
+    np.testing.assert_array_equal(info.client_down_floats, want_down)
     charged |= {'zero' if w == 0 else 'dense' if w == p5 else 'delta' for w in want_down}
-    up = info['client_up_floats']
+    up = info.client_up_floats
     assert np.all((up > 1048 + 10) & (up <= p5))
-    held[info['cohort']] = t
-    np.testing.assert_array_equal(np.asarray(state['server']['held']), held)
+    held[info.cohort] = t
+    np.testing.assert_array_equal(np.asarray(state.server['held']), held)
   assert charged == {'zero', 'delta', 'dense'}
-  assert 0 < int(state['server']['last_floats']) <= p5
-  assert np.asarray(state['client_state']['w_h']).shape == (c.num_clients, 500, 500)
+  assert 0 < int(state.server['last_floats']) <= p5
+  assert np.asarray(state.client_state['w_h']).shape == (c.num_clients, 500, 500)
   ev = sim.evaluate(state)
-  assert np.all((0 <= ev['accuracy']) & (ev['accuracy'] <= 1))  # also false for NaN
+  assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN

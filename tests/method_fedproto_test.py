@@ -177,15 +177,15 @@ def test_engine_smoke(small_sim):
   state, info1 = sim.run_round(state)
   ev = sim.evaluate(state)
   for info in (info0, info1):
-    assert np.isfinite(info['train_loss'])
-    np.testing.assert_array_equal(info['client_up_floats'], D * sim.seen[info['cohort']].sum(1))
-  assert not info0['client_down_floats'].any()
-  avail = sim.seen[info0['cohort']].any(0)  # held by a round-0 participant
-  np.testing.assert_array_equal(info1['client_down_floats'],
-                                D * (sim.seen[info1['cohort']] & avail).sum(1))
-  np.testing.assert_array_equal(np.asarray(state['server']['avail']),
-                                sim.seen[info1['cohort']].any(0))
-  assert np.isfinite(ev['accuracy']).all() and (ev['count'] > 0).all()
-  assert 'prototype_accuracy' in ev and np.all((0 <= ev['prototype_accuracy'])
-                                               & (ev['prototype_accuracy'] <= 1))
-  np.testing.assert_array_equal(ev['accuracy'], ev['classifier_accuracy'])
+    assert np.isfinite(info.train_loss)
+    np.testing.assert_array_equal(info.client_up_floats, D * sim.seen[info.cohort].sum(1))
+  assert not info0.client_down_floats.any()
+  avail = sim.seen[info0.cohort].any(0)  # held by a round-0 participant
+  np.testing.assert_array_equal(info1.client_down_floats,
+                                D * (sim.seen[info1.cohort] & avail).sum(1))
+  np.testing.assert_array_equal(np.asarray(state.server['avail']),
+                                sim.seen[info1.cohort].any(0))
+  assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()
+  assert 'prototype_accuracy' in ev and np.all((0 <= ev.metrics['prototype_accuracy'])
+                                               & (ev.metrics['prototype_accuracy'] <= 1))
+  np.testing.assert_array_equal(ev.accuracy, ev.classifier_accuracy)

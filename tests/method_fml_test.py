@@ -153,16 +153,16 @@ def test_engine_round_trip(small_sim):
   p5 = 665_048 + 501 * 10
   assert sim.method.meme_floats == p5
   for fam, fps in sim.flops_per_sample.items():
-    assert fps == pytest.approx(sim._model_flops(fam) + sim._model_flops('cnn5'))
+    assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5'))
   state = sim.init_state()
-  meme0 = jax.tree_util.tree_map(np.asarray, state['server']['meme'])
+  meme0 = jax.tree_util.tree_map(np.asarray, state.server['meme'])
   for _ in range(c.num_rounds):
     state, info = sim.run_round(state)
-    assert np.isfinite(info['train_loss'])
-    np.testing.assert_array_equal(info['client_up_floats'], p5)
-    np.testing.assert_array_equal(info['client_down_floats'], p5)
-  assert state['costs']['up_floats'] == state['costs']['down_floats'] == 2 * 2 * p5
-  old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(state['server']['meme'])
+    assert np.isfinite(info.train_loss)
+    np.testing.assert_array_equal(info.client_up_floats, p5)
+    np.testing.assert_array_equal(info.client_down_floats, p5)
+  assert state.costs['up_floats'] == state.costs['down_floats'] == 2 * 2 * p5
+  old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(state.server['meme'])
   assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved
   ev = sim.evaluate(state)
-  assert np.all((0 <= ev['accuracy']) & (ev['accuracy'] <= 1))  # also false for NaN
+  assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN

@@ -157,18 +157,18 @@ def test_one_round_through_the_engine(small_sim):
   state = sim.init_state()
   for _ in range(2):
     state, info = sim.run_round(state)
-    assert np.isfinite(info['train_loss'])
-    hand = np.full(len(info['cohort']), 501 * sim.num_classes)  # 5,010 each way
-    np.testing.assert_array_equal(info['client_up_floats'], hand)
-    np.testing.assert_array_equal(info['client_down_floats'], hand)
+    assert np.isfinite(info.train_loss)
+    hand = np.full(len(info.cohort), 501 * sim.num_classes)  # 5,010 each way
+    np.testing.assert_array_equal(info.client_up_floats, hand)
+    np.testing.assert_array_equal(info.client_down_floats, hand)
     # H_g is the n_k-weighted mean of the participants' trained headers (which they keep).
     rows, weights = [], []
-    for k in info['cohort']:
-      p = jax.tree_util.tree_map(lambda a: a[sim.slot_of[k]], state['params'][sim.group_of[k]])
+    for k in info.cohort:
+      p = jax.tree_util.tree_map(lambda a: a[sim.slot_of[k]], state.params[sim.group_of[k]])
       rows.append(np.asarray(models.header_rows(p), np.float64))
       weights.append(sim.train_n[k])
     want = np.tensordot(weights, rows, axes=1) / np.sum(weights)
-    np.testing.assert_allclose(np.asarray(state['server']['global']), want, rtol=1e-4,
+    np.testing.assert_allclose(np.asarray(state.server['global']), want, rtol=1e-4,
                                atol=1e-6)
   ev = sim.evaluate(state)
-  assert np.isfinite(ev['accuracy']).all() and (ev['count'] > 0).all()
+  assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

@@ -13,8 +13,8 @@ def own_models_after(sim):
   losses = []
   for _ in range(ROUNDS):
     state, info = sim.run_round(state)
-    losses.append(info['train_loss_sum'])
-  return state['params'], np.array(losses)
+    losses.append(info.train_loss_sum)
+  return state.params, np.array(losses)
 
 
 @pytest.fixture(scope='module')

@@ -29,7 +29,7 @@ def main(workdir, rounds, signal_round=None):
   import jax  # pylint: disable=g-import-not-at-top
   import conftest  # pylint: disable=g-import-not-at-top  (full float32 matmuls, the data set)
   import engine_test  # pylint: disable=g-import-not-at-top  (the small config)
-  from fedssa_jax import representations, train  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import evaluation, train  # pylint: disable=g-import-not-at-top
 
   config = engine_test.small_config('fedssa')
   config.num_rounds = rounds
@@ -47,12 +47,12 @@ def main(workdir, rounds, signal_round=None):
       written.add(os.path.relpath(str(file), workdir))
     return real_open(file, mode, *args, **kwargs)
   train.open = tracking_open
-  real_savez = representations.np.savez_compressed
+  real_savez = evaluation.np.savez_compressed
 
   def tracking_savez(path, **arrays):
     written.add(os.path.relpath(str(path), workdir))
     return real_savez(path, **arrays)
-  representations.np.savez_compressed = tracking_savez
+  evaluation.np.savez_compressed = tracking_savez
 
   captured = {}
   real_record = train._record  # pylint: disable=protected-access
@@ -60,9 +60,9 @@ def main(workdir, rounds, signal_round=None):
   def capturing_record(sim, state, info, ev):
     captured['sharding'] = [str(jax.tree.leaves(p)[0].sharding.spec)
                             if hasattr(jax.tree.leaves(p)[0].sharding, 'spec') else None
-                            for p in state['params']]
-    captured['mesh_devices'] = sim.num_devices
-    if state['round'] == signal_round and jax.process_index() == jax.process_count() - 1:
+                            for p in state.params]
+    captured['mesh_devices'] = sim.placement.num_devices
+    if state.round == signal_round and jax.process_index() == jax.process_count() - 1:
       os.kill(os.getpid(), signal.SIGTERM)  # as a preempted task gets it
     return real_record(sim, state, info, ev)
   train._record = capturing_record  # pylint: disable=protected-access

@@ -62,7 +62,7 @@ def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tm
 
   def crash_after_round_3(self, state):
     state, info = real(self, state)
-    if state['round'] == 3:
+    if state.round == 3:
       raise KeyboardInterrupt('simulated crash')
     return state, info
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, report, representations
+from fedssa_jax import config_lib, evaluation, report
 
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
@@ -137,7 +137,7 @@ def test_tsne_panels_from_saved_representations(tmp_path):
     d = write_run(str(tmp_path), m, method=m, derived={'client_family': ['cnn1', 'cnn2']})
     labels = np.repeat(np.arange(4), 15)
     reps = (labels[:, None] * 3 + rng.normal(size=(60, 500))).astype(np.float16)
-    np.savez(os.path.join(d, representations.FILENAME), representations=reps, labels=labels,
+    np.savez(os.path.join(d, evaluation.REPRESENTATIONS_FILE), representations=reps, labels=labels,
              client=np.arange(60, dtype=np.int32) % 2)
   text = open(report.write_report(str(tmp_path))).read()
   assert '[cifar10 N=10, C=100% hetero, seed 0: fedssa, fedproto](tsne_cifar10_hetero_n10_c1_s0.png)' \

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from fedssa_jax import config_lib, representations, train
+from fedssa_jax import config_lib, evaluation, train
 from conftest import synthetic_dataset
 
 
@@ -15,7 +15,7 @@ def test_a_run_saves_every_clients_test_representations(tmp_path):
   ds = synthetic_dataset()
   train.train_and_evaluate(c, str(tmp_path), dataset=ds)
 
-  saved = np.load(os.path.join(tmp_path, representations.FILENAME))
+  saved = np.load(os.path.join(tmp_path, evaluation.REPRESENTATIONS_FILE))
   derived = json.load(open(tmp_path / 'config.json'))['derived']
   test_n = derived['client_test_samples']
   m = sum(test_n)

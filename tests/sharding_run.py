@@ -21,7 +21,7 @@ def sharding_facts(sim, state):
   """How the state is placed: per group, the spec and device count of its parameters' sharding
   and the rows of each addressable shard."""
   facts = []
-  for g, params in zip(sim.groups, state['params']):
+  for g, params in zip(sim.groups, state.params):
     leaf = jax.tree.leaves(params)[0]
     s = leaf.sharding
     facts.append({'rows': leaf.shape[0], 'size': g.size, 'clients_per_call': g.clients_per_call,
@@ -39,20 +39,20 @@ def one_run(method, mesh_devices, ds, rounds, families, store='device'):
   config.model.families = families
   sim, state, infos, ev = engine_test.run(config, ds)
   # The server state and per-client state, without padding rows, to compare across meshes.
-  host = sim.unpadded(state)
+  host = sim.saved(state)
   server_sum = sum(float(np.abs(np.asarray(x, np.float64)).sum())
                    for x in jax.tree.leaves(host['server']))
   return sim, state, {
       'sharding': sharding_facts(sim, state) if store == 'device' else None,
-      'cohorts': [i['cohort'].tolist() for i in infos],
-      'train_loss': [i['train_loss'] for i in infos],
-      'train_samples': [i['train_samples'].tolist() for i in infos],
-      'up_floats': [i['up_floats'] for i in infos],
-      'down_floats': [i['down_floats'] for i in infos],
-      'client_flops': [i['client_flops'] for i in infos],
+      'cohorts': [i.cohort.tolist() for i in infos],
+      'train_loss': [i.train_loss for i in infos],
+      'train_samples': [i.train_samples.tolist() for i in infos],
+      'up_floats': [i.up_floats for i in infos],
+      'down_floats': [i.down_floats for i in infos],
+      'client_flops': [i.client_flops for i in infos],
       'costs': host['costs'],
-      'accuracy': ev['accuracy'].tolist(),
-      'batch_accuracy': ev['batch_accuracy'].tolist(),
+      'accuracy': ev.accuracy.tolist(),
+      'batch_accuracy': ev.batch_accuracy.tolist(),
       'server_abs_sum': server_sum,
       'params_abs_sum': [float(sum(np.abs(np.asarray(x, np.float64)).sum()
                                    for x in jax.tree.leaves(p))) for p in host['params']],
@@ -82,15 +82,15 @@ def resume_across_meshes(run1, run8):
   (sim1, state1), (sim8, state8) = run1, run8
   with tempfile.TemporaryDirectory() as d:
     ckpts = checkpoint.Checkpointer(d)
-    ckpts.save(sim1.unpadded(state1), {}, {})
-    restored = sim8.place(ckpts.restore_latest(template=sim8.unpadded(state8)).state)
+    ckpts.save(sim1.saved(state1), {}, {})
+    restored = sim8.live(ckpts.restore_latest(template=sim8.saved(state8)).state)
     ckpts.close()
   facts = sharding_facts(sim8, restored)
   _, info1 = sim1.run_round(state1)
   _, info8 = sim8.run_round(restored)
-  return {'sharding': facts, 'cohorts': [info1['cohort'].tolist(), info8['cohort'].tolist()],
-          'train_loss': [info1['train_loss'], info8['train_loss']],
-          'up_floats': [info1['up_floats'], info8['up_floats']]}
+  return {'sharding': facts, 'cohorts': [info1.cohort.tolist(), info8.cohort.tolist()],
+          'train_loss': [info1.train_loss, info8.train_loss],
+          'up_floats': [info1.up_floats, info8.up_floats]}
 
 
 if __name__ == '__main__':

@@ -1,0 +1,129 @@
+"""Where arrays live: the `clients` mesh axis, sharding and padding rows.
+
+With more than one device (`engine.mesh_devices`), the engine builds a one-axis mesh, `clients`.
+Every array with a leading client axis (each group's parameters, the per-client state) is
+sharded along it with `NamedSharding(mesh, P('clients'))`; that axis is padded to a multiple of
+the device count with rows that no client owns (never trained, evaluated results dropped),
+because XLA shards only evenly. A chunk's size is a multiple of the device count too, and its
+clients train under `jax.shard_map`, each device its own rows. The server state, the data and
+the seen masks are replicated: the gather of a chunk from a sharded group, the scatter back, and
+the server's receipt of sharded uploads into its replicated state are the collectives, which XLA
+inserts under jit. With one device there is no mesh, nothing is padded, and every method here
+returns its argument.
+
+Processes: a run may span several processes (hosts, or one per accelerator), joined by
+`jax.distributed` (distributed.py). Every process runs the same program on the same inputs; the
+mesh then spans all processes' devices. What is split across processes is the client
+population: each process holds only its devices' rows. Host values enter the mesh through
+`distributed.put` (each process fills its own shards), and every host read of mesh arrays
+(`Placement.fetch`) all-gathers them, a collective that every process makes at the same point.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fedssa_jax import config_lib, distributed
+
+PyTree = Any
+CLIENTS = 'clients'  # the mesh axis over which client axes are sharded
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def make_mesh(mesh_devices: int) -> jax.sharding.Mesh | None:
+  """The `clients` mesh over the first `mesh_devices` devices (0: all of them); None for a
+  single device, which then runs unsharded programs.
+
+  With one process these are its local devices. With several (`jax.distributed`), the mesh
+  spans every process's devices, all of them: a subset would leave some process without a
+  device of the mesh."""
+  if jax.process_count() > 1:
+    devices = jax.devices()
+    if mesh_devices not in (0, len(devices)):
+      raise config_lib.ConfigError(
+          f'engine.mesh_devices={mesh_devices}, but with {jax.process_count()} processes the '
+          f'mesh spans all {len(devices)} of their devices. Use 0, or start fewer processes or '
+          'devices per process (--local_device_ids).')
+    return jax.sharding.Mesh(np.array(devices), (CLIENTS,))
+  devices = jax.local_devices()
+  n = mesh_devices or len(devices)
+  if n > len(devices):
+    raise config_lib.ConfigError(
+        f'engine.mesh_devices={mesh_devices}, but this process has {len(devices)} '
+        f'{jax.default_backend()} devices. Use 0 (all of them) or at most {len(devices)}.')
+  return None if n == 1 else jax.sharding.Mesh(np.array(devices[:n]), (CLIENTS,))
+
+
+class Placement:
+  """The mesh (or none) and how client-axis and replicated arrays are put on it."""
+
+  def __init__(self, mesh_devices: int):
+    self.mesh = make_mesh(mesh_devices)
+    self.num_devices = 1 if self.mesh is None else self.mesh.size
+
+  def rows(self, n: int) -> int:
+    """Stored rows of a client axis of `n`: a multiple of the device count."""
+    return round_up(n, self.num_devices)
+
+  def replicate(self, tree: PyTree) -> PyTree:
+    """`tree` on every device of the mesh."""
+    return tree if self.mesh is None else distributed.put(tree, NamedSharding(self.mesh, P()))
+
+  def to_device(self, tree: PyTree) -> PyTree:
+    """Host rows with a leading client axis, onto the device (sharded along `clients`)."""
+    if self.mesh is None:
+      return jax.device_put(tree)
+    return jax.device_put(tree, NamedSharding(self.mesh, P(CLIENTS)))
+
+  def shard_rows(self, tree: PyTree, rows: int) -> PyTree:
+    """Host arrays with a leading client axis, padded to `rows` and sharded along `clients`
+    (each process fills its own shards); unchanged without a mesh."""
+    if self.mesh is None:
+      return tree
+    pad = lambda a: np.pad(a, [(0, rows - len(a))] + [(0, 0)] * (a.ndim - 1))
+    return distributed.put(jax.tree.map(pad, distributed.fetch(tree)),
+                           NamedSharding(self.mesh, P(CLIENTS)))
+
+  def constrain(self, tree: PyTree, sharded: bool) -> PyTree:
+    """Under jit: `tree`'s arrays sharded along `clients` (or replicated); nothing without a
+    mesh."""
+    if self.mesh is None:
+      return tree
+    spec = P(CLIENTS) if sharded else P()
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
+
+  def per_device(self, fn: Callable, num_sharded: int) -> Callable:
+    """`fn`, whose first `num_sharded` arguments and every output have a leading client axis,
+    run by each device on its own rows (`jax.shard_map`); the other arguments are replicated.
+    Without a mesh, `fn` itself."""
+    if self.mesh is None:
+      return fn
+
+    def sharded(*args):
+      in_specs = (P(CLIENTS),) * num_sharded + (P(),) * (len(args) - num_sharded)
+      # check_vma off: `fn` has no collectives, and its outputs are per client by construction.
+      return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(CLIENTS),
+                           check_vma=False)(*args)
+    return sharded
+
+  def unshard(self, tree: PyTree) -> PyTree:
+    """A replicated tree as a checkpoint holds it: on the host under a mesh (a collective),
+    unchanged without one."""
+    return tree if self.mesh is None else distributed.fetch(tree)
+
+  def reshard_replicated(self, tree: PyTree) -> PyTree:
+    """A checkpoint's replicated tree (host or device arrays) replicated on the mesh;
+    unchanged without one."""
+    return tree if self.mesh is None else self.replicate(distributed.fetch(tree))
+
+  @staticmethod
+  def fetch(tree: PyTree) -> PyTree:
+    """`tree`'s arrays on the host, in full: under several processes a collective, so every
+    process calls it at the same point of the run (see distributed.fetch)."""
+    return distributed.fetch(tree)
