@@ -7,8 +7,8 @@ have a leading axis over the group's members. A round (`Simulator.run_round`):
    a pure function of the seed and the round);
 2. for each group, splits its sampled members into chunks of a fixed size `clients_per_call`
    (padded with masked dummy clients), and trains each chunk in one jitted call
-   (`_train_chunk`): the method's download, local training of every client under `vmap` with
-   the method's loss, the upload, and the server's receipt of the uploads. The population store
+   (`train_chunk`, `local_round`): the method's download, local training of every client under
+   `vmap` with the method's loss, the upload, and the server's receipt of the uploads. The population store
    (population.py) brings the chunk's rows to the call and takes them back;
 3. runs the method's server rule once, under jit;
 4. adds up the round's floats, FLOPs and training statistics (`RoundInfo`).
@@ -126,6 +126,48 @@ def make_groups(config, num_classes: int, num_clients: int, k: int,
   return groups
 
 
+def local_round(params, state, cids, active, server, data_: client.DeviceData, seen,
+                round_index, root_key, *, method: methods.Method, train_one: Callable):
+  """Download, local training and upload of a chunk's clients (a device's share of them under a
+  mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
+  client.local_train for the family's model."""
+  down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
+      params, state, server, cids, seen[cids], round_index)
+  round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
+  keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(cids)
+  n = jnp.where(active, data_.train_n[cids], 0)
+  trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
+      {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[cids], n, data_)
+  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
+      trainable, acc, down.ctx, state, seen[cids], n, round_index)
+  stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
+           'extra_flops': down.flops + up.flops}
+  return up.params, up.state, up.payload, stats
+
+
+def train_chunk(params, state, cids, active, server, data_, seen, round_index, root_key, *,
+                method: methods.Method, local: Callable):
+  """One chunk of a group, on its rows: `local` (local_round, per device under a mesh), then
+  the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
+  server, stats); the store's call brings the rows and takes them back."""
+  new_params, new_state, payload, stats = local(
+      params, state, cids, active, server, data_, seen, round_index, root_key)
+  server = method.server_receive(server, cids, payload, active)
+  # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
+  stats['nonfinite'] = jnp.stack([
+      ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
+      for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
+  ]).any(axis=0) & active
+  # The norms of each trained client's seen-class header rows, after training (a diagnostic of
+  # header growth, e.g. FedSSA's `reference` fusion).
+  norms = jnp.linalg.norm(jax.vmap(models.header_rows)(new_params), axis=-1)
+  own = seen[cids]
+  stats['header_norm_max'] = jnp.where(own, norms, 0.0).max(axis=1)
+  stats['header_norm_sum'] = jnp.where(own, norms, 0.0).sum(axis=1)
+  stats['header_rows'] = own.sum(axis=1)
+  return new_params, new_state, server, stats
+
+
 class Simulator:
   """Holds the static parts of a run (data, groups, compiled steps); the state is passed in
   and out. `phase(name, *arrays)`, if given, is called after each phase of a round (a
@@ -234,49 +276,12 @@ class Simulator:
     return self.store.train(params, client_state, server, chunks, self._train_calls, consts)
 
   def _train_chunk_fn(self, g: Group) -> Callable:
-    """The group's training of one chunk, on its rows: `train_chunk(params, state, cids,
-    active, server, data, seen, round, key)` -> (params, state, server, stats)."""
-    method = self.method
-    train_one = functools.partial(client.local_train, apply_fn=g.model.apply, cfg=self.train_cfg,
-                                  method=method)
-
-    def local_round(params, state, cids, active, server, data_, seen, round_index, root_key):
-      """Download, local training and upload of a chunk's clients (a device's share of them
-      under a mesh); every output has a leading client axis."""
-      down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
-          params, state, server, cids, seen[cids], round_index)
-      round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
-      keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(cids)
-      n = jnp.where(active, data_.train_n[cids], 0)
-      trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
-          {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[cids], n, data_)
-      up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
-          trainable, acc, down.ctx, state, seen[cids], n, round_index)
-      stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
-               'extra_flops': down.flops + up.flops}
-      return up.params, up.state, up.payload, stats
-
-    local_round = self.placement.per_device(local_round, num_sharded=4)
-
-    def train_chunk(params, state, cids, active, server, data_, seen, round_index, root_key):
-      new_params, new_state, payload, stats = local_round(
-          params, state, cids, active, server, data_, seen, round_index, root_key)
-      server = method.server_receive(server, cids, payload, active)
-      # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
-      stats['nonfinite'] = jnp.stack([
-          ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
-          for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
-      ]).any(axis=0) & active
-      # The norms of each trained client's seen-class header rows, after training (a diagnostic
-      # of header growth, e.g. FedSSA's `reference` fusion).
-      norms = jnp.linalg.norm(jax.vmap(models.header_rows)(new_params), axis=-1)
-      own = seen[cids]
-      stats['header_norm_max'] = jnp.where(own, norms, 0.0).max(axis=1)
-      stats['header_norm_sum'] = jnp.where(own, norms, 0.0).sum(axis=1)
-      stats['header_rows'] = own.sum(axis=1)
-      return new_params, new_state, server, stats
-
-    return train_chunk
+    """`train_chunk` for the group's model."""
+    train_one = functools.partial(client.local_train, apply_fn=g.model.apply,
+                                  cfg=self.train_cfg, method=self.method)
+    local = functools.partial(local_round, method=self.method, train_one=train_one)
+    return functools.partial(train_chunk, method=self.method,
+                             local=self.placement.per_device(local, num_sharded=4))
 
   def _round_info(self, cohort: np.ndarray, chunk_stats) -> RoundInfo:
     """The round's per-client stats and counts: one host transfer for the whole round."""

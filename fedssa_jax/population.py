@@ -356,6 +356,7 @@ class _RowStore(Store):
   """A store of tables of rows off the device (`HostRows`, `DiskRows`): the host reads each
   chunk's rows and puts them on the device, the jitted call trains them (the same step as on
   the device), and the host writes them back, reading the next chunk while this one trains."""
+  name = ''
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -364,8 +365,6 @@ class _RowStore(Store):
           f'population_store={self.name!r} runs in one process; across {jax.process_count()} '
           "processes use population_store='device', which splits the population over the "
           "processes' devices (each holds its own shards), or run one process per machine.")
-
-  name = ''
 
   def saved(self, params, client_state):
     return tuple(t.saved() for t in params), client_state.saved()

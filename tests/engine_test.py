@@ -125,8 +125,8 @@ def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   # The same initial models and cohorts; FedSSA fuses the initial global header from round 0.
   jax.tree.map(np.testing.assert_array_equal, sim.init_state().params,
                fs_sim.init_state().params)
-  np.testing.assert_array_equal(infos[0]['cohort'], fs_infos[0]['cohort'])
-  assert infos[0]['train_loss'] != pytest.approx(fs_infos[0]['train_loss'], rel=1e-3)
+  np.testing.assert_array_equal(infos[0].cohort, fs_infos[0].cohort)
+  assert infos[0].train_loss != pytest.approx(fs_infos[0].train_loss, rel=1e-3)
   assert not np.allclose(state.params[0]['fc3']['kernel'],
                          fs_state.params[0]['fc3']['kernel'])
   # Extractors of clients that never took part are their own initial ones, in both runs.
@@ -165,8 +165,8 @@ def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
     rows = np.concatenate([state.params[g]['fc3']['kernel'][slot].T,
                            state.params[g]['fc3']['bias'][slot][:, None]], axis=1)
     norms += [np.linalg.norm(rows[s]) for s in np.flatnonzero(sim.seen[c])]
-  assert infos[-1]['header_norm_max'] == pytest.approx(max(norms), rel=1e-5)
-  assert infos[-1]['header_norm_mean'] == pytest.approx(np.mean(norms), rel=1e-5)
+  assert infos[-1].header_norm_max == pytest.approx(max(norms), rel=1e-5)
+  assert infos[-1].header_norm_mean == pytest.approx(np.mean(norms), rel=1e-5)
 
 
 def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
