@@ -202,9 +202,7 @@ class Simulator:
     # Training FLOPs per processed sample: the family's own model, plus what the method adds
     # (e.g. a jointly trained CNN-5).
     self.flops_per_sample = {g.family: self.method.train_flops_per_sample(
-        model_flops(g.family, self.num_classes, config.batch_size),
-        functools.partial(model_flops, num_classes=self.num_classes,
-                          batch_size=config.batch_size)) for g in self.groups}
+        self.model_flops(g.family), self.model_flops) for g in self.groups}
     self.client_flops_per_sample = np.array(
         [self.flops_per_sample[self.groups[g].family] for g in self.group_of])
 
@@ -355,6 +353,10 @@ class Simulator:
 
   def fetch(self, tree):
     return self.placement.fetch(tree)
+
+  def model_flops(self, family: str) -> float:
+    """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
+    return model_flops(family, self.num_classes, self.config.batch_size)
 
   def _init_group(self, g: Group, slots) -> PyTree:
     """The initial parameters of the group's members at `slots` (stacked): each one's own draw,
