@@ -15,7 +15,7 @@ ids as a download gives), only fed from the local files, so `tfds.load('cifar10'
 and `tfds.data_source('cifar10', data_dir=DIR)` read it as they read a downloaded copy, and so
 does `--config.data_dir=DIR`. `--npz` writes plain arrays (x_train, y_train, x_test, y_test,
 class_names) that `--config.data_dir=FILE.npz` reads without TFDS. Needs numpy; the TFDS output
-also needs tensorflow and tensorflow-datasets (both in requirements.txt).
+also needs tensorflow(-cpu) and tensorflow-datasets (both in requirements.txt).
 """
 import argparse
 import os
