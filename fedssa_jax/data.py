@@ -68,8 +68,9 @@ def _where(data_dir):
 def _prepare_hint(name, data_dir):
   if name != 'cifar10':
     return ''
-  return (' Offline, prepare one with: python ../shared/data/cifar10/prepare.py '
-          f'--tfds_data_dir {_where(data_dir)}')
+  return (' Offline, build one from a local copy of cifar-10-python.tar.gz with: python '
+          'launch/prepare_offline.py --source cifar-10-python.tar.gz --tfds_data_dir '
+          f'{_where(data_dir)}')
 
 
 def _missing_data_error(name, split, data_dir, why, download):
@@ -177,7 +178,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
 
   With `download`, a data set that is not prepared under `data_dir` is downloaded and
   prepared (array_record) first, as tfds.load would. A `data_dir` ending in `.npz` is read as
-  plain arrays instead (x_train, y_train, x_test, y_test: what ../shared/data/cifar10/prepare.py
+  plain arrays instead (x_train, y_train, x_test, y_test: what launch/prepare_offline.py
   --npz writes), which needs neither TFDS nor TensorFlow.
   """
   if name not in NORMALIZATION:
@@ -195,8 +196,9 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False)
 def load_npz(name: str, path: str) -> Dataset:
   """A data set from an .npz of uint8 images and integer labels (x_/y_ train and test)."""
   if not os.path.exists(path):
-    raise DataError(f'{path} does not exist. Write it with ../shared/data/cifar10/prepare.py '
-                    f'--npz {path}, or point data_dir at a TFDS data_dir.')
+    raise DataError(f'{path} does not exist. Write it with python launch/prepare_offline.py '
+                    f'--source cifar-10-python.tar.gz --npz {path}, or point data_dir at a TFDS '
+                    'data_dir.')
   z = np.load(path)
   missing = {'x_train', 'y_train', 'x_test', 'y_test'} - set(z.files)
   if missing:

@@ -1,5 +1,5 @@
 """The command line on bad input: every case exits with its status and one clear paragraph, no
-traceback. README.md's troubleshooting section lists these cases and their messages.
+traceback. docs/operations.md's troubleshooting section lists these cases and their messages.
 
 Cases call main.run_cli in this process (a subprocess per case would cost seconds of imports);
 the console it sets up writes to the stderr that capsys captures. The lock test starts one real
@@ -37,7 +37,7 @@ PREFIXES = ('Command line error: ', 'ConfigError: ', 'DataError: ', 'CheckpointE
 
 @pytest.fixture(scope='module')
 def tfds_dir(tmp_path_factory):
-  """A tiny prepared TFDS cifar10 in array_record files, as prepare.py and a download write."""
+  """A tiny prepared TFDS cifar10 in array_record files, as a download writes."""
   d = str(tmp_path_factory.mktemp('tfds'))
   write_tiny_tfds_cifar10(d, file_format='array_record')
   return d
@@ -276,10 +276,10 @@ CASES = [
     # Data files.
     Case('data_dir without the data set', (), main.EXIT_BAD_INPUT,
          ("cannot be read from data_dir=", 'no prepared copy there, and --config.download=False',
-          'prepare.py --tfds_data_dir'),
+          'launch/prepare_offline.py --source'),
          prepare=lambda ctx: setattr(ctx, 'data_dir', str(ctx.tmp_path / 'empty'))),
     data_case('truncated', 'cifar10-train.array_record', 'missing, truncated or corrupt',
-              'prepare it again', 'prepare.py --tfds_data_dir'),
+              'prepare it again', 'launch/prepare_offline.py --source'),
     data_case('missing', "Its 'train' files: none", 'missing, truncated or corrupt',
               'prepare it again'),
     data_case('garbled', 'cifar10-train.array_record', 'missing, truncated or corrupt'),

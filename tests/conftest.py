@@ -40,9 +40,9 @@ def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name=
 
 
 def write_tiny_tfds_cifar10(data_dir, num_train=200, num_test=100, file_format=None):
-  """A prepared TFDS 'cifar10' of a few synthetic images, as ../shared/data/cifar10/prepare.py
+  """A prepared TFDS 'cifar10' of a few synthetic images, as launch/prepare_offline.py
   writes the real one: the builder's own metadata, only the examples are local. `file_format`:
-  TFDS's default (None), or e.g. 'array_record' (what prepare.py and a download write)."""
+  TFDS's default (None), or e.g. 'array_record' (what prepare_offline.py and a download write)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
   ds = synthetic_dataset(num_train, num_test)

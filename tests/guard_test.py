@@ -67,7 +67,8 @@ def test_healthy_or_unguarded_rounds_pass(losses, best, overrides):
 
 
 def test_every_config_keeps_the_guard_on():
-  """The configs in configs/ run with the documented thresholds (README: the blow-up guard)."""
+  """The configs in configs/ run with the documented thresholds (docs/operations.md, the
+  blow-up guard)."""
   base = config_lib.base_config()
   for name, arg in [('cifar10', 'hetero,n10'), ('cifar10', 'homo,n100'), ('cifar100', 'dir,n50'),
                     ('tiny', None)]:

@@ -70,7 +70,7 @@ def test_end_to_end_on_tfds_mock_data_writes_documented_outputs(tmp_path):
 
 def test_missing_data_dir_names_the_fix(tmp_path):
   from fedssa_jax import data
-  with pytest.raises(data.DataError, match='prepare.py'):
+  with pytest.raises(data.DataError, match='prepare_offline.py'):
     data.load_dataset('cifar10', str(tmp_path / 'nothing'))
 
 

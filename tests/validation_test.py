@@ -141,7 +141,7 @@ CASES = [
     Case('images of another channel count', run(tiny(), images_of_shape((32, 32, 1))),
          ('have 1 channel(s); the models take 3 (RGB)',), data.DataError),
     Case('data_dir without the data', missing_data,
-         ("cannot be read from data_dir=", 'prepare.py', '--config.download=True'),
+         ("cannot be read from data_dir=", 'prepare_offline.py', '--config.download=True'),
          data.DataError),
     Case('batch_size 0', validate(batch_size=0), ('batch_size must be > 0, got 0',)),
     Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 1, got -1',)),

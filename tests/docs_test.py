@@ -1,0 +1,67 @@
+"""The documentation's links: every relative link in README.md and docs/*.md names a file of the
+repository (and, with a #fragment, a heading of it), and no page sends readers outside the
+repository (a clone has no ../shared)."""
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = sorted([os.path.join(ROOT, 'README.md'), *glob.glob(os.path.join(ROOT, 'docs', '*.md'))])
+LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
+
+
+def outside_fences(text):
+  """The lines outside fenced code blocks."""
+  fenced = False
+  for line in text.split('\n'):
+    if line.lstrip().startswith('```'):
+      fenced = not fenced
+    elif not fenced:
+      yield line
+
+
+def anchors(path):
+  """The fragments GitHub gives the headings of a Markdown file."""
+  seen, out = {}, set()
+  with open(path, encoding='utf-8') as f:
+    for line in outside_fences(f.read()):
+      m = re.match(r'#{1,6} (.*)', line.replace('`', ''))
+      if not m:
+        continue
+      slug = re.sub(r'[^\w\- ]', '', m.group(1).strip().lower()).replace(' ', '-')
+      n = seen.get(slug, 0)
+      seen[slug] = n + 1
+      out.add(slug if n == 0 else f'{slug}-{n}')
+  return out
+
+
+def links(path):
+  with open(path, encoding='utf-8') as f:
+    for line in outside_fences(f.read()):
+      yield from LINK.findall(re.sub(r'`[^`]*`', '', line))
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(page):
+  broken = []
+  for target in links(page):
+    if re.match(r'[a-z]+:', target):  # http:, https:, mailto:
+      continue
+    path, _, fragment = target.partition('#')
+    dest = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+    if os.path.relpath(dest, ROOT).split(os.sep)[0] == '..':
+      broken.append(f'{target} (outside the repository)')
+    elif not os.path.exists(dest):
+      broken.append(f'{target} (no such file)')
+    elif fragment and dest.endswith('.md') and fragment not in anchors(dest):
+      broken.append(f'{target} (no such heading)')
+  assert not broken, f'{os.path.relpath(page, ROOT)}: {broken}'
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_page_points_outside_the_repository(page):
+  with open(page, encoding='utf-8') as f:
+    text = f.read()
+  assert '../shared' not in text and 'shared/spec' not in text, os.path.relpath(page, ROOT)
