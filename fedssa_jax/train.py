@@ -234,7 +234,7 @@ def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpoin
         f'{c} ({" and ".join(problems[c])})')
   where = '; '.join(f'family {f}: clients {", ".join(cs)}' for f, cs in by_family.items())
   raise DivergenceError(
-      f'Training diverged in round {state["round"]}: a NaN or inf in the training loss or '
+      f'Training diverged in round {state.round}: a NaN or inf in the training loss or '
       f'parameters of {where}. Nothing of this round was saved; {_kept(ckpts)}. A resume must '
       'keep the config, so start again in a new --workdir with a smaller optimizer.lr or '
       'optimizer.clip_norm.')
@@ -268,7 +268,7 @@ def check_blowup(config, sim: engine.Simulator, state, info, best: float | None,
   client_loss = info.train_loss_sum / np.maximum(info.train_samples, 1)
   tripped = [f'{c} ({l:.3g})' for c, l in zip(info.cohort, client_loss) if l > bound]
   raise DivergenceError(
-      f'Training blew up in round {state["round"]}: {stat}; clients (loss) past it: '
+      f'Training blew up in round {state.round}: {stat}; clients (loss) past it: '
       f'{", ".join(tripped) or "none alone"}. Nothing of this round was saved; {_kept(ckpts)}. '
       'Start again in a new --workdir with a smaller optimizer.lr or optimizer.clip_norm (or '
       'raise or turn off the guard with --config.guard.max_train_loss / loss_growth; 0 is off).')

@@ -186,6 +186,6 @@ def test_engine_smoke(small_sim):
   np.testing.assert_array_equal(np.asarray(state.server['avail']),
                                 sim.seen[info1.cohort].any(0))
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()
-  assert 'prototype_accuracy' in ev and np.all((0 <= ev.metrics['prototype_accuracy'])
+  assert 'prototype_accuracy' in ev.metrics and np.all((0 <= ev.metrics['prototype_accuracy'])
                                                & (ev.metrics['prototype_accuracy'] <= 1))
   np.testing.assert_array_equal(ev.accuracy, ev.classifier_accuracy)
