@@ -78,7 +78,7 @@ def differences(a, b, path: str = '') -> list[str]:
     for k in sorted(set(a) & set(b) - TIMING):
       out += differences(a[k], b[k], f'{path}.{k}')
     return out
-  if isinstance(a, list) and isinstance(b, list):
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
     if len(a) != len(b):
       return [f'{path}: {len(a)} entries, now {len(b)}']
     return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f'{path}[{i}]')]
