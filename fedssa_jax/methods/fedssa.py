@@ -22,9 +22,6 @@ import jax.numpy as jnp
 from fedssa_jax import models
 from fedssa_jax.methods import base
 
-ROW = models.HEADER_ROW  # 501 numbers per class row
-
-
 def mu_schedule(round_index, mu0: float, t_stable: int):
   """mu_t = mu0 * cos(t * pi / (2 T)) for t <= T, else 0 (t is the global round index)."""
   t = jnp.asarray(round_index, jnp.float32)
@@ -66,13 +63,14 @@ class FedSSA(base.Method):
 
   def init_server(self, key, seen):
     n, s = seen.shape
+    row = models.HEADER_ROW
     if self.initial_header:  # theta^0: every class has a global row before round 0
       global_rows, avail = models.init_header(key, s), jnp.ones((s,), bool)
     else:
-      global_rows, avail = jnp.zeros((s, ROW), jnp.float32), jnp.zeros((s,), bool)
+      global_rows, avail = jnp.zeros((s, row), jnp.float32), jnp.zeros((s,), bool)
     return {
         'seen': jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
-        'table': jnp.zeros((n, s, ROW), jnp.float32),   # latest upload per client
+        'table': jnp.zeros((n, s, row), jnp.float32),   # latest upload per client
         'uploaded': jnp.zeros((n,), bool),              # has the client ever uploaded?
         'global': global_rows,                          # theta^s
         'avail': avail,                                 # does theta^s exist yet?
@@ -85,14 +83,15 @@ class FedSSA(base.Method):
     rows = stabilize(models.header_rows(params), server['global'], fused, mu, self.fusion)
     per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
     n_fused = fused.sum()
-    return base.Download(models.with_header_rows(params, rows), floats=ROW * n_fused,
-                         flops=(per_element * ROW * n_fused).astype(jnp.float32))
+    return base.Download(models.with_header_rows(params, rows),
+                         floats=models.HEADER_ROW * n_fused,
+                         flops=(per_element * models.HEADER_ROW * n_fused).astype(jnp.float32))
 
   def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
     del acc, ctx, num_samples, round_index
     params = trainable['model']
     rows = jnp.where(seen[:, None], models.header_rows(params), 0.0)
-    return base.Upload(params, state, payload=rows, floats=ROW * seen.sum())
+    return base.Upload(params, state, payload=rows, floats=models.HEADER_ROW * seen.sum())
 
   def server_receive(self, server, client_ids, payloads, active):
     return {**server,

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from fedssa_jax import models
 from fedssa_jax.methods import base
 
-ROW = models.HEADER_ROW  # 501 numbers per class row
 WEIGHTINGS = ('samples', 'uniform')
 
 
@@ -41,13 +40,13 @@ class SharedHeader(base.Method):
     if self.weighting not in WEIGHTINGS:
       raise ValueError(f'{self.config_section}.weighting must be one of {WEIGHTINGS}, '
                        f'got {self.weighting!r}.')
-    self.header_floats = ROW * num_classes
+    self.header_floats = models.HEADER_ROW * num_classes
 
   def init_server(self, key, seen):
     del seen
     c = self.num_classes
     return {'global': models.init_header(key, c),            # H_g, what clients download
-            'inbox': jnp.zeros((c, ROW), jnp.float32),       # sum_k w_k H_k of this round
+            'inbox': jnp.zeros((c, models.HEADER_ROW), jnp.float32),  # sum_k w_k H_k this round
             'inbox_weight': jnp.zeros((), jnp.float32)}      # sum_k w_k of this round
 
   def download(self, params, state, server, client_id, seen, round_index):
