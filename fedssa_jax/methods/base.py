@@ -57,23 +57,47 @@ class Upload(NamedTuple):
   flops: jax.Array = ZERO_F   # client FLOPs spent on the upload (e.g. FedKD's SVDs)
 
 
+def empty_class_sums(num_classes: int, dim: int) -> dict:
+  """The zero accumulator of `class_sums` for [C, dim] values (a method's init_acc)."""
+  return {'sum': jnp.zeros((num_classes, dim), jnp.float32),
+          'count': jnp.zeros((num_classes,), jnp.float32)}
+
+
 def class_sums(values, y, valid, num_classes):
   """Per-class sums and counts of `values` [B, D] (spec V1: one one-hot matmul)."""
   onehot = jax.nn.one_hot(y, num_classes, dtype=values.dtype) * valid[:, None]
   return {'sum': onehot.T @ values, 'count': onehot.sum(axis=0)}
 
 
-def masked_mean(uploads, mask, weights=None):
-  """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
+def class_means(acc, seen):
+  """The per-class means [C, D] of the sums `class_sums` accumulated over a client's training,
+  zero for a class it does not hold; and which classes it holds [C] (seen and trained on).
+
+  What FD (mean logits) and FedProto (prototypes) upload: the rows of unheld classes are zeroed
+  so that an upload carries nothing about classes the client never saw."""
+  held = seen & (acc['count'] > 0)  # = S_k for any client that trained
+  means = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+  return jnp.where(held[:, None], means, 0.0), held
+
+
+def masked_sum(uploads, mask, weights=None):
+  """The sum of uploads [N, C, D] over clients where mask [N, C], and its total weight [C].
 
   `mask` may also hold non-negative per-(client, class) weights (e.g. class sample counts);
-  `weights` [N] (e.g. sample counts) weights whole clients."""
+  `weights` [N] (e.g. sample counts) weights whole clients. Apart from masked_mean for a server
+  that needs the sums themselves (FD, which subtracts a client's own upload from them)."""
   w = mask.astype(uploads.dtype)
   if weights is not None:
     w = w * weights[:, None]
-  total = w.sum(axis=0)
-  mean = jnp.einsum('nc,ncd->cd', w, uploads) / jnp.where(total > 0, total, 1.0)[:, None]
-  return mean, total > 0
+  return jnp.einsum('nc,ncd->cd', w, uploads), w.sum(axis=0)
+
+
+def masked_mean(uploads, mask, weights=None):
+  """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
+
+  `mask` and `weights` as in masked_sum."""
+  total_sum, total = masked_sum(uploads, mask, weights)
+  return total_sum / jnp.where(total > 0, total, 1.0)[:, None], total > 0
 
 
 def empty_inbox(like) -> dict:

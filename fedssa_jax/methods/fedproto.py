@@ -81,8 +81,7 @@ class FedProto(base.Method):
                          floats=(D * rows).astype(jnp.int32))
 
   def init_acc(self):
-    c = self.num_classes
-    return {'sum': jnp.zeros((c, D), jnp.float32), 'count': jnp.zeros((c,), jnp.float32)}
+    return base.empty_class_sums(self.num_classes, D)
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
@@ -92,11 +91,9 @@ class FedProto(base.Method):
 
   def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
     del ctx, num_samples, round_index
-    has = seen & (acc['count'] > 0)  # = S_k for any client that trained
-    protos = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+    protos, has = base.class_means(acc, seen)
     # Every epoch visits each sample once, so count / E is the class's sample count n_k[c].
-    payload = {'protos': jnp.where(has[:, None], protos, 0.0),
-               'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
+    payload = {'protos': protos, 'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
     return base.Upload(trainable['model'], state, payload,
                        floats=(D * has.sum()).astype(jnp.int32))
 
