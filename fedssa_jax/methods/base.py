@@ -100,27 +100,49 @@ def masked_mean(uploads, mask, weights=None):
   return total_sum / jnp.where(total > 0, total, 1.0)[:, None], total > 0
 
 
-def empty_inbox(like) -> dict:
-  """A server inbox that sums whole-model uploads (FML's memes, FedKD's updates) in a round."""
-  return {'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, like),
-          'inbox_count': jnp.zeros((), jnp.int32)}
+class Inbox(NamedTuple):
+  """Where a server collects a round's whole uploads (FML's memes, FedKD's updates, the
+  LG-FedAvg and FedClassAvg headers): summed in server_receive as chunks arrive, so no [N, ...]
+  table of whole models is kept, and divided once in server_aggregate.
+
+  Each upload counts 1 (an int32 count) or, `weighted`, its own float weight (e.g. n_k). The
+  two kinds keep their own state keys and their own sums (a masked sum, or a weighted
+  contraction): the keys are what checkpoints hold, and either sum is the arithmetic the
+  methods' results were made with. COUNTED and WEIGHTED are the two inboxes."""
+  sum_key: str      # the server-state key of the sum of uploads ...
+  weight_key: str   # ... and of the sum of their weights
+  weighted: bool
+
+  def empty(self, like) -> dict:
+    """An empty inbox for uploads shaped like `like` (a pytree)."""
+    return {self.sum_key: jax.tree_util.tree_map(jnp.zeros_like, like),
+            self.weight_key: jnp.zeros((), jnp.float32 if self.weighted else jnp.int32)}
+
+  def add(self, server, payloads, active, weights=None) -> dict:
+    """Adds a chunk's uploads (leading axis), of its active clients, to the server's inbox;
+    `weights` [chunk] are the uploads' weights (a weighted inbox only)."""
+    if self.weighted:
+      w = jnp.where(active, weights, 0.0)
+      chunk_sum = jax.tree_util.tree_map(lambda a: jnp.tensordot(w, a, axes=1), payloads)
+    else:
+      chunk_sum = jax.tree_util.tree_map(
+          lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
+          payloads)
+    total_sum = jax.tree_util.tree_map(jnp.add, server[self.sum_key], chunk_sum)
+    chunk_weight = w.sum() if self.weighted else active.sum(dtype=jnp.int32)
+    return {**server, self.sum_key: total_sum,
+            self.weight_key: server[self.weight_key] + chunk_weight}
+
+  def mean(self, server):
+    """(the (weighted) mean of the round's uploads, whether any arrived)."""
+    total = server[self.weight_key]
+    mean = jax.tree_util.tree_map(lambda s: s / jnp.where(total > 0, total, 1.0),
+                                  server[self.sum_key])
+    return mean, total > 0
 
 
-def add_to_inbox(server, payloads, active):
-  """Adds a chunk's uploads (leading axis) from its active clients to the server's inbox."""
-  chunk_sum = jax.tree_util.tree_map(
-      lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
-      payloads)
-  return {**server,
-          'inbox_sum': jax.tree_util.tree_map(jnp.add, server['inbox_sum'], chunk_sum),
-          'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
-
-
-def inbox_mean(server):
-  """(the unweighted mean of the round's uploads, whether any arrived)."""
-  count = server['inbox_count']
-  mean = jax.tree_util.tree_map(lambda s: s / jnp.maximum(count, 1), server['inbox_sum'])
-  return mean, count > 0
+COUNTED = Inbox('inbox_sum', 'inbox_count', weighted=False)
+WEIGHTED = Inbox('inbox', 'inbox_weight', weighted=True)
 
 
 def store_rows(table, client_ids, rows, active):

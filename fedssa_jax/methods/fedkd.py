@@ -111,7 +111,7 @@ class FedKD(base.Method):
   def init_server(self, key, seen):
     del seen
     theta = models.init_params(self.mentee_model, key)
-    return {'theta': theta, **base.empty_inbox(theta),
+    return {'theta': theta, **base.COUNTED.empty(theta),
             'held': jnp.zeros((self.num_clients,), jnp.int32),  # round of the theta a client has
             'last_floats': jnp.zeros((), jnp.int32),    # the last compressed Delta_bar's floats
             'last_rebuild': jnp.zeros((), jnp.float32)}  # ... and its rebuild FLOPs
@@ -155,13 +155,13 @@ class FedKD(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    return base.add_to_inbox(server, payloads, active)
+    return base.COUNTED.add(server, payloads, active)
 
   def server_aggregate(self, server, participants, round_index):
-    mean, any_ = base.inbox_mean(server)
+    mean, any_ = base.COUNTED.mean(server)
     recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
     theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server['theta'], recon)
-    return {'theta': theta, **base.empty_inbox(theta),
+    return {'theta': theta, **base.COUNTED.empty(theta),
             'held': jnp.where(participants, round_index, server['held']).astype(jnp.int32),
             'last_floats': jnp.where(any_, floats, 0).astype(jnp.int32),
             'last_rebuild': jnp.where(any_, rebuild, 0.0).astype(jnp.float32)}

@@ -53,7 +53,7 @@ class FML(base.Method):
   def init_server(self, key, seen):
     del seen
     meme = models.init_params(self.meme_model, key)
-    return {'meme': meme, **base.empty_inbox(meme)}
+    return {'meme': meme, **base.COUNTED.empty(meme)}
 
   def download(self, params, state, server, client_id, seen, round_index):
     del state, client_id, seen, round_index
@@ -80,13 +80,13 @@ class FML(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    return base.add_to_inbox(server, payloads, active)
+    return base.COUNTED.add(server, payloads, active)
 
   def server_aggregate(self, server, participants, round_index):
     del participants, round_index
-    mean, any_ = base.inbox_mean(server)
+    mean, any_ = base.COUNTED.mean(server)
     meme = jax.tree_util.tree_map(lambda m, old: jnp.where(any_, m, old), mean, server['meme'])
-    return {'meme': meme, **base.empty_inbox(meme)}
+    return {'meme': meme, **base.COUNTED.empty(meme)}
 
   def train_flops_per_sample(self, own, flops_of):
     # The meme's forward and backward on every sample; the KL terms' elementwise work is ignored,

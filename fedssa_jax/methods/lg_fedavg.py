@@ -44,10 +44,9 @@ class SharedHeader(base.Method):
 
   def init_server(self, key, seen):
     del seen
-    c = self.num_classes
-    return {'global': models.init_header(key, c),            # H_g, what clients download
-            'inbox': jnp.zeros((c, models.HEADER_ROW), jnp.float32),  # sum_k w_k H_k this round
-            'inbox_weight': jnp.zeros((), jnp.float32)}      # sum_k w_k of this round
+    header = models.init_header(key, self.num_classes)
+    # H_g, what clients download; the inbox holds sum_k w_k H_k and sum_k w_k of this round.
+    return {'global': header, **base.WEIGHTED.empty(header)}
 
   def download(self, params, state, server, client_id, seen, round_index):
     del state, client_id, seen, round_index
@@ -64,18 +63,12 @@ class SharedHeader(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    w = jnp.where(active, payloads['weight'], 0.0)
-    return {**server,
-            'inbox': server['inbox'] + jnp.einsum('k,kcd->cd', w, payloads['rows']),
-            'inbox_weight': server['inbox_weight'] + w.sum()}
+    return base.WEIGHTED.add(server, payloads['rows'], active, payloads['weight'])
 
   def server_aggregate(self, server, participants, round_index):
     del participants, round_index  # the inbox holds exactly this round's participants
-    total = server['inbox_weight']
-    mean = server['inbox'] / jnp.where(total > 0, total, 1.0)
-    return {'global': jnp.where(total > 0, mean, server['global']),
-            'inbox': jnp.zeros_like(server['inbox']),
-            'inbox_weight': jnp.zeros_like(total)}
+    mean, any_ = base.WEIGHTED.mean(server)
+    return {'global': jnp.where(any_, mean, server['global']), **base.WEIGHTED.empty(mean)}
 
 
 class LGFedAvg(SharedHeader):
