@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from fedssa_jax import client
@@ -154,15 +155,35 @@ def store_rows(table, client_ids, rows, active):
 class Method:
   """Defaults: no exchange and plain cross-entropy (which is Standalone)."""
   name = 'base'
+  # The config block of the method's hyperparameters (config.<section>), whose fields and
+  # defaults `default_config` gives and `check_config` checks; None: the method has none.
+  # config_lib.base_config assembles every method's block, and config_lib.validate checks them.
+  config_section: str | None = None
   num_views = 1  # augmented views of each training batch the loss receives
   # Is the loss a mean of per-sample terms? Then a step's gradient may be summed over smaller
   # passes (client.TrainConfig.micro_batch). Not for losses coupling a batch's samples.
   per_sample_loss = True
 
   def __init__(self, config, num_clients: int, num_classes: int):
+    # The same checks as config_lib.validate's, so that no method is built from a config that
+    # cannot work, validated or not (tests and tools build methods directly).
+    if self.config_section is not None:
+      self.check_config(config[self.config_section])
     self.config = config
     self.num_clients = num_clients
     self.num_classes = num_classes
+
+  # --- configuration ---------------------------------------------------------------------------
+  @classmethod
+  def default_config(cls) -> ml_collections.ConfigDict:
+    """The fields of config.<config_section> and their defaults, each with a comment."""
+    raise NotImplementedError(f'{cls.__name__} has no config section.')
+
+  @classmethod
+  def check_config(cls, section: ml_collections.ConfigDict) -> None:
+    """Raises ValueError, naming the field and the values that work, for a value of
+    config.<config_section> that cannot work. Builds nothing: it runs before any data loads."""
+    del section
 
   # --- state ---------------------------------------------------------------------------------
   def init_server(self, key: jax.Array, seen: jax.Array) -> PyTree:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from fedssa_jax import client
@@ -40,6 +41,19 @@ def distill_loss(logits, y, valid, targets, has_target, lam):
 
 class FD(base.Method):
   name = 'fd'
+  config_section = 'fd'
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.lam = 1.0                  # weight of the distillation term
+    c.exclude_own = False        # the FD paper's global logits without the client's own
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    if not c.lam >= 0:
+      raise ValueError(f'fd.lam must be >= 0 (0 turns distillation off), got {c.lam}.')
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)

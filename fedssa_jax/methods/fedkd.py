@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -91,14 +92,25 @@ def compress_update(delta, threshold):
 class FedKD(base.Method):
   name = 'fedkd'
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
+  config_section = 'fedkd'
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.energy_start = 0.95        # SVD energy threshold T, from round 0 ...
+    c.energy_end = 0.98          # ... to the last round
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    for field in ('energy_start', 'energy_end'):
+      if not 0.0 < c[field] <= 1.0:
+        raise ValueError(f'fedkd.{field} must be in (0, 1], got {c[field]}.')
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     c = config.fedkd
     self.energy_start, self.energy_end = float(c.energy_start), float(c.energy_end)
-    for field, v in (('energy_start', self.energy_start), ('energy_end', self.energy_end)):
-      if not 0.0 < v <= 1.0:
-        raise ValueError(f'fedkd.{field} must be in (0, 1], got {v}.')
     self.num_rounds = int(config.num_rounds)
     self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
                                           config.engine.compute_dtype)

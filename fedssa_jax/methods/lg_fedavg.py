@@ -23,6 +23,7 @@ by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import models
 from fedssa_jax.methods import base
@@ -34,12 +35,21 @@ class SharedHeader(base.Method):
   """The whole-header exchange: download H_g over the header, upload it, weighted mean."""
   config_section = 'lg_fedavg'  # the config block holding `weighting`
 
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.weighting = 'samples'      # header mean: 'samples' (n_k) or 'uniform'
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    if c.weighting not in WEIGHTINGS:
+      raise ValueError(f'{cls.config_section}.weighting must be one of {WEIGHTINGS}, '
+                       f'got {c.weighting!r}.')
+
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     self.weighting = config[self.config_section].weighting
-    if self.weighting not in WEIGHTINGS:
-      raise ValueError(f'{self.config_section}.weighting must be one of {WEIGHTINGS}, '
-                       f'got {self.weighting!r}.')
     self.header_floats = models.HEADER_ROW * num_classes
 
   def init_server(self, key, seen):
