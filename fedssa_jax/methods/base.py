@@ -85,8 +85,8 @@ def masked_sum(uploads, mask, weights=None):
   """The sum of uploads [N, C, D] over clients where mask [N, C], and its total weight [C].
 
   `mask` may also hold non-negative per-(client, class) weights (e.g. class sample counts);
-  `weights` [N] (e.g. sample counts) weights whole clients. Apart from masked_mean for a server
-  that needs the sums themselves (FD, which subtracts a client's own upload from them)."""
+  `weights` [N] (e.g. sample counts) weights whole clients. For a server that keeps the sums
+  rather than masked_mean's quotient: FD, which subtracts a client's own upload from them."""
   w = mask.astype(uploads.dtype)
   if weights is not None:
     w = w * weights[:, None]
