@@ -98,38 +98,11 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.guard.max_train_loss = 1e3        # a round's mean train loss above this stops the run
   c.guard.loss_growth = 1e3           # ... or above this factor times the best round so far
 
-  c.fedssa = ml_collections.ConfigDict()
-  c.fedssa.mu0 = 0.5                  # initial weight of the local header rows
-  c.fedssa.t_stable = 2               # rounds until mu_t reaches 0
-  c.fedssa.fusion = 'reference'       # 'reference' (official code: mu*local + global) or
-                                      # 'convex' (mu*local + (1-mu)*global)
-  c.fedssa.scope = 'all_owners'       # 'all_owners' (latest uploads) or 'participants'
-  c.fedssa.initial_header = True      # the server's global header theta^0 before round 0 (as
-                                      # the official code); False: no global row until uploads
-
-  # The baselines' hyperparameters (spec BASELINES.md; defaults are its first section's).
-  c.fd = ml_collections.ConfigDict()
-  c.fd.lam = 1.0                      # weight of the distillation term
-  c.fd.exclude_own = False            # the FD paper's global logits without the client's own
-  c.fedproto = ml_collections.ConfigDict()
-  c.fedproto.lam = 1.0                # weight of the prototype (MSE) term
-  c.fedproto.weighting = 'uniform'    # 'uniform' over holders, or 'samples' (class counts)
-  c.fedproto.inference = 'classifier'  # headline accuracy: 'classifier' or 'prototype'
-  c.fml = ml_collections.ConfigDict()
-  c.fml.alpha = 0.5                   # local model: alpha CE + (1 - alpha) KL(meme || local)
-  c.fml.beta = 0.5                    # meme: beta CE + (1 - beta) KL(local || meme)
-  c.fedkd = ml_collections.ConfigDict()
-  c.fedkd.energy_start = 0.95         # SVD energy threshold T, from round 0 ...
-  c.fedkd.energy_end = 0.98           # ... to the last round
-  c.lg_fedavg = ml_collections.ConfigDict()
-  c.lg_fedavg.weighting = 'samples'   # header mean: 'samples' (n_k) or 'uniform'
-  c.fedclassavg = ml_collections.ConfigDict()
-  c.fedclassavg.tau = 0.07            # SupCon temperature
-  c.fedclassavg.base_tau = 0.07       # SupCon's base temperature (loss scale tau / base_tau)
-  c.fedclassavg.normalize = True      # L2-normalise representations (official code: False,
-                                      # with tau = 100)
-  c.fedclassavg.mu = 0.1              # proximal weight towards the global header
-  c.fedclassavg.weighting = 'samples'  # header mean: 'samples' (n_k) or 'uniform'
+  # Each method's hyperparameters, c.<its config_section>: their defaults, with a comment on
+  # each, and their checks are in its module (fedssa_jax/methods/).
+  for method in methods.METHODS.values():
+    if method.config_section is not None:
+      c[method.config_section] = method.default_config()
 
   c.eval_batch_size = 512             # also the batch of the reference's per-batch metric
   c.engine = ml_collections.ConfigDict()
@@ -232,8 +205,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
   Each failure is a ConfigError that names the field and says how to fix it.
   """
-  from fedssa_jax import methods  # pylint: disable=g-import-not-at-top  (methods import models)
-
   def need(ok, msg):
     if not ok:
       raise ConfigError(msg)
@@ -313,12 +284,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(p.dirichlet_min_test >= 0,
          f'partition.dirichlet_min_test must be >= 0, got {p.dirichlet_min_test}.')
 
-  need(c.fedssa.t_stable >= 0, f'fedssa.t_stable must be >= 0, got {c.fedssa.t_stable}.')
-  need(0 <= c.fedssa.mu0 <= 1, f'fedssa.mu0 must be in [0, 1], got {c.fedssa.mu0}.')
-  one_of('fedssa.fusion', c.fedssa.fusion, ('convex', 'reference'))
-  one_of('fedssa.scope', c.fedssa.scope, ('all_owners', 'participants'))
-  need(isinstance(c.fedssa.initial_header, bool),
-       f'fedssa.initial_header must be True or False, got {c.fedssa.initial_header!r}.')
   need(c.engine.matmul_precision in ('default', 'high', 'highest'),
        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
        f'{c.engine.matmul_precision!r}.')
@@ -346,8 +311,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   mb = c.engine.micro_batch
   need(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
        f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')
-  # The method's own hyperparameters: its constructor checks them (no arrays are made).
-  try:
-    methods.get_method(c.method)(c, n, num_classes)
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
+  # The methods' hyperparameters, by each method's own checks: every method's section, not only
+  # the configured method's, as every other field is checked whether or not the run reads it.
+  for method in methods.METHODS.values():
+    if method.config_section is not None:
+      try:
+        method.check_config(c[method.config_section])
+      except ValueError as e:
+        raise ConfigError(str(e)) from None

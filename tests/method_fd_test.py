@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import fd
+from fedssa_jax.methods import base, fd
 
 C = 4
 
@@ -78,6 +78,28 @@ def test_upload_means_and_floats():
       want = sums[i, c] / counts[i, c] if seen[i, c] else np.zeros(C)
       np.testing.assert_allclose(np.asarray(up.payload['logits'][i, c]), want, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(up.payload['has'][i]), seen[i])
+
+
+def test_class_means_and_masked_sums_hand_computed():
+  """base.class_means (FD's and FedProto's uploads) and base.masked_sum, FD's server sums, which
+  masked_mean divides."""
+  acc = {'sum': jnp.asarray([[2., 4.], [3., 6.], [5., 5.]]), 'count': jnp.asarray([2., 3., 0.])}
+  means, held = base.class_means(acc, jnp.asarray([True, False, True]))
+  # Class 1 was trained on but is not seen; class 2 is seen but was never trained on.
+  np.testing.assert_array_equal(np.asarray(means), [[1., 2.], [0., 0.], [0., 0.]])
+  np.testing.assert_array_equal(np.asarray(held), [True, False, False])
+
+  uploads = jnp.asarray([[[1., 2.], [3., 4.]], [[5., 6.], [7., 8.]]])  # [N=2, C=2, D=2]
+  mask = jnp.asarray([[True, False], [True, True]])
+  total, weight = base.masked_sum(uploads, mask)
+  np.testing.assert_array_equal(np.asarray(total), [[6., 8.], [7., 8.]])
+  np.testing.assert_array_equal(np.asarray(weight), [2., 1.])
+  total, weight = base.masked_sum(uploads, mask, weights=jnp.asarray([2., 3.]))
+  np.testing.assert_array_equal(np.asarray(total), [[17., 22.], [21., 24.]])
+  np.testing.assert_array_equal(np.asarray(weight), [5., 3.])
+  mean, has = base.masked_mean(uploads, mask & jnp.asarray([[True], [False]]))
+  np.testing.assert_array_equal(np.asarray(mean), [[1., 2.], [0., 0.]])
+  np.testing.assert_array_equal(np.asarray(has), [True, False])
 
 
 @pytest.mark.parametrize('exclude_own', [False, True])

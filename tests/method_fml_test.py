@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import fml
+from fedssa_jax.methods import base, fml
 
 C = 4
 
@@ -145,6 +145,24 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
   for a, b in zip(jax.tree_util.tree_leaves(again['meme']),
                   jax.tree_util.tree_leaves(server['meme'])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_counted_inbox_hand_computed():
+  """base.COUNTED, FML's and FedKD's inbox: a chunk's active uploads are summed, each counting 1,
+  under the keys and dtypes their checkpoints hold."""
+  server = {'meme': 0, **base.COUNTED.empty({'w': jnp.zeros(2), 'b': jnp.zeros(())})}
+  assert set(server) == {'meme', 'inbox_sum', 'inbox_count'}
+  assert server['inbox_count'].dtype == jnp.int32
+  assert not bool(base.COUNTED.mean(server)[1])  # nothing arrived
+  chunk = {'w': jnp.asarray([[1., 2.], [10., 20.]]), 'b': jnp.asarray([1., 100.])}
+  server = base.COUNTED.add(server, chunk, jnp.asarray([True, False]))  # the 2nd is padding
+  server = base.COUNTED.add(server, {'w': jnp.asarray([[3., 6.]]), 'b': jnp.asarray([5.])},
+                            jnp.asarray([True]))
+  assert int(server['inbox_count']) == 2 and server['meme'] == 0
+  np.testing.assert_array_equal(np.asarray(server['inbox_sum']['w']), [4., 8.])
+  mean, any_ = base.COUNTED.mean(server)
+  assert bool(any_) and float(mean['b']) == 3.0
+  np.testing.assert_array_equal(np.asarray(mean['w']), [2., 4.])
 
 
 def test_engine_round_trip(small_sim):

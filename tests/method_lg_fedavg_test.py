@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import lg_fedavg
+from fedssa_jax.methods import base, lg_fedavg
 
 C = 4
 
@@ -115,6 +115,22 @@ def test_server_rule_equals_loop(weighting):
   # A second round averages only its own uploads.
   server, want2, _ = receive_and_aggregate(method, again, rng, 6)
   np.testing.assert_allclose(np.asarray(server['global']), want2, rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_inbox_hand_computed():
+  """base.WEIGHTED, the LG-FedAvg and FedClassAvg inbox: a chunk's active uploads are summed,
+  each counting its float weight, under the keys and dtypes their checkpoints hold."""
+  server = base.WEIGHTED.empty(jnp.zeros((1, 2)))
+  assert set(server) == {'inbox', 'inbox_weight'} and server['inbox_weight'].dtype == jnp.float32
+  rows = jnp.asarray([[[1., 2.]], [[3., 4.]], [[100., 100.]]])
+  server = base.WEIGHTED.add(server, rows, jnp.asarray([True, True, False]),  # 3rd: padding
+                             jnp.asarray([1., 3., 7.]))
+  server = base.WEIGHTED.add(server, rows[:1], jnp.asarray([True]), jnp.asarray([4.]))
+  assert float(server['inbox_weight']) == 8.0
+  np.testing.assert_array_equal(np.asarray(server['inbox']), [[14., 22.]])
+  mean, any_ = base.WEIGHTED.mean(server)
+  assert bool(any_)
+  np.testing.assert_array_equal(np.asarray(mean), [[1.75, 2.75]])
 
 
 def test_eval_uses_local_extractor_with_global_header():

@@ -14,7 +14,7 @@ from fedssa_jax import methods, models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = 10
-ROW = models.REPR_DIM + 1
+ROW = models.HEADER_ROW
 P5 = 665_048 + 501 * C  # CNN-5 with its C-way head (spec §0)
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from fedssa_jax import client
@@ -57,46 +58,92 @@ class Upload(NamedTuple):
   flops: jax.Array = ZERO_F   # client FLOPs spent on the upload (e.g. FedKD's SVDs)
 
 
+def empty_class_sums(num_classes: int, dim: int) -> dict:
+  """The zero accumulator of `class_sums` for [C, dim] values (a method's init_acc)."""
+  return {'sum': jnp.zeros((num_classes, dim), jnp.float32),
+          'count': jnp.zeros((num_classes,), jnp.float32)}
+
+
 def class_sums(values, y, valid, num_classes):
   """Per-class sums and counts of `values` [B, D] (spec V1: one one-hot matmul)."""
   onehot = jax.nn.one_hot(y, num_classes, dtype=values.dtype) * valid[:, None]
   return {'sum': onehot.T @ values, 'count': onehot.sum(axis=0)}
 
 
-def masked_mean(uploads, mask, weights=None):
-  """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
+def class_means(acc, seen):
+  """The per-class means [C, D] of the sums `class_sums` accumulated over a client's training,
+  zero for a class it does not hold; and which classes it holds [C] (seen and trained on).
+
+  What FD (mean logits) and FedProto (prototypes) upload: the rows of unheld classes are zeroed
+  so that an upload carries nothing about classes the client never saw."""
+  held = seen & (acc['count'] > 0)  # = S_k for any client that trained
+  means = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+  return jnp.where(held[:, None], means, 0.0), held
+
+
+def masked_sum(uploads, mask, weights=None):
+  """The sum of uploads [N, C, D] over clients where mask [N, C], and its total weight [C].
 
   `mask` may also hold non-negative per-(client, class) weights (e.g. class sample counts);
-  `weights` [N] (e.g. sample counts) weights whole clients."""
+  `weights` [N] (e.g. sample counts) weights whole clients. For a server that keeps the sums
+  rather than masked_mean's quotient: FD, which subtracts a client's own upload from them."""
   w = mask.astype(uploads.dtype)
   if weights is not None:
     w = w * weights[:, None]
-  total = w.sum(axis=0)
-  mean = jnp.einsum('nc,ncd->cd', w, uploads) / jnp.where(total > 0, total, 1.0)[:, None]
-  return mean, total > 0
+  return jnp.einsum('nc,ncd->cd', w, uploads), w.sum(axis=0)
 
 
-def empty_inbox(like) -> dict:
-  """A server inbox that sums whole-model uploads (FML's memes, FedKD's updates) in a round."""
-  return {'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, like),
-          'inbox_count': jnp.zeros((), jnp.int32)}
+def masked_mean(uploads, mask, weights=None):
+  """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
+
+  `mask` and `weights` as in masked_sum."""
+  total_sum, total = masked_sum(uploads, mask, weights)
+  return total_sum / jnp.where(total > 0, total, 1.0)[:, None], total > 0
 
 
-def add_to_inbox(server, payloads, active):
-  """Adds a chunk's uploads (leading axis) from its active clients to the server's inbox."""
-  chunk_sum = jax.tree_util.tree_map(
-      lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
-      payloads)
-  return {**server,
-          'inbox_sum': jax.tree_util.tree_map(jnp.add, server['inbox_sum'], chunk_sum),
-          'inbox_count': server['inbox_count'] + active.sum(dtype=jnp.int32)}
+class Inbox(NamedTuple):
+  """Where a server collects a round's whole uploads (FML's memes, FedKD's updates, the
+  LG-FedAvg and FedClassAvg headers): summed in server_receive as chunks arrive, so no [N, ...]
+  table of whole models is kept, and divided once in server_aggregate.
+
+  Each upload counts 1 (an int32 count) or, `weighted`, its own float weight (e.g. n_k). The
+  two kinds keep their own state keys and their own sums (a masked sum, or a weighted
+  contraction): the keys are what checkpoints hold, and either sum is the arithmetic the
+  methods' results were made with. COUNTED and WEIGHTED are the two inboxes."""
+  sum_key: str      # the server-state key of the sum of uploads ...
+  weight_key: str   # ... and of the sum of their weights
+  weighted: bool
+
+  def empty(self, like) -> dict:
+    """An empty inbox for uploads shaped like `like` (a pytree)."""
+    return {self.sum_key: jax.tree_util.tree_map(jnp.zeros_like, like),
+            self.weight_key: jnp.zeros((), jnp.float32 if self.weighted else jnp.int32)}
+
+  def add(self, server, payloads, active, weights=None) -> dict:
+    """Adds a chunk's uploads (leading axis), of its active clients, to the server's inbox;
+    `weights` [chunk] are the uploads' weights (a weighted inbox only)."""
+    if self.weighted:
+      w = jnp.where(active, weights, 0.0)
+      chunk_sum = jax.tree_util.tree_map(lambda a: jnp.tensordot(w, a, axes=1), payloads)
+    else:
+      chunk_sum = jax.tree_util.tree_map(
+          lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
+          payloads)
+    total_sum = jax.tree_util.tree_map(jnp.add, server[self.sum_key], chunk_sum)
+    chunk_weight = w.sum() if self.weighted else active.sum(dtype=jnp.int32)
+    return {**server, self.sum_key: total_sum,
+            self.weight_key: server[self.weight_key] + chunk_weight}
+
+  def mean(self, server):
+    """(the (weighted) mean of the round's uploads, whether any arrived)."""
+    total = server[self.weight_key]
+    mean = jax.tree_util.tree_map(lambda s: s / jnp.where(total > 0, total, 1.0),
+                                  server[self.sum_key])
+    return mean, total > 0
 
 
-def inbox_mean(server):
-  """(the unweighted mean of the round's uploads, whether any arrived)."""
-  count = server['inbox_count']
-  mean = jax.tree_util.tree_map(lambda s: s / jnp.maximum(count, 1), server['inbox_sum'])
-  return mean, count > 0
+COUNTED = Inbox('inbox_sum', 'inbox_count', weighted=False)
+WEIGHTED = Inbox('inbox', 'inbox_weight', weighted=True)
 
 
 def store_rows(table, client_ids, rows, active):
@@ -108,15 +155,35 @@ def store_rows(table, client_ids, rows, active):
 class Method:
   """Defaults: no exchange and plain cross-entropy (which is Standalone)."""
   name = 'base'
+  # The config block of the method's hyperparameters (config.<section>), whose fields and
+  # defaults `default_config` gives and `check_config` checks; None: the method has none.
+  # config_lib.base_config assembles every method's block, and config_lib.validate checks them.
+  config_section: str | None = None
   num_views = 1  # augmented views of each training batch the loss receives
   # Is the loss a mean of per-sample terms? Then a step's gradient may be summed over smaller
   # passes (client.TrainConfig.micro_batch). Not for losses coupling a batch's samples.
   per_sample_loss = True
 
   def __init__(self, config, num_clients: int, num_classes: int):
+    # The same checks as config_lib.validate's, so that no method is built from a config that
+    # cannot work, validated or not (tests and tools build methods directly).
+    if self.config_section is not None:
+      self.check_config(config[self.config_section])
     self.config = config
     self.num_clients = num_clients
     self.num_classes = num_classes
+
+  # --- configuration ---------------------------------------------------------------------------
+  @classmethod
+  def default_config(cls) -> ml_collections.ConfigDict:
+    """The fields of config.<config_section> and their defaults, each with a comment."""
+    raise NotImplementedError(f'{cls.__name__} has no config section.')
+
+  @classmethod
+  def check_config(cls, section: ml_collections.ConfigDict) -> None:
+    """Raises ValueError, naming the field and the values that work, for a value of
+    config.<config_section> that cannot work. Builds nothing: it runs before any data loads."""
+    del section
 
   # --- state ---------------------------------------------------------------------------------
   def init_server(self, key: jax.Array, seen: jax.Array) -> PyTree:

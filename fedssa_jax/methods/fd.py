@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from fedssa_jax import client
@@ -40,6 +41,19 @@ def distill_loss(logits, y, valid, targets, has_target, lam):
 
 class FD(base.Method):
   name = 'fd'
+  config_section = 'fd'
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.lam = 1.0                  # weight of the distillation term
+    c.exclude_own = False        # the FD paper's global logits without the client's own
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    if not c.lam >= 0:
+      raise ValueError(f'fd.lam must be >= 0 (0 turns distillation off), got {c.lam}.')
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
@@ -77,8 +91,7 @@ class FD(base.Method):
                          floats=(self.num_classes * rows).astype(jnp.int32))
 
   def init_acc(self):
-    c = self.num_classes
-    return {'sum': jnp.zeros((c, c), jnp.float32), 'count': jnp.zeros((c,), jnp.float32)}
+    return base.empty_class_sums(self.num_classes, self.num_classes)
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, _ = apply_fn({'params': trainable['model']}, views[0])
@@ -88,9 +101,8 @@ class FD(base.Method):
 
   def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
     del ctx, num_samples, round_index
-    has = seen & (acc['count'] > 0)  # = S_k for any client that trained
-    means = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
-    payload = {'logits': jnp.where(has[:, None], means, 0.0), 'has': has}
+    logits, has = base.class_means(acc, seen)
+    payload = {'logits': logits, 'has': has}
     return base.Upload(trainable['model'], state, payload,
                        floats=(self.num_classes * has.sum()).astype(jnp.int32))
 
@@ -103,9 +115,8 @@ class FD(base.Method):
   def server_aggregate(self, server, participants, round_index):
     del round_index
     contrib = server['inbox_has'] & participants[:, None]  # stale rows of absentees drop out
-    w = contrib.astype(jnp.float32)
-    server = {**server, 'sum': jnp.einsum('nc,ncd->cd', w, server['inbox']),
-              'cnt': w.sum(axis=0)}
+    total, cnt = base.masked_sum(server['inbox'], contrib)  # sums: exclude_own subtracts from them
+    server = {**server, 'sum': total, 'cnt': cnt}
     if self.exclude_own:
       server['own'] = jnp.where(contrib[:, :, None], server['inbox'], 0.0)
       server['own_has'] = contrib

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import lg_fedavg
@@ -61,18 +62,33 @@ class FedClassAvg(lg_fedavg.SharedHeader):
   config_section = 'fedclassavg'
   num_views = 2
 
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.tau = 0.07                 # SupCon temperature
+    c.base_tau = 0.07            # SupCon's base temperature (loss scale tau / base_tau)
+    c.normalize = True           # L2-normalise representations (official code: False,
+                                 # with tau = 100)
+    c.mu = 0.1                   # proximal weight towards the global header
+    c.weighting = 'samples'      # header mean: 'samples' (n_k) or 'uniform'
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    super().check_config(c)  # the shared header's weighting
+    for field in ('tau', 'base_tau'):
+      if not c[field] > 0:
+        raise ValueError(f'fedclassavg.{field} must be > 0, got {c[field]!r}.')
+    if not c.mu >= 0:
+      raise ValueError(f'fedclassavg.mu must be >= 0, got {c.mu!r}.')
+    if not isinstance(c.normalize, bool):
+      raise ValueError(f'fedclassavg.normalize must be True or False, got {c.normalize!r}.')
+
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     c = config.fedclassavg
     self.tau, self.base_tau, self.mu = float(c.tau), float(c.base_tau), float(c.mu)
     self.normalize = c.normalize
-    for field, value in (('tau', self.tau), ('base_tau', self.base_tau)):
-      if not value > 0:
-        raise ValueError(f'fedclassavg.{field} must be > 0, got {value!r}.')
-    if not self.mu >= 0:
-      raise ValueError(f'fedclassavg.mu must be >= 0, got {self.mu!r}.')
-    if not isinstance(self.normalize, bool):
-      raise ValueError(f'fedclassavg.normalize must be True or False, got {self.normalize!r}.')
     self.batch_size = int(config.batch_size)
 
   def download(self, params, state, server, client_id, seen, round_index):

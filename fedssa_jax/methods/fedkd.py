@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -91,14 +92,25 @@ def compress_update(delta, threshold):
 class FedKD(base.Method):
   name = 'fedkd'
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
+  config_section = 'fedkd'
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.energy_start = 0.95        # SVD energy threshold T, from round 0 ...
+    c.energy_end = 0.98          # ... to the last round
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    for field in ('energy_start', 'energy_end'):
+      if not 0.0 < c[field] <= 1.0:
+        raise ValueError(f'fedkd.{field} must be in (0, 1], got {c[field]}.')
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     c = config.fedkd
     self.energy_start, self.energy_end = float(c.energy_start), float(c.energy_end)
-    for field, v in (('energy_start', self.energy_start), ('energy_end', self.energy_end)):
-      if not 0.0 < v <= 1.0:
-        raise ValueError(f'fedkd.{field} must be in (0, 1], got {v}.')
     self.num_rounds = int(config.num_rounds)
     self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
                                           config.engine.compute_dtype)
@@ -111,7 +123,7 @@ class FedKD(base.Method):
   def init_server(self, key, seen):
     del seen
     theta = models.init_params(self.mentee_model, key)
-    return {'theta': theta, **base.empty_inbox(theta),
+    return {'theta': theta, **base.COUNTED.empty(theta),
             'held': jnp.zeros((self.num_clients,), jnp.int32),  # round of the theta a client has
             'last_floats': jnp.zeros((), jnp.int32),    # the last compressed Delta_bar's floats
             'last_rebuild': jnp.zeros((), jnp.float32)}  # ... and its rebuild FLOPs
@@ -155,13 +167,13 @@ class FedKD(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    return base.add_to_inbox(server, payloads, active)
+    return base.COUNTED.add(server, payloads, active)
 
   def server_aggregate(self, server, participants, round_index):
-    mean, any_ = base.inbox_mean(server)
+    mean, any_ = base.COUNTED.mean(server)
     recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
     theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server['theta'], recon)
-    return {'theta': theta, **base.empty_inbox(theta),
+    return {'theta': theta, **base.COUNTED.empty(theta),
             'held': jnp.where(participants, round_index, server['held']).astype(jnp.int32),
             'last_floats': jnp.where(any_, floats, 0).astype(jnp.int32),
             'last_rebuild': jnp.where(any_, rebuild, 0.0).astype(jnp.float32)}

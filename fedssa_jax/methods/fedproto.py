@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -48,18 +49,33 @@ def nearest_prototype(rep, protos, avail):
 
 class FedProto(base.Method):
   name = 'fedproto'
+  config_section = 'fedproto'
   eval_metrics = ('prototype_accuracy',)
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.lam = 1.0                  # weight of the prototype (MSE) term
+    c.weighting = 'uniform'      # 'uniform' over holders, or 'samples' (class counts)
+    c.inference = 'classifier'   # headline accuracy: 'classifier' or 'prototype'
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    if not c.lam >= 0:
+      raise ValueError(f'fedproto.lam must be >= 0 (0 turns the prototype term off), '
+                       f'got {c.lam}.')
+    if c.weighting not in ('uniform', 'samples'):
+      raise ValueError(
+          f"fedproto.weighting must be 'uniform' or 'samples', got {c.weighting!r}.")
+    if c.inference not in ('classifier', 'prototype'):
+      raise ValueError(
+          f"fedproto.inference must be 'classifier' or 'prototype', got {c.inference!r}.")
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     c = config.fedproto
     self.lam, self.weighting, self.inference = float(c.lam), c.weighting, c.inference
-    if self.weighting not in ('uniform', 'samples'):
-      raise ValueError(
-          f"fedproto.weighting must be 'uniform' or 'samples', got {self.weighting!r}.")
-    if self.inference not in ('classifier', 'prototype'):
-      raise ValueError(
-          f"fedproto.inference must be 'classifier' or 'prototype', got {self.inference!r}.")
     self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'
     self.local_epochs = int(config.local_epochs)
 
@@ -81,8 +97,7 @@ class FedProto(base.Method):
                          floats=(D * rows).astype(jnp.int32))
 
   def init_acc(self):
-    c = self.num_classes
-    return {'sum': jnp.zeros((c, D), jnp.float32), 'count': jnp.zeros((c,), jnp.float32)}
+    return base.empty_class_sums(self.num_classes, D)
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
@@ -92,11 +107,9 @@ class FedProto(base.Method):
 
   def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
     del ctx, num_samples, round_index
-    has = seen & (acc['count'] > 0)  # = S_k for any client that trained
-    protos = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+    protos, has = base.class_means(acc, seen)
     # Every epoch visits each sample once, so count / E is the class's sample count n_k[c].
-    payload = {'protos': jnp.where(has[:, None], protos, 0.0),
-               'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
+    payload = {'protos': protos, 'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
     return base.Upload(trainable['model'], state, payload,
                        floats=(D * has.sum()).astype(jnp.int32))
 

@@ -18,11 +18,18 @@ Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import models
 from fedssa_jax.methods import base
 
-ROW = models.HEADER_ROW  # 501 numbers per class row
+# The stabilisation rules (fedssa.fusion, see above): a row's fused value from its local value,
+# the global row and mu_t.
+FUSIONS = {
+    'reference': lambda rows, global_rows, mu: mu * rows + global_rows,
+    'convex': lambda rows, global_rows, mu: mu * rows + (1.0 - mu) * global_rows,
+}
+SCOPES = ('all_owners', 'participants')  # fedssa.scope: whose uploads a class's mean takes
 
 
 def mu_schedule(round_index, mu0: float, t_stable: int):
@@ -34,12 +41,7 @@ def mu_schedule(round_index, mu0: float, t_stable: int):
 
 def stabilize(rows, global_rows, mask, mu, fusion: str):
   """Fuses a client's [S, 501] header rows with the global rows where `mask` [S] holds."""
-  if fusion == 'convex':
-    fused = mu * rows + (1.0 - mu) * global_rows
-  elif fusion == 'reference':
-    fused = mu * rows + global_rows
-  else:
-    raise ValueError(f"fedssa.fusion must be 'convex' or 'reference', got {fusion!r}.")
+  fused = FUSIONS[fusion](rows, global_rows, mu)
   return jnp.where(mask[:, None], fused, rows)
 
 
@@ -51,6 +53,32 @@ def aggregate_headers(table, contrib, global_rows, avail):
 
 class FedSSA(base.Method):
   name = 'fedssa'
+  config_section = 'fedssa'
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()
+    c.mu0 = 0.5                  # initial weight of the local header rows
+    c.t_stable = 2               # rounds until mu_t reaches 0
+    c.fusion = 'reference'       # 'reference' (official code: mu*local + global) or
+                                 # 'convex' (mu*local + (1-mu)*global)
+    c.scope = 'all_owners'       # 'all_owners' (latest uploads) or 'participants'
+    c.initial_header = True      # the server's global header theta^0 before round 0 (as
+                                 # the official code); False: no global row until uploads
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    if not c.t_stable >= 0:
+      raise ValueError(f'fedssa.t_stable must be >= 0, got {c.t_stable}.')
+    if not 0 <= c.mu0 <= 1:
+      raise ValueError(f'fedssa.mu0 must be in [0, 1], got {c.mu0}.')
+    for field, value, choices in (('fusion', c.fusion, FUSIONS), ('scope', c.scope, SCOPES)):
+      if value not in choices:
+        raise ValueError(f'Unknown fedssa.{field} {value!r}; choose one of {sorted(choices)}.')
+    if not isinstance(c.initial_header, bool):
+      raise ValueError(
+          f'fedssa.initial_header must be True or False, got {c.initial_header!r}.')
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
@@ -58,21 +86,17 @@ class FedSSA(base.Method):
     self.mu0, self.t_stable = float(c.mu0), int(c.t_stable)
     self.fusion, self.scope = c.fusion, c.scope
     self.initial_header = bool(c.initial_header)
-    if self.fusion not in ('convex', 'reference'):
-      raise ValueError(f"fedssa.fusion must be 'convex' or 'reference', got {self.fusion!r}.")
-    if self.scope not in ('all_owners', 'participants'):
-      raise ValueError(
-          f"fedssa.scope must be 'all_owners' or 'participants', got {self.scope!r}.")
 
   def init_server(self, key, seen):
     n, s = seen.shape
+    row = models.HEADER_ROW
     if self.initial_header:  # theta^0: every class has a global row before round 0
       global_rows, avail = models.init_header(key, s), jnp.ones((s,), bool)
     else:
-      global_rows, avail = jnp.zeros((s, ROW), jnp.float32), jnp.zeros((s,), bool)
+      global_rows, avail = jnp.zeros((s, row), jnp.float32), jnp.zeros((s,), bool)
     return {
         'seen': jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
-        'table': jnp.zeros((n, s, ROW), jnp.float32),   # latest upload per client
+        'table': jnp.zeros((n, s, row), jnp.float32),   # latest upload per client
         'uploaded': jnp.zeros((n,), bool),              # has the client ever uploaded?
         'global': global_rows,                          # theta^s
         'avail': avail,                                 # does theta^s exist yet?
@@ -85,14 +109,15 @@ class FedSSA(base.Method):
     rows = stabilize(models.header_rows(params), server['global'], fused, mu, self.fusion)
     per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
     n_fused = fused.sum()
-    return base.Download(models.with_header_rows(params, rows), floats=ROW * n_fused,
-                         flops=(per_element * ROW * n_fused).astype(jnp.float32))
+    return base.Download(models.with_header_rows(params, rows),
+                         floats=models.HEADER_ROW * n_fused,
+                         flops=(per_element * models.HEADER_ROW * n_fused).astype(jnp.float32))
 
   def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
     del acc, ctx, num_samples, round_index
     params = trainable['model']
     rows = jnp.where(seen[:, None], models.header_rows(params), 0.0)
-    return base.Upload(params, state, payload=rows, floats=ROW * seen.sum())
+    return base.Upload(params, state, payload=rows, floats=models.HEADER_ROW * seen.sum())
 
   def server_receive(self, server, client_ids, payloads, active):
     return {**server,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -38,13 +39,24 @@ def kl_batchmean(target_logits, logits, valid):
 
 class FML(base.Method):
   name = 'fml'
+  config_section = 'fml'
+
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.alpha = 0.5                # local model: alpha CE + (1 - alpha) KL(meme || local)
+    c.beta = 0.5                 # meme: beta CE + (1 - beta) KL(local || meme)
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    for field in ('alpha', 'beta'):
+      if not 0.0 <= c[field] <= 1.0:
+        raise ValueError(f'fml.{field} must be in [0, 1], got {c[field]}.')
 
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     self.alpha, self.beta = float(config.fml.alpha), float(config.fml.beta)
-    for field, v in (('alpha', self.alpha), ('beta', self.beta)):
-      if not 0.0 <= v <= 1.0:
-        raise ValueError(f'fml.{field} must be in [0, 1], got {v}.')
     self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl,
                                         config.engine.compute_dtype)
     shapes = jax.eval_shape(lambda: models.init_params(self.meme_model, jax.random.PRNGKey(0)))
@@ -53,7 +65,7 @@ class FML(base.Method):
   def init_server(self, key, seen):
     del seen
     meme = models.init_params(self.meme_model, key)
-    return {'meme': meme, **base.empty_inbox(meme)}
+    return {'meme': meme, **base.COUNTED.empty(meme)}
 
   def download(self, params, state, server, client_id, seen, round_index):
     del state, client_id, seen, round_index
@@ -80,13 +92,13 @@ class FML(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    return base.add_to_inbox(server, payloads, active)
+    return base.COUNTED.add(server, payloads, active)
 
   def server_aggregate(self, server, participants, round_index):
     del participants, round_index
-    mean, any_ = base.inbox_mean(server)
+    mean, any_ = base.COUNTED.mean(server)
     meme = jax.tree_util.tree_map(lambda m, old: jnp.where(any_, m, old), mean, server['meme'])
-    return {'meme': meme, **base.empty_inbox(meme)}
+    return {'meme': meme, **base.COUNTED.empty(meme)}
 
   def train_flops_per_sample(self, own, flops_of):
     # The meme's forward and backward on every sample; the KL terms' elementwise work is ignored,

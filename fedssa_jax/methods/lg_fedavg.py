@@ -23,11 +23,11 @@ by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_collections
 
 from fedssa_jax import models
 from fedssa_jax.methods import base
 
-ROW = models.HEADER_ROW  # 501 numbers per class row
 WEIGHTINGS = ('samples', 'uniform')
 
 
@@ -35,20 +35,28 @@ class SharedHeader(base.Method):
   """The whole-header exchange: download H_g over the header, upload it, weighted mean."""
   config_section = 'lg_fedavg'  # the config block holding `weighting`
 
+  @classmethod
+  def default_config(cls):
+    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c.weighting = 'samples'      # header mean: 'samples' (n_k) or 'uniform'
+    return c
+
+  @classmethod
+  def check_config(cls, c):
+    if c.weighting not in WEIGHTINGS:
+      raise ValueError(f'{cls.config_section}.weighting must be one of {WEIGHTINGS}, '
+                       f'got {c.weighting!r}.')
+
   def __init__(self, config, num_clients, num_classes):
     super().__init__(config, num_clients, num_classes)
     self.weighting = config[self.config_section].weighting
-    if self.weighting not in WEIGHTINGS:
-      raise ValueError(f'{self.config_section}.weighting must be one of {WEIGHTINGS}, '
-                       f'got {self.weighting!r}.')
-    self.header_floats = ROW * num_classes
+    self.header_floats = models.HEADER_ROW * num_classes
 
   def init_server(self, key, seen):
     del seen
-    c = self.num_classes
-    return {'global': models.init_header(key, c),            # H_g, what clients download
-            'inbox': jnp.zeros((c, ROW), jnp.float32),       # sum_k w_k H_k of this round
-            'inbox_weight': jnp.zeros((), jnp.float32)}      # sum_k w_k of this round
+    header = models.init_header(key, self.num_classes)
+    # H_g, what clients download; the inbox holds sum_k w_k H_k and sum_k w_k of this round.
+    return {'global': header, **base.WEIGHTED.empty(header)}
 
   def download(self, params, state, server, client_id, seen, round_index):
     del state, client_id, seen, round_index
@@ -65,18 +73,12 @@ class SharedHeader(base.Method):
 
   def server_receive(self, server, client_ids, payloads, active):
     del client_ids
-    w = jnp.where(active, payloads['weight'], 0.0)
-    return {**server,
-            'inbox': server['inbox'] + jnp.einsum('k,kcd->cd', w, payloads['rows']),
-            'inbox_weight': server['inbox_weight'] + w.sum()}
+    return base.WEIGHTED.add(server, payloads['rows'], active, payloads['weight'])
 
   def server_aggregate(self, server, participants, round_index):
     del participants, round_index  # the inbox holds exactly this round's participants
-    total = server['inbox_weight']
-    mean = server['inbox'] / jnp.where(total > 0, total, 1.0)
-    return {'global': jnp.where(total > 0, mean, server['global']),
-            'inbox': jnp.zeros_like(server['inbox']),
-            'inbox_weight': jnp.zeros_like(total)}
+    mean, any_ = base.WEIGHTED.mean(server)
+    return {'global': jnp.where(any_, mean, server['global']), **base.WEIGHTED.empty(mean)}
 
 
 class LGFedAvg(SharedHeader):
