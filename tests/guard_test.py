@@ -1,6 +1,6 @@
 """The blow-up guard (train.check_blowup): it stops a run whose finite loss diverges, naming the
-round, the statistic and the clients, and leaves healthy runs alone. (tests/methods_test.py runs
-every method 3 rounds with the guard at its defaults.)"""
+round, the statistic and the clients, and leaves healthy runs alone. (main_every_method_test.py
+runs every method 3 rounds with the guard at its defaults.)"""
 import importlib.util
 import os
 import types

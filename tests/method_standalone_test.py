@@ -1,6 +1,6 @@
-"""Controls for comparing methods: a baseline whose knowledge-transfer term is switched off
-trains each client's own model exactly as Standalone does (same initial models, cohorts,
-batches and augmentation), to the digit."""
+"""Standalone, the control for comparing methods: a baseline whose knowledge-transfer term is
+switched off trains each client's own model exactly as Standalone does (same initial models,
+cohorts, batches and augmentation), to the digit."""
 import jax
 import numpy as np
 import pytest
