@@ -2,6 +2,7 @@
 and rounds run by hand, and the plain references the method tests compare against."""
 import functools
 import os
+import random
 import tempfile
 
 import jax
@@ -171,3 +172,20 @@ def two_rounds_of_uploads(method, server, payload):
   participants = np.isin(np.arange(n), [0, 1, 2])
   return method.server_aggregate(server, jnp.asarray(participants), 1), participants
 
+
+# Seeds of the tests' random choices, printed at the end of the session so that a failure can be
+# drawn again (each test also shows its seed in its failure messages).
+_LOGGED_SEEDS = {}
+
+
+def logged_seed(var):
+  """A seed for a test's random draw: $var if set, else a fresh one; logged as `var=seed`."""
+  if var not in _LOGGED_SEEDS:
+    _LOGGED_SEEDS[var] = int(os.environ.get(var) or random.SystemRandom().randrange(10**6))
+  return _LOGGED_SEEDS[var]
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _LOGGED_SEEDS:
+    terminalreporter.write_line('random draws of this session (set these to repeat them): ' +
+                                ' '.join(f'{k}={v}' for k, v in sorted(_LOGGED_SEEDS.items())))
