@@ -11,6 +11,7 @@ from fedssa_jax import augment, data
 
 H = W = 32
 N = 512  # images in the batch that is taken apart
+augment_batch = jax.jit(augment.augment_batch)  # as training calls it: one program, not op by op
 
 
 def test_normalize_equals_hand_computed_values():
@@ -57,7 +58,7 @@ def take_apart(y, x):
 @pytest.fixture(scope='module')
 def parts():
   x = coded_image()
-  y = np.asarray(augment.augment_batch(jax.random.PRNGKey(0), jnp.broadcast_to(x, (N, H, W, 3))))
+  y = np.asarray(augment_batch(jax.random.PRNGKey(0), jnp.broadcast_to(x, (N, H, W, 3))))
   return x, y, [take_apart(y[b], x) for b in range(N)]
 
 
@@ -104,7 +105,7 @@ def test_the_erased_pixels_are_one_box_of_the_spec_size(parts):
 
 def test_augmentation_shapes_and_invariants():
   x = jax.random.normal(jax.random.PRNGKey(0), (64, 32, 32, 3))
-  y = augment.augment_batch(jax.random.PRNGKey(1), x)
+  y = augment_batch(jax.random.PRNGKey(1), x)
   assert y.shape == x.shape
   y = np.asarray(y)
   # Zeros appear (erasing / crop padding) in some images, and some images are untouched flips.
@@ -112,5 +113,5 @@ def test_augmentation_shapes_and_invariants():
   assert (zero_frac > 0).mean() > 0.5
   assert (zero_frac <= 0.2 + 2 * 8 * 32 / 1024 + 1e-6).all()
   # Deterministic for a key, and another key gives other images.
-  np.testing.assert_array_equal(y, augment.augment_batch(jax.random.PRNGKey(1), x))
-  assert not np.array_equal(y, augment.augment_batch(jax.random.PRNGKey(2), x))
+  np.testing.assert_array_equal(y, augment_batch(jax.random.PRNGKey(1), x))
+  assert not np.array_equal(y, augment_batch(jax.random.PRNGKey(2), x))

@@ -22,6 +22,9 @@ from fedssa_jax import checkpoint, engine, train
 
 from conftest import logged_seed, write_tiny_tfds_cifar10
 
+# Every run here is a subprocess (slow: `pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ROUNDS = 6
 TIMING_FIELDS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',

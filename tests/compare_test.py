@@ -95,7 +95,7 @@ def test_a_misspelled_method_fails_before_any_run(tmp_path, fake_runs):
   assert fake_runs == {'load': 0, 'runs': []} and not os.path.exists(workdir)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two whole runs, compiled
 def test_a_real_comparison_tabulates_the_runs_summaries(tmp_path, monkeypatch):
   ds = synthetic_dataset()
   monkeypatch.setattr(data, 'load_dataset', lambda *args: ds)

@@ -21,6 +21,7 @@ def tiny(**overrides):
   return c
 
 
+@pytest.mark.slow  # a whole run, compiled
 def test_guard_stops_a_run_whose_loss_blows_up(tmp_path, small_ds):
   """lr=1e3 (gradients clipped at norm 50): the loss is finite but enormous from round 1."""
   with pytest.raises(train.DivergenceError) as e:

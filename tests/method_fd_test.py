@@ -107,6 +107,7 @@ def test_server_rule_equals_loop(exclude_own):
     assert not bool(down.ctx['has'][1, 1]) and bool(down.ctx['has'][0, 1])
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_smoke(small_sim):
   sim = small_sim('fd', **{'fd.exclude_own': True})
   (_, info0), (state, info1) = rounds(sim, 2)

@@ -184,6 +184,7 @@ def test_invalid_config_raises():
     fedclassavg.FedClassAvg(cfg, 4, C)
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_one_round_through_the_engine(small_sim):
   sim = small_sim('fedclassavg')
   c = sim.config

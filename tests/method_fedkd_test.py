@@ -218,6 +218,7 @@ def test_download_charges_and_upload():
   assert up.params is params and float(up.flops) > 0
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_round_trip(small_sim):
   # seed 1: cohorts [1 2], [1 3], [3 4]: round 2 has a Delta_bar and a dense download
   sim = small_sim('fedkd', num_rounds=3, seed=1)

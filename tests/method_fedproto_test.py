@@ -150,6 +150,7 @@ def test_options():
     make_method(inference='knn')
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_smoke(small_sim):
   sim = small_sim('fedproto')
   (_, info0), (state, info1) = rounds(sim, 2)

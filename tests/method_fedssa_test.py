@@ -116,6 +116,7 @@ def test_initial_global_header_is_a_client_header_draw_from_the_server_key(initi
     assert not np.asarray(server['global']).any() and not np.asarray(server['avail']).any()
 
 
+@pytest.mark.slow  # a simulator compiled and run
 @pytest.mark.parametrize('fusion', ['reference', 'convex'])
 def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   """Three engine rounds (T_stable=2: mu_t = 0.5, 0.35, 0) against the spec's round written
@@ -170,6 +171,7 @@ BEFORE_INITIAL_HEADER = {
 }
 
 
+@pytest.mark.slow  # a simulator compiled and run
 @pytest.mark.parametrize('fusion', ['convex', 'reference'])
 def test_without_initial_header_and_with_client_init_the_numbers_are_unchanged(small_sim,
                                                                                 fusion):

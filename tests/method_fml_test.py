@@ -135,6 +135,7 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_round_trip(small_sim):
   sim = small_sim('fml')
   c = sim.config

@@ -147,6 +147,7 @@ def test_loss_is_plain_cross_entropy_over_valid_samples():
   assert int(correct) == right and acc == {}
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_one_round_through_the_engine(small_sim):
   sim = small_sim('lg_fedavg')
   c = sim.config

@@ -7,6 +7,9 @@ import pytest
 
 from conftest import make_small_sim, rounds
 
+# Four simulators compiled and run (slow: `pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 ROUNDS = 2
 
 

@@ -3,9 +3,13 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from fedssa_jax import config_lib, representations, train
 from conftest import synthetic_dataset
+
+# A whole run, compiled (slow: `pytest -m "not slow"` leaves it out).
+pytestmark = pytest.mark.slow
 
 
 def test_a_run_saves_every_clients_test_representations(tmp_path):
