@@ -156,6 +156,14 @@ def padded_batches(rng, k, b, num_classes):
   return x, y, valid
 
 
+def clients_loss(method, model, params, ctx, x, y, valid):
+  """method.loss of k clients at once (vmapped and jitted, as the engine runs it), each on its
+  own batch (x, y, valid) with its own context `ctx`. Returns (loss, (correct, accumulator))."""
+  return jax.jit(jax.vmap(
+      lambda p, ctx, v, y, m: method.loss(model.apply, {'model': p}, ctx, (v,), y, m)))(
+          params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
+
+
 def two_rounds_of_uploads(method, server, payload):
   """The server side of two rounds of 5 clients: client 3 uploads in round 0; clients 0, 1 and 2
   in round 1, in two chunks, the first padded with a dummy (client 4's slot).

@@ -8,7 +8,8 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedproto
 
-from conftest import init_clients, log_softmax, padded_batches, rounds, two_rounds_of_uploads
+from conftest import (clients_loss, init_clients, log_softmax, padded_batches, rounds,
+                      two_rounds_of_uploads)
 
 C, D = 4, models.REPR_DIM
 
@@ -30,9 +31,7 @@ def test_loss_and_accumulator_equal_per_sample_loop():
   protos = rng.normal(size=(k, C, D)).astype(np.float32) * 0.1
   avail = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], bool)  # client 1: round 0
   ctx = {'protos': jnp.asarray(protos), 'avail': jnp.asarray(avail)}
-  loss, (correct, acc) = jax.jit(jax.vmap(
-      lambda p, ctx, v, y, m: method.loss(model.apply, {'model': p}, ctx, (v,), y, m)))(
-          params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
+  loss, (correct, acc) = clients_loss(method, model, params, ctx, x, y, valid)
   for i in range(k):
     logits, rep = model.apply({'params': jax.tree_util.tree_map(lambda a: a[i], params)},
                               jnp.asarray(x[i]))  # one client at a time
