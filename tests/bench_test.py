@@ -1,6 +1,11 @@
 """The benchmark harness's quick mode (the CI smoke run): every section reports sane figures,
 and rounds after the first compile nothing."""
+import pytest
+
 from fedssa_jax import bench
+
+# The benchmark compiles many programs (slow: `pytest -m "not slow"` leaves it out).
+pytestmark = pytest.mark.slow
 
 
 def test_quick_benchmark_reports_every_section(capsys):

@@ -20,12 +20,18 @@ import pytest
 
 from fedssa_jax import checkpoint, engine, train
 
-from conftest import write_tiny_tfds_cifar10
+from conftest import logged_seed, write_tiny_tfds_cifar10
+
+# Every run here is a subprocess (slow: `pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ROUNDS = 6
 TIMING_FIELDS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
                  'first_round_seconds')
+# The kill test's rounds are drawn from this seed: a fresh one each session unless it is set,
+# printed at the session's end and in the test's failure messages.
+KILL_SEED_VAR = 'FEDSSA_TEST_KILL_SEED'
 
 
 @pytest.fixture(scope='module')
@@ -105,26 +111,42 @@ def test_uninterrupted_run_writes_every_round_and_keeps_the_last_checkpoints(uni
   assert steps == [NUM_ROUNDS - 2, NUM_ROUNDS - 1, NUM_ROUNDS]  # checkpoint_keep = 3
 
 
+def kill_round(seed, sig):
+  """The round after which `sig` is sent, drawn from `seed` (each signal its own draw)."""
+  return random.Random(f'{seed}:{sig.name}').randint(1, NUM_ROUNDS - 2)
+
+
+def test_kill_rounds_drawn_from_seeds_cover_every_round_a_signal_can_follow():
+  for sig in (signal.SIGKILL, signal.SIGTERM):
+    rounds = {kill_round(seed, sig) for seed in range(100)}
+    assert rounds == set(range(1, NUM_ROUNDS - 1))  # a SIGTERM then stops by NUM_ROUNDS - 1
+  assert any(kill_round(s, signal.SIGKILL) != kill_round(s, signal.SIGTERM) for s in range(10))
+
+
 @pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['SIGKILL', 'SIGTERM'])
 def test_killed_run_resumes_to_the_uninterrupted_outputs(sig, env, uninterrupted, tmp_path):
   workdir = str(tmp_path / 'run')
-  r = random.randint(1, NUM_ROUNDS - 2)  # a SIGTERM then stops by round NUM_ROUNDS - 1
+  seed = logged_seed(KILL_SEED_VAR)
+  r = kill_round(seed, sig)
+  drawn = f'{sig.name} after round {r}, drawn from {KILL_SEED_VAR}={seed}'
+  print(drawn)  # shown with any failure, also one inside the helpers
   proc, log = start(env, workdir)
   rc = signal_after_round(proc, workdir, r, sig)
   if sig == signal.SIGKILL:
-    assert rc == -signal.SIGKILL
+    assert rc == -signal.SIGKILL, drawn
   else:
     text = open(log).read()
-    assert rc == train.EXIT_PREEMPTED, f'signal after round {r}, status {rc}:\n{text[-5000:]}'
-    assert 'SIGTERM: stopped after round' in text
+    assert rc == train.EXIT_PREEMPTED, f'{drawn}: status {rc}:\n{text[-5000:]}'
+    assert 'SIGTERM: stopped after round' in text, drawn
     # It finished its round and checkpointed it: nothing after the checkpoint to redo.
     steps = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints')).steps()
-    assert steps[-1] == rounds_written(workdir) >= r
+    assert steps[-1] == rounds_written(workdir) >= r, drawn
   # A SIGKILL may land before the first checkpoint is complete: then the rerun starts over.
   saved = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints')).steps()
   text = run(env, workdir)
-  assert (f'Resuming after round {saved[-1]}' in text) if saved else ('Resuming' not in text)
-  assert outputs(workdir) == outputs(uninterrupted), f'signal after round {r}'
+  assert (f'Resuming after round {saved[-1]}' in text) if saved else ('Resuming' not in text), (
+      drawn)
+  assert outputs(workdir) == outputs(uninterrupted), drawn
 
 
 def test_resume_falls_back_past_a_corrupt_checkpoint(env, uninterrupted, tmp_path):

@@ -1,8 +1,12 @@
-"""Shared fixtures: small synthetic data sets that need no TFDS."""
+"""Shared fixtures and helpers: small synthetic data sets that need no TFDS, small simulators
+and rounds run by hand, and the plain references the method tests compare against."""
+import functools
 import os
+import random
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -79,3 +83,117 @@ def make_small_sim(ds, method, **overrides):
 def small_sim(small_ds):
   """make(method, **overrides): make_small_sim on small_ds."""
   return lambda method, **overrides: make_small_sim(small_ds, method, **overrides)
+
+
+def rounds(sim, num_rounds, state=None):
+  """Yields (state, info) after each of `num_rounds` rounds of `sim`, run one by one as the
+  training loop does, from `state` (default: the initial state)."""
+  state = sim.init_state() if state is None else state
+  for _ in range(num_rounds):
+    state, info = sim.run_round(state)
+    yield state, info
+
+
+def params_of(sim, params, k):
+  """Client k's parameters, as numpy arrays, out of a state's per-family stacks `params`."""
+  return jax.tree.map(lambda a: np.asarray(a[sim.slot_of[k]]), params[sim.group_of[k]])
+
+
+def assert_floats_each_way(info, floats):
+  """Each participant of the round sent `floats` floats up and received as many."""
+  want = np.broadcast_to(floats, np.shape(info.cohort))
+  np.testing.assert_array_equal(info.client_up_floats, want)
+  np.testing.assert_array_equal(info.client_down_floats, want)
+
+
+# -- Plain references for the method tests -----------------------------------------------------
+
+def log_softmax(z):
+  """log softmax over the last axis, in numpy."""
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def ce_loop(logits, y, valid):
+  """(mean cross-entropy, number right) over the valid samples, one sample at a time."""
+  ces, right = [], 0
+  for z, t, v in zip(np.asarray(logits, np.float64), y, valid):
+    if v:
+      ces.append(np.logaddexp.reduce(z) - z[t])
+      right += int(np.argmax(z) == t)
+  return np.mean(ces), right
+
+
+def random_params(model, seed, scale=0.05):
+  """Random parameters of `model` without compiling its initialiser."""
+  from fedssa_jax import models  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
+  return jax.tree.map(lambda s: jnp.asarray(rng.normal(scale=scale, size=s.shape), jnp.float32),
+                      shapes)
+
+
+def stack_trees(trees):
+  """One tree of stacked leaves (a leading client axis) from a list of trees."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def init_clients(model, k, seed=0):
+  """k clients' initial parameters of `model`, stacked: vmapped init over split keys."""
+  from fedssa_jax import models  # pylint: disable=g-import-not-at-top
+  return jax.vmap(functools.partial(models.init_params, model))(
+      jax.random.split(jax.random.PRNGKey(seed), k))
+
+
+def padded_batches(rng, k, b, num_classes):
+  """k clients' batches of b random images and labels; the last two samples of each batch are
+  padding, and client 2's batch (k >= 3) holds a single valid sample. (x, y, valid)."""
+  x = rng.normal(size=(k, b, 32, 32, 3)).astype(np.float32)
+  y = rng.integers(0, num_classes, size=(k, b)).astype(np.int32)
+  valid = np.ones((k, b), bool)
+  valid[:, -2:] = False           # padding
+  valid[2, 1:] = False            # a nearly empty batch
+  return x, y, valid
+
+
+def clients_loss(method, model, params, ctx, x, y, valid):
+  """method.loss of k clients at once (vmapped and jitted, as the engine runs it), each on its
+  own batch (x, y, valid) with its own context `ctx`. Returns (loss, (correct, accumulator))."""
+  return jax.jit(jax.vmap(
+      lambda p, ctx, v, y, m: method.loss(model.apply, {'model': p}, ctx, (v,), y, m)))(
+          params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
+
+
+def two_rounds_of_uploads(method, server, payload):
+  """The server side of two rounds of 5 clients: client 3 uploads in round 0; clients 0, 1 and 2
+  in round 1, in two chunks, the first padded with a dummy (client 4's slot).
+  `payload(ids)` is a chunk's upload. Returns the server and round 1's participants."""
+  n = 5
+
+  def receive(server, ids, active):
+    return method.server_receive(server, jnp.asarray(ids), payload(np.asarray(ids)),
+                                 jnp.asarray(active))
+  server = receive(server, [3], [True])
+  server = method.server_aggregate(server, jnp.asarray(np.arange(n) == 3), 0)
+  server = receive(server, [0, 1, 4], [True, True, False])
+  server = receive(server, [2], [True])
+  participants = np.isin(np.arange(n), [0, 1, 2])
+  return method.server_aggregate(server, jnp.asarray(participants), 1), participants
+
+
+# Seeds of the tests' random choices, printed at the end of the session so that a failure can be
+# drawn again (each test also shows its seed in its failure messages).
+_LOGGED_SEEDS = {}
+
+
+def logged_seed(var):
+  """A seed for a test's random draw: $var if set, else a fresh one; logged as `var=seed`."""
+  if var not in _LOGGED_SEEDS:
+    _LOGGED_SEEDS[var] = int(os.environ.get(var) or random.SystemRandom().randrange(10**6))
+  return _LOGGED_SEEDS[var]
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _LOGGED_SEEDS:
+    terminalreporter.write_line('random draws of this session (set these to repeat them): ' +
+                                ' '.join(f'{k}={v}' for k, v in sorted(_LOGGED_SEEDS.items())))

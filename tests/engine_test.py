@@ -37,6 +37,7 @@ def runs(small_ds):
           for per_call in (1, 3)}
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_chunked_vmap_with_dummies_equals_one_client_per_call(runs):
   (_, s1, i1, e1), (sim3, s3, i3, e3) = runs[1], runs[3]
   assert [g.clients_per_call for g in sim3.groups] == [3, 3]
@@ -53,6 +54,7 @@ def test_chunked_vmap_with_dummies_equals_one_client_per_call(runs):
   np.testing.assert_allclose(e1.accuracy, e3.accuracy, atol=1e-9)
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_no_retracing_across_rounds(runs):
   for sim, *_ in runs.values():
     # FedSSA's evaluations, whole or of the trained clients, run blocks of one fixed size.
@@ -60,6 +62,7 @@ def test_no_retracing_across_rounds(runs):
       assert call._cache_size() == 1
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_evaluation_from_the_previous_one_equals_a_whole_evaluation(runs):
   sim, state, infos, ev = runs[1]
   # The last evaluation re-evaluated only the last round's cohort.
@@ -88,6 +91,7 @@ def test_methods_say_whether_evaluation_reads_the_server(method, reads):
   assert m.eval_reads_server is reads
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_methods_reading_the_server_are_evaluated_whole(small_sim):
   sim = small_sim('lg_fedavg')
   state, ev = sim.init_state(), None
@@ -98,6 +102,7 @@ def test_methods_reading_the_server_are_evaluated_whole(small_sim):
   np.testing.assert_array_equal(ev.accuracy, sim.evaluate(state).accuracy)
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_costs_match_hand_counts(runs):
   sim, state, infos, _ = runs[1]
   cfg = sim.config
@@ -117,6 +122,7 @@ def test_costs_match_hand_counts(runs):
     np.testing.assert_array_equal(i.train_samples, cfg.local_epochs * sim.train_n[i.cohort])
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   sim, state, infos, ev = run(small_config('standalone'), small_ds)
   assert state.server == {}
@@ -138,6 +144,7 @@ def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
                                   fs_state.params[g]['fc1']['kernel'][slot])
 
 
+@pytest.mark.slow  # simulators compiled and run
 @pytest.mark.parametrize('scope', ['family', 'client'])
 def test_initial_models_per_family_or_per_client(small_ds, scope):
   config = small_config()
@@ -157,6 +164,7 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
                                   kernels[1][0])
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
   sim, state, infos, _ = runs[3]
   norms = []
@@ -177,6 +185,7 @@ def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
   assert engine.cohort_size(100, 0.1) == 10 and engine.cohort_size(10, 0.01) == 1
 
 
+@pytest.mark.slow  # simulators compiled and run
 def test_evaluation_equals_plain_per_client_loop(runs, small_ds):
   sim, state, _, ev = runs[3]
   images = np.asarray(jax.numpy.asarray(small_ds.images, np.float32) / 255.0)

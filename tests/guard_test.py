@@ -1,6 +1,6 @@
 """The blow-up guard (train.check_blowup): it stops a run whose finite loss diverges, naming the
-round, the statistic and the clients, and leaves healthy runs alone. (tests/methods_test.py runs
-every method 3 rounds with the guard at its defaults.)"""
+round, the statistic and the clients, and leaves healthy runs alone. (main_every_method_test.py
+runs every method 3 rounds with the guard at its defaults.)"""
 import importlib.util
 import os
 import types
@@ -21,6 +21,7 @@ def tiny(**overrides):
   return c
 
 
+@pytest.mark.slow  # a whole run, compiled
 def test_guard_stops_a_run_whose_loss_blows_up(tmp_path, small_ds):
   """lr=1e3 (gradients clipped at norm 50): the loss is finite but enormous from round 1."""
   with pytest.raises(train.DivergenceError) as e:

@@ -36,6 +36,7 @@ def test_config_file_variants_and_overrides(monkeypatch):
   assert (c.num_rounds, tuple(c.model.families), c.fedssa.fusion) == (7, ('cnn5',), 'reference')
 
 
+@pytest.mark.slow  # a whole run, compiled
 def test_end_to_end_on_tfds_mock_data_writes_documented_outputs(tmp_path):
   dataset = 'cifar100'
   workdir = str(tmp_path / 'run')

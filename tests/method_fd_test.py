@@ -1,7 +1,5 @@
 """FD (spec BASELINES.md §3): the distillation loss, the accumulator, the server rule with and
 without the client's own contribution, and the float counts, against plain per-client loops."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +7,9 @@ import pytest
 
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import base, fd
+
+from conftest import (clients_loss, init_clients, log_softmax, padded_batches, rounds,
+                      two_rounds_of_uploads)
 
 C = 4
 
@@ -19,29 +20,17 @@ def make_method(n=5, exclude_own=False, lam=1.0):
   return fd.FD(c, n, C)
 
 
-def log_softmax(z):
-  z = z - z.max()
-  return z - np.log(np.exp(z).sum())
-
-
 def test_loss_and_accumulator_equal_per_sample_loop():
   lam, k, b = 0.7, 3, 6
   method = make_method(lam=lam)
   model = models.make_model('cnn5', C, 'im2col')
-  params = jax.vmap(functools.partial(models.init_params, model))(
-      jax.random.split(jax.random.PRNGKey(0), k))
+  params = init_clients(model, k)
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(k, b, 32, 32, 3)).astype(np.float32)
-  y = rng.integers(0, C, size=(k, b)).astype(np.int32)
-  valid = np.ones((k, b), bool)
-  valid[:, -2:] = False           # padding
-  valid[2, 1:] = False            # a nearly empty batch
+  x, y, valid = padded_batches(rng, k, b, C)
   targets = rng.normal(size=(k, C, C)).astype(np.float32) * 3
   has = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], bool)  # client 1: round 0
   ctx = {'targets': jnp.asarray(targets), 'has': jnp.asarray(has)}
-  loss, (correct, acc) = jax.jit(jax.vmap(
-      lambda p, ctx, v, y, m: method.loss(model.apply, {'model': p}, ctx, (v,), y, m)))(
-          params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
+  loss, (correct, acc) = clients_loss(method, model, params, ctx, x, y, valid)
   for i in range(k):
     logits = np.asarray(model.apply({'params': jax.tree_util.tree_map(lambda a: a[i], params)},
                                     jnp.asarray(x[i]))[0], np.float64)  # one client at a time
@@ -118,17 +107,9 @@ def test_server_rule_equals_loop(exclude_own):
 
   rng = np.random.default_rng(2)
   uploads = np.where(seen[:, :, None], rng.normal(size=(n, C, C)), 0).astype(np.float32)
-  def receive(server, ids, active):
-    ids = np.asarray(ids)
-    payload = {'logits': jnp.asarray(uploads[ids]), 'has': jnp.asarray(seen[ids])}
-    return method.server_receive(server, jnp.asarray(ids), payload, jnp.asarray(active))
-  server = receive(server, [3], [True])
-  server = method.server_aggregate(server, jnp.asarray(np.arange(n) == 3), 0)
-  # Round 1: clients 0, 1, 2 in two chunks, the first padded with a dummy (client 4's slot).
-  server = receive(server, [0, 1, 4], [True, True, False])
-  server = receive(server, [2], [True])
-  participants = np.isin(np.arange(n), [0, 1, 2])
-  server = method.server_aggregate(server, jnp.asarray(participants), 1)
+  server, participants = two_rounds_of_uploads(
+      method, server, lambda ids: {'logits': jnp.asarray(uploads[ids]),
+                                   'has': jnp.asarray(seen[ids])})
 
   down = jax.vmap(method.download, in_axes=(None, None, None, 0, 0, None))(
       {}, {}, server, jnp.arange(n), jnp.asarray(seen), 2)
@@ -147,12 +128,10 @@ def test_server_rule_equals_loop(exclude_own):
     assert not bool(down.ctx['has'][1, 1]) and bool(down.ctx['has'][0, 1])
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_smoke(small_sim):
   sim = small_sim('fd', **{'fd.exclude_own': True})
-  c = sim.config
-  state = sim.init_state()
-  state, info0 = sim.run_round(state)
-  state, info1 = sim.run_round(state)
+  (_, info0), (state, info1) = rounds(sim, 2)
   ev = sim.evaluate(state)
   nc = sim.num_classes
   for info in (info0, info1):

@@ -9,6 +9,8 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedclassavg
 
+from conftest import assert_floats_each_way, ce_loop, rounds, stack_trees
+
 C = 4
 VARIANTS = {'standard': (True, 0.07, 0.07), 'official': (False, 100.0, 0.07),
             'unnormalised': (False, 0.5, 0.07)}
@@ -81,15 +83,6 @@ def test_supcon_ignores_padded_views(normalize):
   assert float(loss0) == 0.0 and np.isfinite(np.asarray(grad0)).all()
 
 
-def ce_loop(logits, y, valid):
-  ces, right = [], 0
-  for z, t, v in zip(np.asarray(logits, np.float64), y, valid):
-    if v:
-      ces.append(np.logaddexp.reduce(z) - z[t])
-      right += int(np.argmax(z) == t)
-  return np.mean(ces), right
-
-
 def proximal_loop(params, global_rows):
   w, bias = np.asarray(params['fc3']['kernel'], np.float64), np.asarray(params['fc3']['bias'])
   g = np.asarray(global_rows, np.float64)
@@ -112,7 +105,7 @@ def test_loss_on_a_real_model_equals_loop(variant):
   x1, x2 = (rng.normal(size=(2, b, 32, 32, 3)).astype(np.float32) for _ in range(2))
   y = np.array([[0, 3, 1, 1, 2, 0], [2, 2, 0, 1, 3, 3]])
   valid = np.array([[1, 1, 0, 1, 1, 0], [1, 0, 1, 1, 1, 1]], bool)
-  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params)
+  stacked = stack_trees(params)
 
   @jax.jit
   def run(x1, x2):
@@ -191,18 +184,15 @@ def test_invalid_config_raises():
     fedclassavg.FedClassAvg(cfg, 4, C)
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_one_round_through_the_engine(small_sim):
   sim = small_sim('fedclassavg')
   c = sim.config
   for fam in c.model.families:  # a second view plus the 2B x 2B similarity matrix
     assert sim.flops_per_sample[fam] == 2 * sim.model_flops(fam) + 24 * 16 * 500
-  state = sim.init_state()
-  for _ in range(2):
-    state, info = sim.run_round(state)
+  for state, info in rounds(sim, 2):
     assert np.isfinite(info.train_loss)
-    hand = np.full(len(info.cohort), 501 * sim.num_classes)  # 5,010 each way
-    np.testing.assert_array_equal(info.client_up_floats, hand)
-    np.testing.assert_array_equal(info.client_down_floats, hand)
+    assert_floats_each_way(info, 501 * sim.num_classes)  # 5,010 each way
     np.testing.assert_allclose(info.client_flops_per_client,
                                sim.client_flops_per_sample[info.cohort]
                                * sim.train_n[info.cohort])

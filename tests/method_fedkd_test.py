@@ -9,6 +9,8 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedkd
 
+from conftest import log_softmax, random_params, stack_trees
+
 C = 4
 
 
@@ -18,19 +20,6 @@ def make_method(num_clients=5, num_classes=C, num_rounds=10, start=0.95, end=0.9
   c.num_rounds = num_rounds
   c.fedkd.energy_start, c.fedkd.energy_end = start, end
   return fedkd.FedKD(c, num_clients, num_classes)
-
-
-def random_params(model, seed, scale=0.05):
-  """Random parameters of `model` without compiling its initialiser."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-  return jax.tree_util.tree_map(
-      lambda s: jnp.asarray(rng.normal(scale=scale, size=s.shape), jnp.float32), shapes)
-
-
-def log_softmax(z):
-  z = z - z.max(-1, keepdims=True)
-  return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
 def numpy_compress(a, t):
@@ -115,9 +104,8 @@ def test_vmapped_compression_equals_per_client():
 def test_loss_vmapped_equals_hand_computation():
   method = make_method()
   own = models.make_model('cnn4', C, 'im2col')
-  stack = lambda ps: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ps)
-  mentors = stack([random_params(own, i) for i in range(2)])
-  mentees = stack([random_params(method.mentee_model, 2 + i) for i in range(2)])
+  mentors = stack_trees([random_params(own, i) for i in range(2)])
+  mentees = stack_trees([random_params(method.mentee_model, 2 + i) for i in range(2)])
   rng = np.random.default_rng(0)
   w_h = jnp.asarray(rng.uniform(-0.045, 0.045, size=(2, 500, 500)), jnp.float32)
   b = 6
@@ -230,6 +218,7 @@ def test_download_charges_and_upload():
   assert up.params is params and float(up.flops) > 0
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_round_trip(small_sim):
   # seed 1: cohorts [1 2], [1 3], [3 4]: round 2 has a Delta_bar and a dense download
   sim = small_sim('fedkd', num_rounds=3, seed=1)

@@ -1,7 +1,5 @@
 """FedProto (spec BASELINES.md §4): the prototype loss, the accumulator, the server rule (both
 weightings), nearest-prototype inference and the float counts, against plain per-client loops."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +7,9 @@ import pytest
 
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedproto
+
+from conftest import (clients_loss, init_clients, log_softmax, padded_batches, rounds,
+                      two_rounds_of_uploads)
 
 C, D = 4, models.REPR_DIM
 
@@ -20,29 +21,17 @@ def make_method(n=5, lam=1.0, weighting='uniform', inference='classifier', epoch
   return fedproto.FedProto(c, n, C)
 
 
-def log_softmax(z):
-  z = z - z.max()
-  return z - np.log(np.exp(z).sum())
-
-
 def test_loss_and_accumulator_equal_per_sample_loop():
   lam, k, b = 0.3, 3, 6
   method = make_method(lam=lam)
   model = models.make_model('cnn5', C, 'im2col')
-  params = jax.vmap(functools.partial(models.init_params, model))(
-      jax.random.split(jax.random.PRNGKey(0), k))
+  params = init_clients(model, k)
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(k, b, 32, 32, 3)).astype(np.float32)
-  y = rng.integers(0, C, size=(k, b)).astype(np.int32)
-  valid = np.ones((k, b), bool)
-  valid[:, -2:] = False
-  valid[2, 1:] = False
+  x, y, valid = padded_batches(rng, k, b, C)
   protos = rng.normal(size=(k, C, D)).astype(np.float32) * 0.1
   avail = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], bool)  # client 1: round 0
   ctx = {'protos': jnp.asarray(protos), 'avail': jnp.asarray(avail)}
-  loss, (correct, acc) = jax.jit(jax.vmap(
-      lambda p, ctx, v, y, m: method.loss(model.apply, {'model': p}, ctx, (v,), y, m)))(
-          params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
+  loss, (correct, acc) = clients_loss(method, model, params, ctx, x, y, valid)
   for i in range(k):
     logits, rep = model.apply({'params': jax.tree_util.tree_map(lambda a: a[i], params)},
                               jnp.asarray(x[i]))  # one client at a time
@@ -100,18 +89,9 @@ def test_server_rule_and_download_floats_equal_loop(weighting):
   rng = np.random.default_rng(2)
   protos = np.where(seen[:, :, None], rng.normal(size=(n, C, D)), 0).astype(np.float32)
   n_kc = np.where(seen, rng.integers(1, 20, size=seen.shape), 0).astype(np.float32)
-
-  def receive(server, ids, active):
-    ids = np.asarray(ids)
-    payload = {'protos': jnp.asarray(protos[ids]), 'n': jnp.asarray(n_kc[ids])}
-    return method.server_receive(server, jnp.asarray(ids), payload, jnp.asarray(active))
-  server = receive(server, [3], [True])
-  server = method.server_aggregate(server, jnp.asarray(np.arange(n) == 3), 0)
-  # Round 1: clients 0, 1, 2 in two chunks, the first padded with a dummy (client 4's slot).
-  server = receive(server, [0, 1, 4], [True, True, False])
-  server = receive(server, [2], [True])
-  participants = np.isin(np.arange(n), [0, 1, 2])
-  server = method.server_aggregate(server, jnp.asarray(participants), 1)
+  server, participants = two_rounds_of_uploads(
+      method, server, lambda ids: {'protos': jnp.asarray(protos[ids]),
+                                   'n': jnp.asarray(n_kc[ids])})
 
   want_avail = np.zeros(C, bool)
   for c in range(C):
@@ -169,12 +149,10 @@ def test_options():
     make_method(inference='knn')
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_smoke(small_sim):
   sim = small_sim('fedproto')
-  c = sim.config
-  state = sim.init_state()
-  state, info0 = sim.run_round(state)
-  state, info1 = sim.run_round(state)
+  (_, info0), (state, info1) = rounds(sim, 2)
   ev = sim.evaluate(state)
   for info in (info0, info1):
     assert np.isfinite(info.train_loss)

@@ -8,6 +8,8 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import base, fml
 
+from conftest import assert_floats_each_way, log_softmax, random_params, rounds, stack_trees
+
 C = 4
 
 
@@ -16,19 +18,6 @@ def make_method(num_clients=5, num_classes=C, alpha=0.3, beta=0.6):
   c.model.conv_impl = 'im2col'
   c.fml.alpha, c.fml.beta = alpha, beta
   return fml.FML(c, num_clients, num_classes)
-
-
-def log_softmax(z):
-  z = z - z.max(-1, keepdims=True)
-  return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
-def random_params(model, seed, scale=0.05):
-  """Random parameters of `model` without compiling its initialiser."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-  return jax.tree_util.tree_map(
-      lambda s: jnp.asarray(rng.normal(scale=scale, size=s.shape), jnp.float32), shapes)
 
 
 def test_p5_counted_from_params_and_floats_each_way():
@@ -60,9 +49,8 @@ def test_bad_weights_rejected():
 def test_loss_vmapped_equals_hand_computation_and_gradients_separate():
   method = make_method()
   own = models.make_model('cnn4', C, 'im2col')
-  stack = lambda ps: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ps)
-  models_ = stack([random_params(own, i) for i in range(2)])
-  memes = stack([random_params(method.meme_model, 2 + i) for i in range(2)])
+  models_ = stack_trees([random_params(own, i) for i in range(2)])
+  memes = stack_trees([random_params(method.meme_model, 2 + i) for i in range(2)])
   rng = np.random.default_rng(0)
   b = 6
   x = jnp.asarray(rng.normal(size=(2, b, 32, 32, 3)), jnp.float32)
@@ -147,24 +135,7 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_counted_inbox_hand_computed():
-  """base.COUNTED, FML's and FedKD's inbox: a chunk's active uploads are summed, each counting 1,
-  under the keys and dtypes their checkpoints hold."""
-  server = {'meme': 0, **base.COUNTED.empty({'w': jnp.zeros(2), 'b': jnp.zeros(())})}
-  assert set(server) == {'meme', 'inbox_sum', 'inbox_count'}
-  assert server['inbox_count'].dtype == jnp.int32
-  assert not bool(base.COUNTED.mean(server)[1])  # nothing arrived
-  chunk = {'w': jnp.asarray([[1., 2.], [10., 20.]]), 'b': jnp.asarray([1., 100.])}
-  server = base.COUNTED.add(server, chunk, jnp.asarray([True, False]))  # the 2nd is padding
-  server = base.COUNTED.add(server, {'w': jnp.asarray([[3., 6.]]), 'b': jnp.asarray([5.])},
-                            jnp.asarray([True]))
-  assert int(server['inbox_count']) == 2 and server['meme'] == 0
-  np.testing.assert_array_equal(np.asarray(server['inbox_sum']['w']), [4., 8.])
-  mean, any_ = base.COUNTED.mean(server)
-  assert bool(any_) and float(mean['b']) == 3.0
-  np.testing.assert_array_equal(np.asarray(mean['w']), [2., 4.])
-
-
+@pytest.mark.slow  # a simulator compiled and run
 def test_engine_round_trip(small_sim):
   sim = small_sim('fml')
   c = sim.config
@@ -174,11 +145,9 @@ def test_engine_round_trip(small_sim):
     assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5'))
   state = sim.init_state()
   meme0 = jax.tree_util.tree_map(np.asarray, state.server['meme'])
-  for _ in range(c.num_rounds):
-    state, info = sim.run_round(state)
+  for state, info in rounds(sim, c.num_rounds, state):
     assert np.isfinite(info.train_loss)
-    np.testing.assert_array_equal(info.client_up_floats, p5)
-    np.testing.assert_array_equal(info.client_down_floats, p5)
+    assert_floats_each_way(info, p5)
   assert state.costs['up_floats'] == state.costs['down_floats'] == 2 * 2 * p5
   old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(state.server['meme'])
   assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved

@@ -10,6 +10,8 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import base, lg_fedavg
 
+from conftest import assert_floats_each_way, ce_loop, params_of, rounds, stack_trees
+
 C = 4
 
 
@@ -49,7 +51,7 @@ def test_download_upload_over_vmapped_clients(weighting):
   server = method.init_server(jax.random.PRNGKey(0), jnp.ones((6, C), bool))
   server['global'] = jax.random.normal(jax.random.PRNGKey(9), (C, 501))
   params = [client_params(k) for k in range(3)]
-  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params)
+  stacked = stack_trees(params)
   seen = jnp.array([[1, 0, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0]], bool)
   down = jax.vmap(method.download, in_axes=(0, None, None, 0, 0, None))(
       stacked, {}, server, jnp.arange(3), seen, 0)
@@ -156,31 +158,22 @@ def test_loss_is_plain_cross_entropy_over_valid_samples():
   y = jnp.array([0, 3, 1, 1, 2, 0])
   valid = jnp.array([True, True, False, True, True, False])
   loss, (correct, acc) = method.loss(model.apply, {'model': params}, (), (x,), y, valid)
-  logits = np.asarray(model.apply({'params': params}, x)[0], np.float64)
-  ces, right = [], 0
-  for i in range(6):
-    if valid[i]:
-      z = logits[i] - logits[i].max()
-      ces.append(np.log(np.exp(z).sum()) - z[int(y[i])])
-      right += int(np.argmax(logits[i]) == int(y[i]))
-  assert float(loss) == pytest.approx(np.mean(ces), rel=1e-5)
+  ce, right = ce_loop(model.apply({'params': params}, x)[0], np.asarray(y), np.asarray(valid))
+  assert float(loss) == pytest.approx(ce, rel=1e-5)
   assert int(correct) == right and acc == {}
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_one_round_through_the_engine(small_sim):
   sim = small_sim('lg_fedavg')
   c = sim.config
-  state = sim.init_state()
-  for _ in range(2):
-    state, info = sim.run_round(state)
+  for state, info in rounds(sim, 2):
     assert np.isfinite(info.train_loss)
-    hand = np.full(len(info.cohort), 501 * sim.num_classes)  # 5,010 each way
-    np.testing.assert_array_equal(info.client_up_floats, hand)
-    np.testing.assert_array_equal(info.client_down_floats, hand)
+    assert_floats_each_way(info, 501 * sim.num_classes)  # 5,010 each way
     # H_g is the n_k-weighted mean of the participants' trained headers (which they keep).
     rows, weights = [], []
     for k in info.cohort:
-      p = jax.tree_util.tree_map(lambda a: a[sim.slot_of[k]], state.params[sim.group_of[k]])
+      p = params_of(sim, state.params, k)
       rows.append(np.asarray(models.header_rows(p), np.float64))
       weights.append(sim.train_n[k])
     want = np.tensordot(weights, rows, axes=1) / np.sum(weights)

@@ -79,6 +79,7 @@ def runs(tmp_path_factory):
   return {'one': (one, alone), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
 
 
+@pytest.mark.slow  # the runs are subprocesses
 def test_two_processes_span_one_mesh(runs):
   _, results = runs['two']
   assert [r['process_index'] for _, r in results] == list(range(PROCESSES))
@@ -90,6 +91,7 @@ def test_two_processes_span_one_mesh(runs):
   assert runs['one'][1][0][1]['mesh_devices'] == 1
 
 
+@pytest.mark.slow  # the runs are subprocesses
 def test_a_signal_to_one_process_stops_all_after_the_same_round(runs):
   stopped_records, results = runs['stopped']
   for status, r in results:
@@ -97,6 +99,7 @@ def test_a_signal_to_one_process_stops_all_after_the_same_round(runs):
   assert [r['round'] for r in stopped_records] == [1]
 
 
+@pytest.mark.slow  # the runs are subprocesses
 def test_two_processes_give_the_metrics_of_one(runs):
   one, two = records(runs['one'][0]), records(runs['two'][0])
   assert [r['round'] for r in one] == [r['round'] for r in two] == list(range(1, ROUNDS + 1))
@@ -110,6 +113,7 @@ def test_two_processes_give_the_metrics_of_one(runs):
   assert runs['stopped'][0][0] == two[0]
 
 
+@pytest.mark.slow  # the runs are subprocesses
 def test_representations_match(runs):
   one = np.load(os.path.join(runs['one'][0], 'representations.npz'))
   two = np.load(os.path.join(runs['two'][0], 'representations.npz'))
@@ -119,6 +123,7 @@ def test_representations_match(runs):
                              one['representations'].astype(np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow  # the runs are subprocesses
 def test_only_process_zero_writes_the_outputs(runs):
   outputs = {'config.json', 'metrics.jsonl', 'summary.json', 'representations.npz'}
   files = lambda r: {f.removesuffix('.tmp') for f in r['written']}  # metrics.jsonl's rewrite

@@ -44,6 +44,7 @@ def device_run(ds, tmp_path_factory):
   return records(workdir)
 
 
+@pytest.mark.slow  # whole runs, compiled
 @pytest.mark.parametrize('store', ['host', 'disk'])
 def test_stores_give_the_metrics_of_the_device_store(store, ds, device_run, tmp_path):
   train.train_and_evaluate(small_config(population_store=store), str(tmp_path), dataset=ds)
@@ -54,6 +55,7 @@ def test_stores_give_the_metrics_of_the_device_store(store, ds, device_run, tmp_
   assert got[-1]['mean_accuracy'] != got[0]['mean_accuracy']
 
 
+@pytest.mark.slow  # whole runs, compiled
 def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tmp_path,
                                                              monkeypatch):
   """Round 3 writes its clients' rows after the checkpoint of round 2 (the only one kept); the
@@ -79,6 +81,7 @@ def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tm
   assert restored.state['params'][0]['slot_of'].shape == (8,)
 
 
+@pytest.mark.slow  # whole runs, compiled
 def test_subset_evaluation_equals_the_full_evaluation_of_those_clients(ds, device_run,
                                                                       tmp_path):
   """A subset gathered on the device (the host and disk stores' block evaluation is the same

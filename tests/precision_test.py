@@ -96,6 +96,7 @@ def run(sim):
   return state, infos, sim.evaluate(state)
 
 
+@pytest.mark.slow  # a simulator compiled and run
 def test_bf16_engine_run_keeps_float32_params_and_float32_like_loss(small_sim):
   sim32, sim16 = (small_sim('fedssa', **{'engine.compute_dtype': d})
                   for d in ('float32', 'bfloat16'))

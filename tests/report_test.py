@@ -131,6 +131,7 @@ def test_box_plots_show_fedssa_and_the_two_best_others():
   assert report.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
 
 
+@pytest.mark.slow  # t-SNE fits and plots
 def test_tsne_panels_from_saved_representations(tmp_path):
   rng = np.random.default_rng(0)
   for m in ('fedssa', 'fedproto'):

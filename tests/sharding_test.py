@@ -10,6 +10,9 @@ import sys
 import numpy as np
 import pytest
 
+# The runs are a subprocess of 8 devices (slow: `pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
 # method:rounds:families. FedSSA as in engine_test (two groups of 5 clients, each padded to 8

@@ -55,6 +55,7 @@ def test_unknown_sweep_lists_the_known_ones():
     sweeps.get_sweep('tabel2')
 
 
+@pytest.mark.slow  # starts subprocesses
 def test_dry_run_lists_the_small_sweep_and_skips_finished_runs(tmp_path):
   run_dir = tmp_path / 'cifar10-hetero-n10-E1-R2-fedssa-s1'
   run_dir.mkdir()
@@ -99,6 +100,7 @@ def test_bad_set_flag_names_the_form():
     sweep.extra_overrides(sets=['eval_every'])
 
 
+@pytest.mark.slow  # starts subprocesses
 def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, capsys):
   seen = tmp_path / 'seen'
   ok = [sys.executable, '-c', 'import os, sys; open(sys.argv[1], "w").write('
@@ -116,6 +118,7 @@ def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, 
   assert cwd == REPO and pythonpath.split(os.pathsep)[0] == REPO
 
 
+@pytest.mark.slow  # starts subprocesses
 def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
   """A run whose workdir another process holds (another sweep, a user) is not started; one that
   got past that check is refused by the run itself (exit status 73), and both are reported."""

@@ -1,11 +1,15 @@
-"""save_representations: every client's test representations in the workdir at the end."""
+"""evaluation.py: save_representations writes every client's test representations at the end."""
 import json
 import os
 
 import numpy as np
+import pytest
 
 from fedssa_jax import config_lib, evaluation, train
 from conftest import synthetic_dataset
+
+# A whole run, compiled (slow: `pytest -m "not slow"` leaves it out).
+pytestmark = pytest.mark.slow
 
 
 def test_a_run_saves_every_clients_test_representations(tmp_path):

@@ -12,6 +12,9 @@ from absl import flags
 from fedssa_jax import main as main_lib
 from fedssa_jax import methods, models
 
+# Every method compiles its programs (slow: `pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = 10
 ROW = models.HEADER_ROW

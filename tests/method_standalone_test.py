@@ -1,32 +1,33 @@
-"""Controls for comparing methods: a baseline whose knowledge-transfer term is switched off
-trains each client's own model exactly as Standalone does (same initial models, cohorts,
-batches and augmentation), to the digit."""
+"""Standalone, the control for comparing methods: a baseline whose knowledge-transfer term is
+switched off trains each client's own model exactly as Standalone does (same initial models,
+cohorts, batches and augmentation), to the digit."""
 import jax
 import numpy as np
 import pytest
+
+from conftest import make_small_sim, rounds
+
+# Four simulators compiled and run (slow: `pytest -m "not slow"` leaves them out).
+pytestmark = pytest.mark.slow
 
 ROUNDS = 2
 
 
 def own_models_after(sim):
-  state = sim.init_state()
   losses = []
-  for _ in range(ROUNDS):
-    state, info = sim.run_round(state)
+  for state, info in rounds(sim, ROUNDS):
     losses.append(info.train_loss_sum)
   return state.params, np.array(losses)
 
 
 @pytest.fixture(scope='module')
 def standalone(small_ds):
-  from conftest import make_small_sim  # pylint: disable=g-import-not-at-top
   return own_models_after(make_small_sim(small_ds, 'standalone'))
 
 
 @pytest.mark.parametrize('method,off', [('fml', {'fml.alpha': 1.0}), ('fd', {'fd.lam': 0.0}),
                                         ('fedproto', {'fedproto.lam': 0.0})])
 def test_switched_off_baselines_train_like_standalone(small_ds, standalone, method, off):
-  from conftest import make_small_sim  # pylint: disable=g-import-not-at-top
   params, losses = own_models_after(make_small_sim(small_ds, method, **off))
   want_params, want_losses = standalone
   jax.tree.map(np.testing.assert_array_equal, params, want_params)

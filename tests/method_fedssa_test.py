@@ -11,6 +11,8 @@ import pytest
 from fedssa_jax import client, config_lib, engine, models
 from fedssa_jax.methods import fedssa
 
+from conftest import params_of, rounds
+
 
 def test_mu_schedule_hand_computed():
   assert float(fedssa.mu_schedule(0, 0.5, 2)) == pytest.approx(0.5)
@@ -114,6 +116,7 @@ def test_initial_global_header_is_a_client_header_draw_from_the_server_key(initi
     assert not np.asarray(server['global']).any() and not np.asarray(server['avail']).any()
 
 
+@pytest.mark.slow  # a simulator compiled and run
 @pytest.mark.parametrize('fusion', ['reference', 'convex'])
 def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   """Three engine rounds (T_stable=2: mu_t = 0.5, 0.35, 0) against the spec's round written
@@ -122,8 +125,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   sim = small_sim('fedssa', **{'fedssa.fusion': fusion})
   n, s, seen = sim.num_clients, sim.num_classes, sim.seen
   state = sim.init_state()
-  take = lambda tree, i: jax.tree.map(lambda a: np.asarray(a[i]), tree)
-  params = [take(state.params[0], sim.slot_of[k]) for k in range(n)]
+  params = [params_of(sim, state.params, k) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
   glob = np.array(models.init_header(jax.random.fold_in(sim.root_key, engine.STREAM_SERVER), s))
@@ -131,8 +133,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   train = jax.jit(functools.partial(client.local_train, apply_fn=g.model.apply,
                                     cfg=sim.train_cfg, method=sim.method))
   uploads = {}
-  for t in range(3):
-    state, info = sim.run_round(state)
+  for t, (state, info) in enumerate(rounds(sim, 3, state)):
     cohort = engine.sample_cohort(sim.config.seed, t, n, sim.k)
     np.testing.assert_array_equal(info.cohort, cohort)
     mu = 0.5 * math.cos(t * math.pi / 4) if t <= 2 else 0.0
@@ -146,7 +147,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
           jax.random.fold_in(jax.random.fold_in(sim.root_key, engine.STREAM_TRAIN), t), k)
       trained, _, _ = train({'model': models.with_header_rows(params[k], rows)}, (), key,
                             sim.data.train_idx[k], sim.data.train_n[k], sim.data)
-      params[k] = take(trained['model'], ())
+      params[k] = jax.tree.map(np.asarray, trained['model'])
       uploads[k] = np.asarray(models.header_rows(params[k]))
     for c in range(s):
       owners = [uploads[k][c] for k in uploads if seen[k, c]]
@@ -157,7 +158,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
                                atol=2e-5)
     for k in cohort:
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
-                   take(state.params[0], sim.slot_of[k]), params[k])
+                   params_of(sim, state.params, k), params[k])
 
 
 # Per-client training-loss sums of rounds 0..2 on conftest's 5-client simulator (cohort [2, 4]
@@ -170,13 +171,12 @@ BEFORE_INITIAL_HEADER = {
 }
 
 
+@pytest.mark.slow  # a simulator compiled and run
 @pytest.mark.parametrize('fusion', ['convex', 'reference'])
 def test_without_initial_header_and_with_client_init_the_numbers_are_unchanged(small_sim,
                                                                                 fusion):
   sim = small_sim('fedssa', **{'fedssa.fusion': fusion, 'fedssa.initial_header': False,
                                'model.init_scope': 'client'})
-  state = sim.init_state()
-  for want in BEFORE_INITIAL_HEADER[fusion]:
-    state, info = sim.run_round(state)
+  for (_, info), want in zip(rounds(sim, 3), BEFORE_INITIAL_HEADER[fusion]):
     np.testing.assert_array_equal(info.cohort, [2, 4])
     np.testing.assert_allclose(info.train_loss_sum, want, rtol=1e-6)

@@ -319,11 +319,19 @@ CASES = [
 ]
 
 
+# The cases that compile and train rounds before their error (slow: `pytest -m "not slow"`
+# leaves them out).
+TRAINING_CASES = ('SIGTERM', 'SIGINT twice', 'disk full', 'blow-up')
+
+
 def test_there_are_forty_cases_or_more():
   assert len(CASES) >= 40 and len({c.name for c in CASES}) == len(CASES)
+  assert set(TRAINING_CASES) <= {c.name for c in CASES}
 
 
-@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize('case', [
+    pytest.param(c, id=c.name, marks=pytest.mark.slow if c.name in TRAINING_CASES else ())
+    for c in CASES])
 def test_bad_input_exits_with_one_clear_message(case, tmp_path, tfds_dir, monkeypatch, capsys):
   ctx = Ctx(tmp_path, tfds_dir, monkeypatch)
   if case.prepare:
@@ -353,6 +361,7 @@ def test_verbose_shows_the_traceback(tmp_path, tfds_dir, monkeypatch, capsys):
   assert 'Traceback' in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess, and runs compiled
 def test_a_second_process_on_a_locked_workdir_exits_at_once(tmp_path, tfds_dir):
   """A run finishes; while this process holds its workdir, the same command in a second
   process is refused at once, and leaves metrics.jsonl as it was."""
@@ -379,6 +388,7 @@ def test_a_second_process_on_a_locked_workdir_exits_at_once(tmp_path, tfds_dir):
   assert main.run_cli([*argv, '--config.num_rounds=3']) == 0
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path):
   workdir = str(tmp_path)
   code = ('import os, sys; from fedssa_jax import workdir_lock; '
