@@ -40,11 +40,11 @@ def fake_round(loss_by_client: dict, round_=7):
   """check_blowup's arguments for a round whose cohort had these mean losses (10 samples each)."""
   cohort = np.array(sorted(loss_by_client))
   losses = np.array([loss_by_client[c] for c in cohort], np.float64)
-  info = {'cohort': cohort, 'train_samples': np.full(len(cohort), 10.0),
-          'train_loss_sum': losses * 10, 'train_loss': float(losses.mean())}
+  info = types.SimpleNamespace(cohort=cohort, train_samples=np.full(len(cohort), 10.0),
+                               train_loss_sum=losses * 10, train_loss=float(losses.mean()))
   sim = types.SimpleNamespace(num_classes=10)
   ckpts = types.SimpleNamespace(steps=lambda: [5, 6], directory='/w/checkpoints')
-  return sim, {'round': round_}, info, ckpts
+  return sim, types.SimpleNamespace(round=round_), info, ckpts
 
 
 def test_growth_over_the_best_round_trips_and_names_the_clients():
