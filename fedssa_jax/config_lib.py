@@ -93,7 +93,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.augment = True                    # flip + RandomErasing + pad-4 crop, on device
 
   # The blow-up guard (train.check_blowup): stops a run whose round train loss is finite but
-  # diverging. 0 turns a test off. README.md ("The blow-up guard") justifies the defaults.
+  # diverging. 0 turns a test off. docs/operations.md ("The blow-up guard") justifies the defaults.
   c.guard = ml_collections.ConfigDict()
   c.guard.max_train_loss = 1e3        # a round's mean train loss above this stops the run
   c.guard.loss_growth = 1e3           # ... or above this factor times the best round so far

@@ -9,7 +9,7 @@ after the current round and its checkpoint, with exit status 75 (train.EXIT_PREE
 
 A user's error (a config, data, workdir or checkpoint that cannot work, a diverged run) prints as
 one paragraph that says what to do, without a traceback; --verbose (or FEDSSA_VERBOSE=1) shows
-tracebacks and every library's logs. Exit statuses: EXIT_* below and in README.md.
+tracebacks and every library's logs. Exit statuses: EXIT_* below and in docs/operations.md.
 
 Several processes (hosts, or one per accelerator) run the same command and join through
 jax.distributed: see --distributed and fedssa_jax/distributed.py.

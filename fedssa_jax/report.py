@@ -3,7 +3,7 @@
   python -m fedssa_jax.report --sweep_dir=runs/sweeps/table2
 
 Reads every run folder under `sweep_dir` (any folder holding config.json and summary.json; see
-README "Outputs") and writes into `<sweep_dir>/report/`:
+docs/outputs.md) and writes into `<sweep_dir>/report/`:
 
 - accuracy.md   per model setting (homogeneous: Table 1, heterogeneous: Table 2), rows methods,
                 columns data set x (N, C) x partition; final mean test accuracy in %, mean ±

@@ -2,7 +2,7 @@
 
 Outputs in `workdir`:
 - config.json     the resolved config plus derived facts (K, partition fingerprint, families)
-- metrics.jsonl   one JSON record per evaluated round (schema in README.md)
+- metrics.jsonl   one JSON record per evaluated round (schema in docs/outputs.md)
 - events.out.*    TensorBoard scalars (CLU metric writer)
 - checkpoints/    orbax checkpoints (checkpoint.py); a rerun in the same workdir resumes
 - summary.json    final/best mean accuracy, costs to target, wall time
@@ -32,7 +32,7 @@ except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it
 from fedssa_jax import checkpoint, config_lib, data, distributed, engine, workdir_lock
 
 
-# The keys of every metrics.jsonl record; README.md documents each one.
+# The keys of every metrics.jsonl record; docs/outputs.md documents each one.
 METRICS_FIELDS = (
     'round', 'mean_accuracy', 'client_accuracy', 'evaluated_clients',
     'participant_accuracy_reference',

@@ -8,7 +8,7 @@ once unlocked.
 
 On a filesystem without flock (some Lustre or FUSE mounts) the run goes on unlocked, with a
 warning. On NFS, Linux clients emulate flock with NFS byte-range locks, which work across hosts
-when the server's lock service runs (NFSv4, or NFSv3 with lockd); README.md says more.
+when the server's lock service runs (NFSv4, or NFSv3 with lockd); docs/operations.md says more.
 """
 from __future__ import annotations
 

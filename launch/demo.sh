@@ -6,12 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA_DIR=${DATA_DIR:-$HOME/tensorflow_datasets}
 OUT=${OUT:-runs/demo}
+PREPARE=../shared/data/cifar10/prepare.py  # this project's machines' offline copy, if present
+download=False
 if ! ls "$DATA_DIR"/cifar10/*/dataset_info.json >/dev/null 2>&1; then
-  python ../shared/data/cifar10/prepare.py --tfds_data_dir "$DATA_DIR"
+  if [[ -f $PREPARE ]]; then
+    python "$PREPARE" --tfds_data_dir "$DATA_DIR"
+  else
+    download=True  # TFDS downloads it (or see launch/prepare_offline.py)
+  fi
 fi
 for method in fedssa standalone; do
   python -m fedssa_jax.main --config=configs/cifar10.py:hetero,n10 --workdir="$OUT/$method" \
-    --config.data_dir="$DATA_DIR" --config.num_rounds=20 --config.local_epochs=1 \
+    --config.data_dir="$DATA_DIR" --config.download=$download --config.num_rounds=20 --config.local_epochs=1 \
     --config.method=$method "$@"
 done
 python - "$OUT" <<'PY'

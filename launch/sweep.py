@@ -9,7 +9,7 @@ Every run has its own workdir, `<sweep_dir>/<run name>`. A run whose summary.jso
 skipped; any other run is started, and one that was interrupted resumes from its newest
 checkpoint (fedssa_jax.main does that by itself), so rerunning the same command finishes a sweep.
 `--num_rounds`, `--local_epochs`, `--data_dir` and `--set=field=value` apply to every run; they
-do not change run names (a resume may change only num_rounds and data_dir; see README).
+do not change run names (a resume may change only num_rounds and data_dir; see docs/operations.md).
 """
 from __future__ import annotations
 
