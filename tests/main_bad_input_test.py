@@ -210,6 +210,16 @@ def twice_sigint():
   signal.raise_signal(signal.SIGINT)
 
 
+def with_sigint_handled(prepare):
+  """`prepare`, with SIGINT raising KeyboardInterrupt as in a shell's foreground, also when the
+  tests run in the background (`nohup pytest &`), where SIGINT comes ignored."""
+  def both(ctx):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctx.release = lambda: signal.signal(signal.SIGINT, previous)
+    prepare(ctx)
+  return both
+
+
 CASES = [
     # Config fields: each named, with its range or fix.
     bad('optimizer.lr', -1.0, 'optimizer.lr must be > 0, got -1.0'),
@@ -309,7 +319,7 @@ CASES = [
          prepare=after_round(1, lambda: signal.raise_signal(signal.SIGTERM))),
     Case('SIGINT twice', (), main.EXIT_INTERRUPTED,
          ('Interrupted at once', 'resume from the last checkpoint'),
-         prepare=after_round(1, twice_sigint)),
+         prepare=with_sigint_handled(after_round(1, twice_sigint))),
     Case('disk full', (), main.EXIT_FAILED,
          ('Could not write the checkpoint of round 2', 'No space left on device',
           'The checkpoint of round 1 is intact', 'rerun of the same command resumes from it'),
