@@ -179,6 +179,7 @@ def test_server_rule_equals_loop():
   assert all(not np.asarray(l).any() for l in jax.tree_util.tree_leaves(server['inbox_sum']))
 
 
+@pytest.mark.slow  # SVDs and charges, op by op: many small programs
 def test_download_charges_and_upload():
   n = 5
   method = make_method(num_clients=n)

@@ -39,6 +39,7 @@ def test_pytorch_style_init_bounds():
         assert abs(w.std() - bound / np.sqrt(3)) < 0.05 * bound
 
 
+@pytest.mark.slow  # forward and gradient programs of each formulation
 @pytest.mark.parametrize('family,impl', [('cnn1', 'im2col'), ('cnn2', 'im2col'),
                                          ('cnn1', 'band'), ('cnn2', 'band')])
 def test_cpu_formulations_equal_xla_convolution(family, impl):

@@ -42,6 +42,7 @@ def test_bf16_forward_is_close_to_float32_and_returns_float32(impl, params_and_x
     assert rel_err(a, b) < 2e-2
 
 
+@pytest.mark.slow  # gradient programs in two precisions, three formulations
 @pytest.mark.parametrize('impl', IMPLS)
 def test_bf16_gradients_are_float32_and_close_to_float32(impl, params_and_x):
   params, x = params_and_x
