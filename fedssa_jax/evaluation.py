@@ -49,7 +49,6 @@ class Evaluator:
     self.sim = sim
     self.evaluated_ids = evaluated_ids
     self.calls = [self._eval_call(g) for g in sim.groups]
-    self._rep_calls = {}
 
   def _per_call(self, g) -> int:
     return self.sim.config.engine.eval_clients_per_call or (

@@ -235,12 +235,13 @@ class Store:
   """
 
   def __init__(self, placement: Placement, groups: list, num_clients: int,
-               init_group: Callable, init_client_state: Callable):
+               init_group: Callable, init_client_state: Callable, directory: str | None = None):
     self.placement = placement
     self.groups = groups
     self.num_clients = num_clients
     self.init_group = init_group
     self.init_client_state = init_client_state
+    self.directory = directory  # the run's folder for the population (the disk store's files)
 
   # --- the population ---------------------------------------------------------------------------
   def initial(self, fresh: bool = True) -> tuple[tuple, PyTree]:
@@ -457,13 +458,12 @@ class DiskStore(_RowStore):
   read as their initial values, made on demand."""
   name = 'disk'
 
-  def __init__(self, *args, directory: str | None = None, **kwargs):
+  def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    if directory is None:
+    if self.directory is None:
       raise config_lib.ConfigError(
           "population_store='disk' keeps the population in the run's workdir: give the "
           'Simulator a workdir, or use the device or host store.')
-    self.directory = directory
 
   def initial(self, fresh=True):
     if fresh:  # what a run without a checkpoint left
@@ -500,6 +500,4 @@ STORES = {'device': DeviceStore, 'host': HostStore, 'disk': DiskStore}
 
 
 def make_store(name: str, *args, directory: str | None = None) -> Store:
-  if name == 'disk':
-    return DiskStore(*args, directory=directory)
-  return STORES[name](*args)
+  return STORES[name](*args, directory=directory)
