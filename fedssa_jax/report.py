@@ -6,10 +6,11 @@ Reads every run folder under `sweep_dir` (any folder holding config.json and sum
 docs/outputs.md) and writes into `<sweep_dir>/report/`:
 
 - accuracy.md   per model setting (homogeneous: Table 1, heterogeneous: Table 2), rows methods,
-                columns data set x (N, C) x partition; final mean test accuracy in %, mean ±
-                std over seeds, the best mean per column in bold;
-- costs.md      per setting, rounds, floats and client FLOPs to the target accuracy, and how
-                many times more each baseline needs than FedSSA;
+                columns data set x (N, C) x partition; the final and the best mean test
+                accuracy in %, mean ± std over seeds, the best mean per column in bold;
+- costs.md      per setting, rounds, floats and client FLOPs to the target accuracy (the runs'
+                target_accuracy, or --target), and how many times more each baseline needs
+                than FedSSA;
 - PNG plots     accuracy against rounds per setting; per-client accuracy box plots per setting
                 (FedSSA and the two best other methods); accuracy, train loss and header-row
                 norms against rounds per setting; robustness curves where a setting
@@ -132,13 +133,15 @@ def setting_of(config: dict) -> Setting:
 
 
 def method_label(config: dict, models: str) -> str:
-  """The method, plus its own options (config[method]) that differ from the variant's."""
+  """The method, plus its own options (config[method]) and the optimizer's that differ from
+  the variant's, e.g. `fedssa (mu0=0.0)` or `standalone (lr=0.01)`."""
   method = config['method']
-  default = config_lib.build(config['dataset'], models).to_dict().get(method)
-  own = config.get(method)
-  if not isinstance(own, dict) or not isinstance(default, dict):
-    return method
-  changed = [f'{k}={v}' for k, v in sorted(own.items()) if default.get(k) != v]
+  defaults = config_lib.build(config['dataset'], models).to_dict()
+  changed = []
+  for section in (method, 'optimizer'):
+    own, default = config.get(section), defaults.get(section)
+    if isinstance(own, dict) and isinstance(default, dict):
+      changed += [f'{k}={v}' for k, v in sorted(own.items()) if default.get(k) != v]
   return f'{method} ({", ".join(changed)})' if changed else method
 
 
@@ -190,18 +193,30 @@ MODEL_TITLES = {'homo': 'Model-homogeneous (every client CNN-1), cf. the paper\'
                 'hetero': 'Model-heterogeneous (CNN-1..5), cf. the paper\'s Table 2'}
 
 
+ACCURACIES = (('final_mean_accuracy', 'Final', 'the final round\'s'),
+              ('best_mean_accuracy', 'Best', 'the best evaluated round\'s'))
+
+
 def accuracy_tables(grouped) -> str:
-  """Per model setting: rows methods, columns settings, final mean accuracy (%) mean ± std."""
+  """Per model setting: rows methods, columns settings, the final and the best mean accuracy
+  (%), mean ± std over seeds."""
   out = ['# Mean test accuracy (%)', '',
-         'The final round\'s mean over clients of per-client test accuracy; mean ± sample '
-         'std over seeds (n seeds in the last column), the best mean per column in **bold**.',
-         '']
+         'The mean over clients of per-client test accuracy, at the final round and at the '
+         'best evaluated round of each run; mean ± sample std over seeds (n seeds in the last '
+         'column), the best mean per column in **bold**.', '']
+  for key, title, which in ACCURACIES:
+    out += _accuracy_tables(grouped, key, f'{title}: {which} mean accuracy')
+  return '\n'.join(out)
+
+
+def _accuracy_tables(grouped, key: str, title: str) -> list[str]:
+  out = []
   for models in ('homo', 'hetero'):
     settings = [s for s in grouped if s.models == models]
     if not settings:
       continue
     methods = sorted({m for s in settings for m in grouped[s]}, key=_method_key)
-    best = {s: max(np.mean([r.summary['final_mean_accuracy'] for r in rs])
+    best = {s: max(np.mean([r.summary[key] for r in rs])
                    for rs in grouped[s].values()) for s in settings}
     rows = []
     for m in methods:
@@ -211,19 +226,32 @@ def accuracy_tables(grouped) -> str:
         if not rs:
           cells.append('—')
           continue
-        accs = [r.summary['final_mean_accuracy'] for r in rs]
+        accs = [r.summary[key] for r in rs]
         seeds.add(len(rs))
         text = mean_std(accs)
         cells.append(f'**{text}**' if np.isclose(np.mean(accs), best[s]) else text)
       rows.append([m, *cells, '/'.join(str(n) for n in sorted(seeds))])
-    out += [f'## {MODEL_TITLES[models]}', '',
-            markdown_table(['method', *(s.column for s in settings), 'seeds'], rows)]
-  return '\n'.join(out)
+    out += [f'## {title}. {MODEL_TITLES[models]}', '',
+            markdown_table(['method', *(s.column for s in settings), 'seeds'], rows), '']
+  return out
 
 
-def _to_target(rs, key):
-  """Mean over the seeds that reached the target of to_target[key], and how many did."""
-  vals = [r.summary['to_target'][key] for r in rs if r.summary.get('to_target')]
+def reached(r: Run, target: float | None = None) -> dict | None:
+  """The run's costs at the first evaluated round whose mean accuracy reaches `target` (round,
+  cum_floats, cum_client_flops), from its history; None if it never did. Without `target`,
+  the run's own (summary.json, at its config's target_accuracy)."""
+  if target is None:
+    return r.summary.get('to_target')
+  for x in r.metrics:
+    if x.get('mean_accuracy') is not None and x['mean_accuracy'] >= target:
+      return {'round': x['round'], 'cum_floats': x['cum_floats'],
+              'cum_client_flops': x['cum_client_flops']}
+  return None
+
+
+def _to_target(rs, key, target=None):
+  """Mean over the seeds that reached the target of their cost `key`, and how many did."""
+  vals = [c[key] for c in (reached(r, target) for r in rs) if c]
   return (float(np.mean(vals)) if vals else None), len(vals)
 
 
@@ -232,8 +260,9 @@ def ratio_text(baseline, reference) -> str:
       f'{baseline / reference:.2f}×'
 
 
-def costs_tables(grouped) -> str:
-  """Per setting: rounds, floats and FLOPs to target, and baseline / FedSSA ratios."""
+def costs_tables(grouped, target: float | None = None) -> str:
+  """Per setting: rounds, floats and FLOPs to target (the runs' own target_accuracy, or
+  `target`), and baseline / FedSSA ratios."""
   out = ['# Communication and computation to the target accuracy', '',
          'Costs at the first evaluated round whose mean accuracy reaches the target, '
          'cumulative over the run (floats up + down; client FLOPs of training and fusion), '
@@ -241,18 +270,18 @@ def costs_tables(grouped) -> str:
          'baseline\'s mean cost divided by FedSSA\'s: how many times more the baseline needs '
          '(— where either never reached the target).', '']
   for s, methods in grouped.items():
-    target = next(iter(methods.values()))[0].summary['target_accuracy']
+    shown = target or next(iter(methods.values()))[0].summary['target_accuracy']
     ref = methods.get(REFERENCE_METHOD)
-    ref_floats = _to_target(ref, 'cum_floats')[0] if ref else None
-    ref_flops = _to_target(ref, 'cum_client_flops')[0] if ref else None
+    ref_floats = _to_target(ref, 'cum_floats', target)[0] if ref else None
+    ref_flops = _to_target(ref, 'cum_client_flops', target)[0] if ref else None
     rows = []
     for m, rs in methods.items():
-      rounds, reached = _to_target(rs, 'round')
-      floats, _ = _to_target(rs, 'cum_floats')
-      flops, _ = _to_target(rs, 'cum_client_flops')
-      rows.append([m, f'{reached}/{len(rs)}', sci(rounds), sci(floats), sci(flops),
+      rounds, hits = _to_target(rs, 'round', target)
+      floats, _ = _to_target(rs, 'cum_floats', target)
+      flops, _ = _to_target(rs, 'cum_client_flops', target)
+      rows.append([m, f'{hits}/{len(rs)}', sci(rounds), sci(floats), sci(flops),
                    ratio_text(floats, ref_floats), ratio_text(flops, ref_flops)])
-    out += [f'## {s.label}, target {target * 100:g}%', '',
+    out += [f'## {s.label}, target {shown * 100:g}%', '',
             markdown_table(['method', 'reached', 'rounds', 'floats', 'client FLOPs',
                             'floats / FedSSA\'s', 'FLOPs / FedSSA\'s'], rows)]
   return '\n'.join(out)
@@ -284,21 +313,40 @@ def series(rs, key: str) -> tuple[list[int], np.ndarray]:
   return rounds, np.array([[b[t] for t in rounds] for b in by_round], np.float64)
 
 
+def line_styles(labels) -> dict[str, dict]:
+  """matplotlib styles per method label: a colour per method (the same in every plot) and,
+  for its variants (labels with options), that colour in dashed and dotted lines."""
+  palette = _pyplot().get_cmap('tab10').colors
+  styles, variants = {}, collections.Counter()
+  for label in labels:
+    base = label.split(' ')[0]
+    i = METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER) + len(styles)
+    dash = ('--', ':', '-.')[variants[base] % 3] if label != base else '-'
+    variants[base] += label != base
+    styles[label] = {'color': palette[i % len(palette)], 'linestyle': dash}
+  return styles
+
+
 def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
   plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(6.4 + 2.4 * (len(methods) > 8), 4.4))
+  styles = line_styles(methods)
   for m, rs in methods.items():
     common, acc = series(rs, 'mean_accuracy')
     if not common:
       continue
     acc = acc * 100
-    line, = ax.plot(common, acc.mean(0), label=m, marker='.' if len(common) < 30 else None)
+    line, = ax.plot(common, acc.mean(0), label=m, marker='.' if len(common) < 30 else None,
+                    **styles[m])
     if len(rs) > 1:
       ax.fill_between(common, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
   ax.set(xlabel='round', ylabel='mean test accuracy (%)', title=setting.label)
   ax.xaxis.get_major_locator().set_params(integer=True)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  if len(methods) > 8:  # beside the axes, so that no curve is hidden
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+  else:
+    ax.legend(fontsize=7)
   return _save(fig, path)
 
 
@@ -312,17 +360,16 @@ def plot_training_curves(setting: Setting, methods, path: str) -> str:
   panels = (('mean_accuracy', 'mean test accuracy (%)', 100.0),
             ('train_loss', 'train loss', 1.0),
             ('header_norm_max', 'header-row norm: max (—), mean (--)', 1.0))
+  styles = line_styles(methods)
   for m, rs in methods.items():
-    color = None
     for ax, (key, label, scale) in zip(axes, panels):
       keys = (key, 'header_norm_mean') if key == 'header_norm_max' else (key,)
       for k, style in zip(keys, ('-', '--')):
         rounds, ys = series(rs, k)
         if not rounds:
           continue
-        line, = ax.plot(rounds, ys.mean(0) * scale, style, color=color,
-                        label=m if style == '-' else None)
-        color = line.get_color()
+        ax.plot(rounds, ys.mean(0) * scale, style if len(keys) > 1 else styles[m]['linestyle'],
+                color=styles[m]['color'], label=m if style == '-' else None)
       ax.set(xlabel='round', ylabel=label)
       ax.xaxis.get_major_locator().set_params(integer=True)
       ax.grid(alpha=0.3)
@@ -338,12 +385,13 @@ def plot_training_curves(setting: Setting, methods, path: str) -> str:
 
 
 def boxplot_methods(methods) -> list[str]:
-  """FedSSA and the two best other methods by mean final accuracy (the paper's Figure 4);
-  every method when there are at most three."""
+  """FedSSA and the two best other methods by mean final accuracy (the paper's Figure 4;
+  variants with options, such as ablations, are not candidates); every method when there are
+  at most three."""
   if len(methods) <= 3 or REFERENCE_METHOD not in methods:
     return list(methods)
   mean = {m: np.mean([r.summary['final_mean_accuracy'] for r in rs])
-          for m, rs in methods.items() if m != REFERENCE_METHOD}
+          for m, rs in methods.items() if m != REFERENCE_METHOD and ' (' not in m}
   best = sorted(mean, key=mean.get, reverse=True)[:2]
   return [REFERENCE_METHOD, *best]
 
@@ -448,8 +496,10 @@ def plot_tsne(title: str, reps: dict[str, dict], path: str, max_points: int = 30
 # The report
 # ----------------------------------------------------------------------------------------------
 
-def write_report(sweep_dir: str, out_dir: str | None = None) -> str:
-  """Writes the tables, plots and index.md; returns the path of index.md."""
+def write_report(sweep_dir: str, out_dir: str | None = None,
+                 target: float | None = None) -> str:
+  """Writes the tables, plots and index.md; returns the path of index.md. `target`: the mean
+  accuracy of the costs table (default: each run's own target_accuracy)."""
   runs, unfinished = load_runs(sweep_dir)
   if not runs:
     raise FileNotFoundError(
@@ -461,7 +511,7 @@ def write_report(sweep_dir: str, out_dir: str | None = None) -> str:
   rel = lambda p: os.path.relpath(p, out_dir)
 
   for name, text in (('accuracy.md', accuracy_tables(grouped)),
-                     ('costs.md', costs_tables(grouped))):
+                     ('costs.md', costs_tables(grouped, target))):
     with open(os.path.join(out_dir, name), 'w') as f:
       f.write(text)
   index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
@@ -524,12 +574,14 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  path = write_report(FLAGS.sweep_dir, FLAGS.out_dir)
+  path = write_report(FLAGS.sweep_dir, FLAGS.out_dir, FLAGS.target)
   print(f'Wrote {path}')
 
 
 if __name__ == '__main__':
   flags.DEFINE_string('sweep_dir', None, 'A folder of run folders (e.g. a sweep\'s).')
   flags.DEFINE_string('out_dir', None, 'Where to write; default <sweep_dir>/report.')
+  flags.DEFINE_float('target', None, 'Mean accuracy (0-1) of the costs-to-target table, read '
+                     'from each run\'s history; default: the runs\' own target_accuracy.')
   flags.mark_flags_as_required(['sweep_dir'])
   app.run(main)

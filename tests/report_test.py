@@ -26,7 +26,8 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
     json.dump({'config': c.to_dict(), 'derived': derived or {}}, f)
   with open(os.path.join(d, 'metrics.jsonl'), 'w') as f:
     for i, a in enumerate(accs):
-      f.write(json.dumps({'round': i + 1, 'mean_accuracy': a}) + '\n')
+      f.write(json.dumps({'round': i + 1, 'mean_accuracy': a, 'cum_floats': 100.0 * (i + 1),
+                          'cum_client_flops': 1e9 * (i + 1)}) + '\n')
   summary = {'rounds': len(accs), 'final_mean_accuracy': accs[-1],
              'best_mean_accuracy': max(accs), 'final_client_accuracy': list(clients),
              'target_accuracy': 0.6, 'to_target': to_target}
@@ -96,6 +97,38 @@ def test_costs_table_ratios_against_fedssa(sweep):
   assert table_row(section, 'fedssa (mu0=0.0)')[1:3] == ['0/1', '—']
 
 
+def test_best_accuracy_table_labels_and_a_target_from_the_history(tmp_path):
+  root = str(tmp_path)
+  write_run(root, 'a0', accs=(0.5, 0.8, 0.7))  # final 70 %, best 80 % (round 2)
+  write_run(root, 'b0', method='standalone', accs=(0.55, 0.6, 0.65))
+  write_run(root, 'b1', method='standalone', accs=(0.6, 0.7, 0.75),
+            overrides={'optimizer.lr': 0.01})  # a control: a row of its own
+  out = os.path.dirname(report.write_report(root, target=0.7))
+  text = open(os.path.join(out, 'accuracy.md')).read()
+  final, best = text.split('## Best')
+  assert table_row(final, 'fedssa')[1] == '70.00'
+  assert table_row(best, 'fedssa')[1] == '**80.00**'
+  assert table_row(final, 'standalone (lr=0.01)')[1] == '**75.00**'
+  assert table_row(final, 'standalone')[1] == '65.00'
+  costs = open(os.path.join(out, 'costs.md')).read()
+  assert 'target 70%' in costs
+  # First evaluated round at or above 70 %, read from metrics.jsonl (not the summary's target).
+  assert table_row(costs, 'fedssa')[1:5] == ['1/1', '2', '200', '2e+09']
+  assert table_row(costs, 'standalone (lr=0.01)')[1:5] == ['1/1', '2', '200', '2e+09']
+  assert table_row(costs, 'standalone')[1:3] == ['0/1', '—']
+
+
+def test_line_styles_variants_take_their_methods_colour_dashed():
+  styles = report.line_styles(['fedssa', 'fedssa (mu0=0.0)', 'fedssa (scope=participants)',
+                               'standalone', 'standalone (lr=0.01)'])
+  assert styles['fedssa']['linestyle'] == '-' and styles['standalone']['linestyle'] == '-'
+  assert styles['fedssa (mu0=0.0)']['color'] == styles['fedssa']['color']
+  assert styles['fedssa']['color'] != styles['standalone']['color']
+  assert {styles['fedssa (mu0=0.0)']['linestyle'],
+          styles['fedssa (scope=participants)']['linestyle']} == {'--', ':'}
+  assert styles['standalone (lr=0.01)']['linestyle'] == '--'
+
+
 def test_plots_and_index(sweep):
   index = report.write_report(sweep)
   out = os.path.dirname(index)
@@ -128,6 +161,9 @@ def test_series_keeps_the_rounds_every_run_recorded():
 def test_box_plots_show_fedssa_and_the_two_best_others():
   summaries = {m: [type('R', (), {'summary': {'final_mean_accuracy': a}})()]
                for m, a in (('fedssa', 0.5), ('fd', 0.9), ('fml', 0.1), ('fedkd', 0.8))}
+  assert report.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
+  # Variants (ablations, controls) are not "other methods".
+  summaries['fedssa (mu0=0.0)'] = summaries['fd (lam=2.0)'] = summaries['fd'] * 2
   assert report.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
 
 
