@@ -199,10 +199,15 @@ def write_cifar_pickles(data_dir: str, out: str) -> None:
       pickle.dump(content, f, protocol=2)
 
 
-def _git_head(path):
-  out = subprocess.run(['git', '-C', path, 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                       text=True, check=False)
-  return out.stdout.strip() if out.returncode == 0 else 'not a git checkout'
+def _git_head(path, *, code=('.',)):
+  """The commit of `path`'s checkout, and whether the files under `code` differ from it."""
+  git = lambda *a: subprocess.run(['git', '-C', path, *a], capture_output=True, text=True,
+                                  check=False)
+  head = git('rev-parse', '--short', 'HEAD')
+  if head.returncode != 0:
+    return 'not a git checkout'
+  dirty = git('status', '--porcelain', '--untracked-files=no', '--', *code).stdout.strip()
+  return head.stdout.strip() + (', with uncommitted changes' if dirty else '')
 
 
 def _run_logged(cmd, log_path, cwd, env, what):
@@ -300,8 +305,9 @@ def main(argv=None):
     torch_version = check_official_python(args.official_python)
     scratch = args.scratch or tempfile.mkdtemp(prefix='side_by_side_')
     os.makedirs(scratch, exist_ok=True)
+    ours = _git_head(REPO, code=('fedssa_jax', 'configs'))
     print(f'official code: {root} (commit {_git_head(root)}), torch {torch_version}; '
-          f'this repository at commit {_git_head(REPO)}; {os.cpu_count()} CPUs, load average '
+          f'this repository at commit {ours}; {os.cpu_count()} CPUs, load average '
           f'{", ".join(f"{v:.2f}" for v in os.getloadavg())}', flush=True)
     official = run_official(args, root, scratch)
     ours = run_ours(args, scratch)
