@@ -221,7 +221,8 @@ def _run_logged(cmd, log_path, cwd, env, what):
   if rc != 0:
     tail = '\n'.join(text.splitlines()[-15:])
     raise Failure(f'{what} exited with status {rc}; the end of {log_path}:\n{tail}')
-  print(f'  done in {time.time() - t0:.1f} s', flush=True)
+  print(f'  done in {time.time() - t0:.1f} s; load average '
+        f'{", ".join(f"{v:.2f}" for v in os.getloadavg())}', flush=True)
   return text
 
 
