@@ -397,6 +397,25 @@ def _without_seed(config) -> dict:
   return d
 
 
+def check_packable(config, num_devices: int) -> None:
+  """Raises ConfigError, naming the fix, if seeds of `config` cannot run packed (Replicas) on
+  `num_devices` devices (the `clients` mesh's)."""
+  if config.population_store != 'device':
+    raise config_lib.ConfigError(
+        f"Packed seeds (--seeds) need population_store='device', not "
+        f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
+        'one (one command per seed, without --seeds).')
+  if num_devices > 1:
+    raise config_lib.ConfigError(
+        f'Packed seeds (--seeds) run on one device, but engine.mesh_devices='
+        f'{config.engine.mesh_devices} makes a mesh of {num_devices} devices: set '
+        '--config.engine.mesh_devices=1, or run the seeds one by one (without --seeds).')
+  if jax.default_backend() == 'cpu' and not methods.get_method(config.method).packs_on_cpu:
+    raise config_lib.ConfigError(
+        f'Packed seeds of {config.method} do not run on the CPU backend (its SVDs stall under '
+        'the replica axis): run the seeds one by one (without --seeds), or on an accelerator.')
+
+
 class Replicas:
   """R runs of one config that differ only in `seed`, trained in the same compiled calls.
 
@@ -418,20 +437,7 @@ class Replicas:
     self.sims = sims
     s0 = sims[0]
     c0 = s0.config
-    if c0.population_store != 'device':
-      raise config_lib.ConfigError(
-          f"Packed seeds (replicas) need population_store='device', got "
-          f'{c0.population_store!r}: run the seeds one by one (without --seeds), or use the '
-          'device store.')
-    if s0.placement.mesh is not None:
-      raise config_lib.ConfigError(
-          f'Packed seeds (replicas) run on one device, but engine.mesh_devices='
-          f'{c0.engine.mesh_devices} makes a mesh of {s0.placement.num_devices} devices: set '
-          '--config.engine.mesh_devices=1, or run the seeds one by one (without --seeds).')
-    if jax.default_backend() == 'cpu' and not methods.get_method(c0.method).packs_on_cpu:
-      raise config_lib.ConfigError(
-          f'Packed seeds of {c0.method} do not run on the CPU backend (its SVDs stall under the '
-          'replica axis): run the seeds one by one (without --seeds), or on an accelerator.')
+    check_packable(c0, s0.placement.num_devices)
     seeds = [s.config.seed for s in sims]
     if len(set(seeds)) != len(seeds):
       raise config_lib.ConfigError(f'Packed seeds must differ, got {seeds}.')

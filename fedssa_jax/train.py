@@ -31,6 +31,7 @@ except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it
   metric_writers = periodic_actions = None
 
 from fedssa_jax import checkpoint, config_lib, data, distributed, engine, workdir_lock
+from fedssa_jax.placement import Placement
 
 
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
@@ -123,11 +124,8 @@ def train_replicas(configs: list, workdirs: list[str],
   seeds = [c.seed for c in configs]
   if len(set(seeds)) != len(seeds):
     raise config_lib.ConfigError(f'Packed seeds must differ, got seeds {seeds}.')
-  if configs[0].population_store != 'device':
-    raise config_lib.ConfigError(
-        f"Packed seeds (--seeds) need population_store='device', not "
-        f'{configs[0].population_store!r}: drop --config.population_store, or run the seeds '
-        'one by one (one command per seed, without --seeds).')
+  # Before anything is loaded or written.
+  engine.check_packable(configs[0], Placement(configs[0].engine.mesh_devices).num_devices)
   for workdir in workdirs:
     check_workdir_writable(workdir)
   with contextlib.ExitStack() as stack:

@@ -111,7 +111,8 @@ def test_every_method_replicas_equal_their_seeds_alone(small_ds, method):
 def test_fedkd_is_refused_on_the_cpu():
   # Its SVDs stall XLA:CPU under the replica axis (FedKD.packs_on_cpu); accelerators only.
   assert jax.default_backend() == 'cpu'
-  fake = lambda c: types.SimpleNamespace(config=c, placement=types.SimpleNamespace(mesh=None))
+  fake = lambda c: types.SimpleNamespace(
+      config=c, placement=types.SimpleNamespace(mesh=None, num_devices=1))
   with pytest.raises(config_lib.ConfigError, match='fedkd do not run on the CPU'):
     engine.Replicas([fake(tiny_config(0, method='fedkd')), fake(tiny_config(1, method='fedkd'))])
 
@@ -175,6 +176,23 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
   for a, b in zip(stopped, whole):
     assert records(a) == records(b)
 
+  # A replica that diverges fails alone: the other finishes, and the error names it.
+  real_check = train.check_finite
+
+  def diverge(sim, state, info, ckpts):
+    if sim.config.seed == seeds[1]:
+      raise train.DivergenceError('a divergence for the test')
+    real_check(sim, state, info, ckpts)
+  monkeypatch.setattr(train, 'check_finite', diverge)
+  failing = [str(tmp_path / 'failing' / f'seed{s}') for s in seeds]
+  with pytest.raises(train.DivergenceError,
+                     match=f'1 of the 2 packed seeds diverged.*Seed {seeds[1]} '):
+    train.train_replicas(train.replica_configs(base, seeds), failing, dataset=small_ds)
+  monkeypatch.setattr(train, 'check_finite', real_check)
+  assert records(failing[0]) == records(whole[0])
+  assert os.path.exists(os.path.join(failing[0], 'summary.json'))
+  assert not os.path.exists(os.path.join(failing[1], 'summary.json'))
+
   # Workdirs at different rounds are refused, naming them.
   with pytest.raises(config_lib.ConfigError, match='different rounds'):
     train.train_replicas(train.replica_configs(base, (seeds[0], 5)),
@@ -190,7 +208,7 @@ def test_row_stores_are_refused(tmp_path, store):
 
 def test_refusals_of_replicas_that_cannot_pack(tmp_path):
   fake = lambda c, mesh=None: types.SimpleNamespace(
-      config=c, placement=types.SimpleNamespace(mesh=mesh, num_devices=8))
+      config=c, placement=types.SimpleNamespace(mesh=mesh, num_devices=1 if mesh is None else 8))
   with pytest.raises(config_lib.ConfigError, match='mesh_devices=1'):
     engine.Replicas([fake(tiny_config(0), mesh=object()), fake(tiny_config(1))])
   with pytest.raises(config_lib.ConfigError, match='differ only in their seed'):
