@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import client, costs, data, evaluation, methods, models, population
+from fedssa_jax import client, config_lib, costs, data, evaluation, methods, models, population
 from fedssa_jax.placement import Placement
 from fedssa_jax.state import RoundInfo, RunState
 
@@ -385,3 +385,165 @@ def model_flops(family: str, num_classes: int, batch_size: int) -> float:
     logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
                     family, xla, analytic)
   return xla
+
+
+# ----------------------------------------------------------------------------------------------
+# Replicas: R runs of one config that differ only in their seed, in the same compiled calls
+# ----------------------------------------------------------------------------------------------
+
+def _without_seed(config) -> dict:
+  d = config.to_dict()
+  d.pop('seed')
+  return d
+
+
+def check_packable(config, num_devices: int) -> None:
+  """Raises ConfigError, naming the fix, if seeds of `config` cannot run packed (Replicas) on
+  `num_devices` devices (the `clients` mesh's)."""
+  if config.population_store != 'device':
+    raise config_lib.ConfigError(
+        f"Packed seeds (--seeds) need population_store='device', not "
+        f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
+        'one (one command per seed, without --seeds).')
+  if num_devices > 1:
+    raise config_lib.ConfigError(
+        f'Packed seeds (--seeds) run on one device, but engine.mesh_devices='
+        f'{config.engine.mesh_devices} makes a mesh of {num_devices} devices: set '
+        '--config.engine.mesh_devices=1, or run the seeds one by one (without --seeds).')
+  if jax.default_backend() == 'cpu' and not methods.get_method(config.method).packs_on_cpu:
+    raise config_lib.ConfigError(
+        f'Packed seeds of {config.method} do not run on the CPU backend (its SVDs stall under '
+        'the replica axis): run the seeds one by one (without --seeds), or on an accelerator.')
+
+
+class Replicas:
+  """R runs of one config that differ only in `seed`, trained in the same compiled calls.
+
+  Each replica has its own Simulator (its seed's keys, cohorts and partition, its evaluation and
+  checkpoints); this class runs their rounds together. Their states are kept stacked between
+  rounds (`stack`: every leaf of params, client_state and server with a leading replica axis;
+  `replica(state, r)` is replica r's own RunState). In a round, each replica samples its cohort
+  and cuts it into chunks as it would alone; the chunk lists are aligned group by group, padding
+  a replica that has fewer chunks of a group with all-inactive chunks (which change nothing), and
+  chunk j of a group is ONE jitted call: the device store's chunk call vmapped over the replica
+  axis (R x clients_per_call clients), each replica with its own rows, server, seen-class masks,
+  training indices and root key, the images shared. The server rule is vmapped the same way, so
+  each replica aggregates only its own uploads. Only the device store, without a `clients` mesh.
+  """
+
+  def __init__(self, sims: list[Simulator]):
+    if not sims:
+      raise ValueError('Replicas needs at least one Simulator.')
+    self.sims = sims
+    s0 = sims[0]
+    c0 = s0.config
+    check_packable(c0, s0.placement.num_devices)
+    seeds = [s.config.seed for s in sims]
+    if len(set(seeds)) != len(seeds):
+      raise config_lib.ConfigError(f'Packed seeds must differ, got {seeds}.')
+    for s in sims[1:]:
+      if _without_seed(s.config) != _without_seed(c0):
+        raise config_lib.ConfigError(
+            'Packed runs must differ only in their seed; these configs differ in other fields.')
+      if [(g.family, tuple(g.members), g.clients_per_call, g.rows) for g in s.groups] != [
+          (g.family, tuple(g.members), g.clients_per_call, g.rows) for g in s0.groups]:
+        raise config_lib.ConfigError('Packed runs must have the same family groups.')
+    self.num = len(sims)
+    self.groups = s0.groups
+    # The replicas' own partitions (partition.seed = -1: each its seed's), their training
+    # index rows padded to a common width. local_train's shuffles stay those of each alone:
+    # client.epoch_order draws uniform numbers over the padded length, and with
+    # jax_threefry_partitionable (the default since JAX 0.5) the first n of a longer draw are
+    # the same numbers (tests/replicas_test.py checks it).
+    widths = [int(s.data.train_idx.shape[1]) for s in sims]
+    width = max(widths)
+    if len(set(widths)) > 1 and not jax.config.jax_threefry_partitionable:
+      raise config_lib.ConfigError(
+          'Packed seeds with per-seed partitions need jax_threefry_partitionable (JAX\'s '
+          'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, width - a.shape[1])))
+    for s in sims[1:]:  # one copy of the images on the device
+      s.data = dataclasses.replace(s.data, images=s0.data.images, labels=s0.data.labels)
+    # Evaluation does not come through here (each replica evaluates with its own Simulator):
+    # test_idx and test_n are replica 0's, unused by training.
+    self.data = dataclasses.replace(
+        s0.data, train_idx=jnp.stack([pad(s.data.train_idx) for s in sims]),
+        train_n=jnp.stack([s.data.train_n for s in sims]))
+    data_axes = client.DeviceData(images=None, labels=None, train_idx=0, train_n=0,
+                                  test_idx=None, test_n=None)
+    self.seen = jnp.stack([s.seen_dev for s in sims])
+    self.root_keys = jnp.stack([s.root_key for s in sims])
+    self._train_calls = [s0.store.packed_train_call(g, s0._train_chunk_fn(g), data_axes)
+                         for g in self.groups]
+    self._aggregate = jax.jit(jax.vmap(s0.method.server_aggregate, in_axes=(0, 0, None)),
+                              donate_argnums=0)
+
+  # --- the stacked state ---------------------------------------------------------------------
+  def stack(self, states: list[RunState]) -> RunState:
+    """The replicas' states as one: arrays with a leading replica axis (costs: one dict per
+    replica). They must be at the same round."""
+    rounds = {int(s.round) for s in states}
+    if len(rounds) != 1:
+      raise ValueError(f'Replicas at different rounds: {[int(s.round) for s in states]}.')
+    stack = lambda *a: jnp.stack(a)
+    return RunState(round=states[0].round,
+                    params=tuple(jax.tree.map(stack, *(s.params[gi] for s in states))
+                                 for gi in range(len(self.groups))),
+                    client_state=jax.tree.map(stack, *(s.client_state for s in states)),
+                    server=jax.tree.map(stack, *(s.server for s in states)),
+                    costs=tuple(dict(s.costs) for s in states))
+
+  def replica(self, state: RunState, r: int) -> RunState:
+    """Replica r's own RunState, out of the stacked one (its arrays sliced)."""
+    take = lambda tree: jax.tree.map(lambda a: a[r], tree)
+    return RunState(round=state.round, params=tuple(take(p) for p in state.params),
+                    client_state=take(state.client_state), server=take(state.server),
+                    costs=dict(state.costs[r]))
+
+  # --- the round -----------------------------------------------------------------------------
+  def aligned_chunks(self, chunk_lists: list[list]) -> list:
+    """[(group index, slots [R, P], active [R, P])]: chunk j of each group over the replicas,
+    a replica with fewer chunks of the group padded with all-inactive ones. Each replica's
+    chunks keep their order (that of its run alone)."""
+    out = []
+    for gi, g in enumerate(self.groups):
+      per = [[c for c in chunks if c[0] == gi] for chunks in chunk_lists]
+      p = g.clients_per_call
+      idle = (gi, np.full(p, g.rows), np.zeros(p, bool))
+      for j in range(max(len(c) for c in per)):
+        cs = [c[j] if j < len(c) else idle for c in per]
+        out.append((gi, np.stack([c[1] for c in cs]), np.stack([c[2] for c in cs])))
+    return out
+
+  def run_round(self, state: RunState) -> tuple[RunState, list[RoundInfo]]:
+    """One round of every replica: each its own cohort, in the same calls. Returns the stacked
+    state and each replica's RoundInfo."""
+    t = int(state.round)
+    cohorts = [s.cohort(t) for s in self.sims]
+    chunks = self.aligned_chunks([s.chunks(c) for s, c in zip(self.sims, cohorts)])
+    params, client_state, server = list(state.params), state.client_state, state.server
+    t_dev = jnp.asarray(t, jnp.int32)
+    chunk_stats = []
+    for gi, slots, active in chunks:
+      params[gi], client_state, server, stats = self._train_calls[gi](
+          params[gi], client_state, server, self.data, self.seen, jnp.asarray(slots, jnp.int32),
+          jnp.asarray(active), t_dev, self.root_keys)
+      chunk_stats.append(stats)
+    participants = np.zeros((self.num, self.sims[0].num_clients), bool)
+    for r, c in enumerate(cohorts):
+      participants[r, c] = True
+    server = self._aggregate(server, jnp.asarray(participants), t_dev)
+    all_stats = jax.device_get(chunk_stats)  # one transfer for the round
+    infos, costs = [], []
+    for r, sim in enumerate(self.sims):
+      mine = [(gi, slots[r], active[r], {k: v[r] for k, v in stats.items()})
+              for (gi, slots, active), stats in zip(chunks, all_stats)]
+      info = sim._round_info(cohorts[r], mine)
+      c = dict(state.costs[r])
+      c['up_floats'] += info.up_floats
+      c['down_floats'] += info.down_floats
+      c['client_flops'] += info.client_flops
+      infos.append(info)
+      costs.append(c)
+    return RunState(round=t + 1, params=tuple(params), client_state=client_state,
+                    server=server, costs=tuple(costs)), infos

@@ -23,6 +23,7 @@ if __name__ == '__main__' and not console.verbose_requested(sys.argv):
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
+import os
 import traceback
 
 from absl import flags
@@ -53,6 +54,13 @@ def define_flags(flag_values: flags.FlagValues) -> None:
   flags.DEFINE_string('workdir', None, 'Where config.json, metrics.jsonl, events and '
                       'summary.json are written.', flag_values=flag_values)
   flags.mark_flags_as_required(['config', 'workdir'], flag_values=flag_values)
+  flags.DEFINE_list('seeds', None, 'Packs runs of these seeds (e.g. 0,1,2) into the same '
+                    'compiled calls, one process; seed s writes to <workdir>/seed<s>, as a run '
+                    'of --config.seed=s alone would (docs/operations.md#packed-seeds).',
+                    flag_values=flag_values)
+  flags.DEFINE_list('seed_workdirs', None, 'With --seeds: the workdir of each seed, in the '
+                    'same order, instead of <workdir>/seed<s> (launch/sweep.py --pack_seeds).',
+                    flag_values=flag_values)
   flags.DEFINE_bool('verbose', False, 'Tracebacks for every error, and every library\'s logs '
                     '(also FEDSSA_VERBOSE=1).', flag_values=flag_values)
   # Many processes (fedssa_jax/distributed.py): each flag falls back to its FEDSSA_* variable.
@@ -77,9 +85,42 @@ def run(flag_values: flags.FlagValues):
       flag_values.distributed, flag_values.coordinator_address, flag_values.num_processes,
       flag_values.process_id, flag_values.local_device_ids))
   config = flag_values.config
+  if flag_values.seeds is not None:
+    seeds = seeds_of(flag_values.seeds)
+    workdirs = [replica_workdir(flag_values.workdir, s) for s in seeds]
+    if flag_values.seed_workdirs is not None:
+      workdirs = list(flag_values.seed_workdirs)
+      if len(workdirs) != len(seeds):
+        raise config_lib.ConfigError(
+            f'--seed_workdirs names {len(workdirs)} workdirs for {len(seeds)} --seeds: give one '
+            'per seed, in the same order.')
+  elif flag_values.seed_workdirs is not None:
+    raise config_lib.ConfigError('--seed_workdirs goes with --seeds (one workdir per seed).')
+  if flag_values.seeds is not None:
+    logging.info('Running %s on %s (%s), seeds %s packed, outputs in %s', config.method,
+                 config.dataset, flag_values['config'].config_filename,
+                 ','.join(map(str, seeds)), ', '.join(workdirs))
+    return train.train_replicas(train.replica_configs(config, seeds), workdirs)
   logging.info('Running %s on %s (%s), outputs in %s', config.method, config.dataset,
                flag_values['config'].config_filename, flag_values.workdir)
   return train.train_and_evaluate(config, flag_values.workdir)
+
+
+def seeds_of(values: list[str]) -> list[int]:
+  """--seeds as ints: distinct, non-negative; a ConfigError naming the fix otherwise."""
+  try:
+    seeds = [int(v) for v in values]
+  except ValueError:
+    seeds = None
+  if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+    raise config_lib.ConfigError(
+        f'--seeds={",".join(values)} must be distinct non-negative integers, e.g. --seeds=0,1,2.')
+  return seeds
+
+
+def replica_workdir(workdir: str, seed: int) -> str:
+  """Where seed `seed` of a packed run (--seeds) writes: <workdir>/seed<seed>."""
+  return os.path.join(workdir, f'seed{seed}')
 
 
 def _flag_error_text(e: Exception) -> str:

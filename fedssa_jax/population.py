@@ -313,6 +313,17 @@ class DeviceStore(Store):
             self.placement.shard_rows(client_state, self.client_rows))
 
   def train_call(self, g, train_chunk):
+    return jax.jit(self._chunk_call(g, train_chunk), donate_argnums=(0, 1, 2))
+
+  def packed_train_call(self, g, train_chunk, data_axes):
+    """`train_call` of R replicas at once (engine.Replicas): every argument but the round has
+    a leading replica axis (the data as `data_axes` says: the images are shared), and so does
+    every output. One jitted call trains R chunks, each on its replica's rows."""
+    call = jax.vmap(self._chunk_call(g, train_chunk),
+                    in_axes=(0, 0, 0, data_axes, 0, 0, 0, None, 0))
+    return jax.jit(call, donate_argnums=(0, 1, 2))
+
+  def _chunk_call(self, g, train_chunk):
     members, place = jnp.asarray(g.members), self.placement
 
     def call(group_params, client_state, server, data_, seen, slots, active, round_index,
@@ -331,7 +342,7 @@ class DeviceStore(Store):
       return (place.constrain(group_params, True), place.constrain(client_state, True),
               place.constrain(server, False), stats)
 
-    return jax.jit(call, donate_argnums=(0, 1, 2))
+    return call
 
   def train(self, params, client_state, server, chunks, calls, consts):
     chunk_stats = []

@@ -19,6 +19,7 @@ import signal
 import tempfile
 import threading
 import time
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -30,6 +31,7 @@ except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it
   metric_writers = periodic_actions = None
 
 from fedssa_jax import checkpoint, config_lib, data, distributed, engine, workdir_lock
+from fedssa_jax.placement import Placement
 
 
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
@@ -90,6 +92,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   check_workdir_writable(workdir)
   with _workdir_lock(workdir), config_lib.matmul_precision(config):
     return _train_and_evaluate(config, workdir, dataset)
+
+
+def replica_configs(config: ml_collections.ConfigDict, seeds) -> list:
+  """`config` once per seed (copies, each with its `seed`)."""
+  out = []
+  for seed in seeds:
+    c = config.copy_and_resolve_references()
+    c.seed = int(seed)
+    out.append(c)
+  return out
+
+
+def train_replicas(configs: list, workdirs: list[str],
+                   dataset: data.Dataset | None = None) -> list[dict]:
+  """Runs of one config that differ only in their seed, packed into the same compiled calls
+  (engine.Replicas), each writing what it would write alone (config.json, metrics.jsonl,
+  summary.json, checkpoints) into its own workdir. Returns their summaries.
+
+  Each workdir resumes from its newest checkpoint; they must be at the same round. A replica
+  that diverges stops writing (its last good checkpoint is kept) while the others go on, and
+  DivergenceError names it at the end. One config is the plain run (train_and_evaluate)."""
+  if len(configs) != len(workdirs):
+    raise ValueError('train_replicas: one workdir per config.')
+  if len(configs) == 1:
+    return [train_and_evaluate(configs[0], workdirs[0], dataset)]
+  for config in configs:
+    config_lib.validate(config)
+  if len({os.path.realpath(w) for w in workdirs}) != len(workdirs):
+    raise config_lib.ConfigError(f'Packed seeds need a workdir each, got {workdirs}.')
+  seeds = [c.seed for c in configs]
+  if len(set(seeds)) != len(seeds):
+    raise config_lib.ConfigError(f'Packed seeds must differ, got seeds {seeds}.')
+  # Before anything is loaded or written.
+  engine.check_packable(configs[0], Placement(configs[0].engine.mesh_devices).num_devices)
+  for workdir in workdirs:
+    check_workdir_writable(workdir)
+  with contextlib.ExitStack() as stack:
+    for workdir in workdirs:
+      stack.enter_context(_workdir_lock(workdir))
+    stack.enter_context(config_lib.matmul_precision(configs[0]))
+    return _train_runs(configs, workdirs, dataset)
 
 
 @contextlib.contextmanager
@@ -278,31 +321,92 @@ def check_blowup(config, sim: engine.Simulator, state, info, best: float | None,
 # The run
 # ----------------------------------------------------------------------------------------------
 
-def _train_and_evaluate(config, workdir, dataset):
-  process_start = time.time()
-  ckpts = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint_keep)
-  try:
-    sim, state, progress, meta = _start_or_resume(config, workdir, dataset, ckpts)
-    # The run's wall time continues from the checkpoint's (the time after it is lost).
-    start = process_start - progress.elapsed_seconds
-    state = _run_rounds(config, workdir, sim, state, progress, meta, ckpts, start)
-    if config.save_representations:  # computed by every process, written by process 0
-      logging.info('Representations written to %s',
-                   sim.save_representations(state, workdir))
-  finally:
-    ckpts.close()
+@dataclasses.dataclass
+class _Run:
+  """One run in the round loop: its outputs and bookkeeping (a packed run has one per seed)."""
+  config: ml_collections.ConfigDict
+  workdir: str
+  ckpts: checkpoint.Checkpointer
+  sim: engine.Simulator | None = None
+  state: Any = None  # its RunState after the last round it finished
+  progress: Progress | None = None
+  meta: dict | None = None
+  start: float = 0.0  # when the run started, continued from its checkpoint's elapsed time
+  metrics_path: str = ''
+  writer: Any = None
+  report_progress: Callable = lambda step: None
+  last_ev: Any = None  # the last evaluation: later ones evaluate only the clients trained since
+  failed: Exception | None = None  # a packed replica that diverged (the others go on)
+  history_last: dict | None = None  # the record of its last round (None: not evaluated)
+  prefix: str = ''  # of its console lines ('seed 3: ' in a packed run)
 
-  progress.elapsed_seconds = time.time() - start
-  summary = make_summary(config, state, progress)
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-      f.write(json.dumps(summary, indent=2, default=_jsonable))
-  acc = lambda a: 'n/a' if a is None else f'{a:.4f}'
-  logging.info('Done: final mean accuracy %s, best %s (round %s), wall %.1f s; summary in %s',
-               acc(summary['final_mean_accuracy']), acc(summary['best_mean_accuracy']),
-               summary['best_round'], summary['wall_seconds'],
-               os.path.join(workdir, 'summary.json'))
-  return summary
+
+def _train_and_evaluate(config, workdir, dataset):
+  return _train_runs([config], [workdir], dataset)[0]
+
+
+def _train_runs(configs, workdirs, dataset) -> list[dict]:
+  """The runs of `configs`, one alone, or several packed (engine.Replicas). Returns their
+  summaries; raises DivergenceError, after the others finished, if a packed replica diverged."""
+  process_start = time.time()
+  packed = len(configs) > 1
+  if packed and dataset is None:  # loaded once for all the replicas
+    c = configs[0]
+    dataset = data.load_dataset(c.dataset, c.data_dir, c.download)
+  runs = []
+  try:
+    for config, workdir in zip(configs, workdirs):
+      run = _Run(config, workdir, checkpoint.Checkpointer(
+          os.path.join(workdir, 'checkpoints'), config.checkpoint_keep))
+      runs.append(run)
+      run.sim, run.state, run.progress, run.meta = _start_or_resume(config, workdir, dataset,
+                                                                    run.ckpts)
+      # The run's wall time continues from the checkpoint's (the time after it is lost).
+      run.start = process_start - run.progress.elapsed_seconds
+      if packed:
+        run.prefix = f'seed {config.seed}: '
+    pack = None
+    if packed:
+      rounds = [int(r.state.round) for r in runs]
+      if len(set(rounds)) > 1:
+        raise config_lib.ConfigError(
+            'Packed seeds resume together, from checkpoints of the same round, but their '
+            'workdirs are at different rounds: ' +
+            ', '.join(f'{r.workdir} at round {n}' for r, n in zip(runs, rounds)) +
+            '. Resume each alone (one command per --workdir, without --seeds), or start the '
+            'pack in a new --workdir.')
+      pack = engine.Replicas([r.sim for r in runs])
+    _run_rounds(runs, pack)
+    for run in runs:
+      if run.failed is None and run.config.save_representations:
+        # computed by every process, written by process 0
+        logging.info('Representations written to %s',
+                     run.sim.save_representations(run.state, run.workdir))
+  finally:
+    for run in runs:
+      run.ckpts.close()
+
+  summaries = []
+  for run in runs:
+    if run.failed is not None:
+      continue
+    run.progress.elapsed_seconds = time.time() - run.start
+    summary = make_summary(run.config, run.state, run.progress)
+    if jax.process_index() == 0:
+      with open(os.path.join(run.workdir, 'summary.json'), 'w') as f:
+        f.write(json.dumps(summary, indent=2, default=_jsonable))
+    acc = lambda a: 'n/a' if a is None else f'{a:.4f}'
+    logging.info('%sDone: final mean accuracy %s, best %s (round %s), wall %.1f s; summary in %s',
+                 run.prefix, acc(summary['final_mean_accuracy']),
+                 acc(summary['best_mean_accuracy']), summary['best_round'],
+                 summary['wall_seconds'], os.path.join(run.workdir, 'summary.json'))
+    summaries.append(summary)
+  failed = [run for run in runs if run.failed is not None]
+  if failed:
+    raise DivergenceError(
+        f'{len(failed)} of the {len(runs)} packed seeds diverged (the others finished): ' +
+        ' '.join(f'Seed {r.config.seed} ({r.workdir}): {r.failed}' for r in failed))
+  return summaries
 
 
 def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
@@ -363,64 +467,116 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
   return sim, state, progress, meta
 
 
-def _run_rounds(config, workdir, sim, state, progress: Progress, meta: dict,
-                ckpts: checkpoint.Checkpointer, start: float):
-  """Rounds until num_rounds, with evaluation, metrics, checkpoints and the stop requests."""
+def _run_rounds(runs: list[_Run], pack: engine.Replicas | None = None) -> None:
+  """Rounds until num_rounds, with evaluation, metrics, checkpoints and the stop requests, of
+  one run (`pack` None: its Simulator's rounds) or of packed replicas (`pack`: their rounds
+  together; each replica evaluates, records and checkpoints as it would alone). Leaves each
+  run's last state in `run.state`."""
+  config = runs[0].config
   is_main = jax.process_index() == 0
-  metrics_path = os.path.join(workdir, 'metrics.jsonl')
-  if is_main:
-    _rewrite_metrics(metrics_path, progress.history)
-  if metric_writers is None:
-    logging.warning('CLU or TensorFlow is not installed: no TensorBoard events; metrics.jsonl '
-                    'has every figure.')
-    writer = _NoEvents()
-  else:
-    writer = metric_writers.create_default_writer(workdir, just_logging=not is_main)
-  # Rounds per second and an ETA, in the logs and TensorBoard ('steps' are rounds here).
-  report_progress = (periodic_actions.ReportProgress(num_train_steps=config.num_rounds,
-                                                     writer=writer, every_steps=1)
-                     if periodic_actions else lambda step: None)
-  progress.compile_rounds.append(len(progress.round_times))
-  last_ev = None  # the last evaluation: later ones evaluate only the clients trained since
+  for run in runs:
+    run.metrics_path = os.path.join(run.workdir, 'metrics.jsonl')
+    if is_main:
+      _rewrite_metrics(run.metrics_path, run.progress.history)
+    if metric_writers is None:
+      logging.warning('CLU or TensorFlow is not installed: no TensorBoard events; metrics.jsonl '
+                      'has every figure.')
+      run.writer = _NoEvents()
+    else:
+      run.writer = metric_writers.create_default_writer(run.workdir, just_logging=not is_main)
+    # Rounds per second and an ETA, in the logs and TensorBoard ('steps' are rounds here).
+    if periodic_actions:
+      run.report_progress = periodic_actions.ReportProgress(
+          num_train_steps=config.num_rounds, writer=run.writer, every_steps=1)
+    run.progress.compile_rounds.append(len(run.progress.round_times))
+  state = runs[0].state if pack is None else pack.stack([r.state for r in runs])
+  if pack is not None and state.round < config.num_rounds:
+    for run in runs:  # the stacked state holds them now (each gets its own back each round)
+      run.state = None
 
   with _StopRequests() as stop:
     while state.round < config.num_rounds:
       t0 = time.time()
-      state, info = sim.run_round(state)
+      if pack is None:
+        state, info = runs[0].sim.run_round(state)
+        infos = [info]
+      else:
+        state, infos = pack.run_round(state)
+        jax.block_until_ready((state.params, state.server))
+        shared = time.time() - t0  # the round's training, shared by the replicas
+        # A signal to any process stops all of them after the same round (its save is
+        # collective); a packed run asks before its replicas evaluate, one after another.
+        stopping = distributed.any_process(stop.signal_name is not None)
       rounds_done = state.round
       last = rounds_done == config.num_rounds
-      check_finite(sim, state, info, ckpts)
-      check_blowup(config, sim, state, info, progress.best_train_loss, ckpts)
-      if progress.best_train_loss is None or info.train_loss < progress.best_train_loss:
-        progress.best_train_loss = info.train_loss
-      record = None
-      if rounds_done % config.eval_every == 0 or last:
-        last_ev = sim.evaluate(state, previous=last_ev)
-        record = _record(sim, state, info, last_ev)
-      jax.block_until_ready((state.params, state.server))
-      dt = time.time() - t0
-      progress.round_times.append(dt)
-      if record is not None:
-        record['round_seconds'] = dt
-        record['elapsed_seconds'] = time.time() - start
-        progress.history.append(record)
-        if is_main:
-          _write_record(metrics_path, writer, record)
-      # A signal to any process stops all of them after the same round (its save is collective).
-      stopping = distributed.any_process(stop.signal_name is not None)
-      if rounds_done % config.checkpoint_every == 0 or last or stopping:
-        progress.elapsed_seconds = time.time() - start
-        ckpts.save(sim.before_checkpoint(state), dataclasses.asdict(progress), meta)
-        sim.after_checkpoint(state, ckpts.steps())
-      report_progress(rounds_done)
-      _log_round(config, rounds_done, record, info, progress.round_times)
+      for r, (run, info) in enumerate(zip(runs, infos)):
+        if run.failed is not None:
+          continue
+        # A packed replica's own state: a copy of its slice, one replica at a time.
+        run_state = state if pack is None else pack.replica(state, r)
+        try:
+          # A packed replica's round time: the shared training, and its own evaluation.
+          _evaluate_and_record(run, run_state, info,
+                               t0 if pack is None else time.time() - shared, last)
+        except DivergenceError as e:
+          if pack is None:
+            raise
+          run.failed = e
+          logging.error('%s%s', run.prefix, e)
+          if all(x.failed is not None for x in runs):
+            raise DivergenceError(
+                'Every packed seed diverged: ' +
+                ' '.join(f'Seed {x.config.seed} ({x.workdir}): {x.failed}' for x in runs))
+          continue
+        if pack is None:
+          stopping = distributed.any_process(stop.signal_name is not None)
+        progress = run.progress
+        if rounds_done % config.checkpoint_every == 0 or last or stopping:
+          progress.elapsed_seconds = time.time() - run.start
+          run.ckpts.save(run.sim.before_checkpoint(run_state), dataclasses.asdict(progress),
+                         run.meta)
+          run.sim.after_checkpoint(run_state, run.ckpts.steps())
+        run.report_progress(rounds_done)
+        _log_round(config, rounds_done, run.history_last, info, progress.round_times,
+                   run.prefix)
+        # A packed replica's copy is kept only at the end.
+        run.state = run_state if pack is None or last else None
+        run_state = None
       if stopping and not last:
-        writer.flush()
+        for run in runs:
+          run.writer.flush()
         why = stop.signal_name or 'A signal to another process'
-        raise Preempted(f'{why}: stopped after round {rounds_done} of {config.num_rounds}; its '
-                        f'checkpoint is in {ckpts.directory}. Rerun the same command to resume.')
-  writer.flush()
-  return state
+        where = ', '.join(r.ckpts.directory for r in runs if r.failed is None)
+        raise Preempted(f'{why}: stopped after round {rounds_done} of {config.num_rounds}; '
+                        f'{"its checkpoint is" if len(runs) == 1 else "their checkpoints are"} '
+                        f'in {where}. Rerun the same command to resume.')
+  for run in runs:
+    run.writer.flush()
+
+
+def _evaluate_and_record(run: _Run, state, info, t0: float, last: bool) -> None:
+  """A run's round after training: the divergence guards, the evaluation and the metrics record
+  (kept in `run.history_last`: the record, or None when the round is not evaluated)."""
+  config, sim, progress = run.config, run.sim, run.progress
+  rounds_done = state.round
+  check_finite(sim, state, info, run.ckpts)
+  check_blowup(config, sim, state, info, progress.best_train_loss, run.ckpts)
+  if progress.best_train_loss is None or info.train_loss < progress.best_train_loss:
+    progress.best_train_loss = info.train_loss
+  record = None
+  if rounds_done % config.eval_every == 0 or last:
+    run.last_ev = sim.evaluate(state, previous=run.last_ev)
+    record = _record(sim, state, info, run.last_ev)
+  jax.block_until_ready((state.params, state.server))
+  dt = time.time() - t0
+  progress.round_times.append(dt)
+  if record is not None:
+    record['round_seconds'] = dt
+    record['elapsed_seconds'] = time.time() - run.start
+    progress.history.append(record)
+    if jax.process_index() == 0:
+      _write_record(run.metrics_path, run.writer, record)
+  run.history_last = record
 
 
 def _record(sim, state, info, ev) -> dict:
@@ -475,10 +631,10 @@ def _write_record(metrics_path, writer, record) -> None:
   writer.write_scalars(record['round'], scalars)
 
 
-def _log_round(config, rounds_done, record, info, round_times) -> None:
+def _log_round(config, rounds_done, record, info, round_times, prefix='') -> None:
   # The ETA leaves out the first round, which compiles.
   steady = np.mean(round_times[1:]) if len(round_times) > 1 else round_times[-1]
   eta = steady * (config.num_rounds - rounds_done)
   acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
-  logging.info('round %d/%d: %s, train loss %.4f, %.2f s/round, ETA %.0f s', rounds_done,
-               config.num_rounds, acc_text, info.train_loss, round_times[-1], eta)
+  logging.info('%sround %d/%d: %s, train loss %.4f, %.2f s/round, ETA %.0f s', prefix,
+               rounds_done, config.num_rounds, acc_text, info.train_loss, round_times[-1], eta)

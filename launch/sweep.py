@@ -37,6 +37,9 @@ flags.DEFINE_enum('mode', 'local', ['local', 'slurm', 'tpu'],
                   'local: run here; slurm, tpu: write one job script per run into '
                   '<sweep_dir>/jobs and print how to submit them.')
 flags.DEFINE_integer('parallel', 1, 'local: runs at once, sharing the devices.')
+flags.DEFINE_bool('pack_seeds', False, 'Runs that differ only in their seed run packed, in '
+                  'one process and the same compiled calls (fedssa_jax.main --seeds), each in '
+                  'its own workdir. For accelerators; memory grows with the seeds packed.')
 flags.DEFINE_string('data_dir', None, 'TFDS data_dir for every run.')
 flags.DEFINE_integer('num_rounds', None, 'Override num_rounds of every run.')
 flags.DEFINE_integer('local_epochs', None, 'Override local_epochs of every run.')
@@ -77,6 +80,34 @@ def run_command(run, sweep_dir: str, extra: dict, python: str) -> list[str]:
   return [python, '-m', 'fedssa_jax.main', f'--config={run.config}',
           f'--workdir={os.path.join(sweep_dir, run.name)}',
           *(f'--config.{k}={v}' for k, v in sorted(fields.items()))]
+
+
+def packed_jobs(runs, sweep_dir: str, cmd_dir: str, extra: dict,
+                python: str) -> list[tuple[str, list[str], str]]:
+  """(name, command, workdir) jobs in which the `runs` that differ only in their seed run
+  packed: one fedssa_jax.main --seeds command per such set, each seed in its own sweep workdir.
+  A set of one is its plain command. The job's workdir (its log) is its first seed's."""
+  sets = {}
+  for r in runs:
+    fields = {**r.override_dict, **extra}
+    key = (r.config, tuple(sorted((k, str(v)) for k, v in fields.items() if k != 'seed')))
+    sets.setdefault(key, []).append(r)
+  jobs = []
+  for (config, _), members in sets.items():
+    first = members[0]
+    if len(members) == 1:
+      jobs.append((first.name, run_command(first, cmd_dir, extra, python),
+                   os.path.join(sweep_dir, first.name)))
+      continue
+    seeds = [str(r.override_dict['seed']) for r in members]
+    fields = {k: v for k, v in {**first.override_dict, **extra}.items() if k != 'seed'}
+    name = first.name.rsplit('-s', 1)[0] + '-s' + '+'.join(seeds)
+    cmd = [python, '-m', 'fedssa_jax.main', f'--config={config}', f'--workdir={cmd_dir}',
+           f'--seeds={",".join(seeds)}',
+           f'--seed_workdirs={",".join(os.path.join(cmd_dir, r.name) for r in members)}',
+           *(f'--config.{k}={v}' for k, v in sorted(fields.items()))]
+    jobs.append((name, cmd, os.path.join(sweep_dir, first.name)))
+  return jobs
 
 
 def is_done(sweep_dir: str, run) -> bool:
@@ -198,7 +229,8 @@ def write_jobs(mode: str, jobs, sweep_dir: str, slurm_options, remote_repo: str)
 
 # ----------------------------------------------------------------------------------------------
 
-def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bool = False):
+def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bool = False,
+         pack_seeds: bool = False):
   """(sweep_dir, all runs, [(name, command, workdir)] of the runs still to do). With `remote`,
   commands name workdirs relative to the repository (for the copy on a TPU VM)."""
   sweeps = load_sweeps()
@@ -209,8 +241,11 @@ def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bo
   sweep_dir = os.path.abspath(sweep_dir or os.path.join(REPO, 'runs', 'sweeps', sweep))
   cmd_dir = (os.path.relpath(sweep_dir, REPO) if remote and sweep_dir.startswith(REPO + os.sep)
              else sweep_dir)
+  todo = [r for r in runs if not is_done(sweep_dir, r)]
+  if pack_seeds:
+    return sweep_dir, runs, packed_jobs(todo, sweep_dir, cmd_dir, extra, python)
   jobs = [(r.name, run_command(r, cmd_dir, extra, python), os.path.join(sweep_dir, r.name))
-          for r in runs if not is_done(sweep_dir, r)]
+          for r in todo]
   return sweep_dir, runs, jobs
 
 
@@ -222,9 +257,11 @@ def main(argv):
   python = FLAGS.python or (sys.executable if FLAGS.mode == 'local' else 'python')
   extra = extra_overrides(FLAGS.data_dir, FLAGS.num_rounds, FLAGS.local_epochs, FLAGS.set)
   sweep_dir, runs, jobs = plan(FLAGS.sweep, FLAGS.sweep_dir, extra, python,
-                               remote=FLAGS.mode == 'tpu')
-  print(f'Sweep {FLAGS.sweep}: {len(runs)} runs, {len(runs) - len(jobs)} done, {len(jobs)} to '
-        f'do, in {sweep_dir}', flush=True)
+                               remote=FLAGS.mode == 'tpu', pack_seeds=FLAGS.pack_seeds)
+  todo = sum(1 for r in runs if not is_done(sweep_dir, r))
+  packs = f' (in {len(jobs)} packed processes)' if FLAGS.pack_seeds else ''
+  print(f'Sweep {FLAGS.sweep}: {len(runs)} runs, {len(runs) - todo} done, {todo} to '
+        f'do{packs}, in {sweep_dir}', flush=True)
   if FLAGS.dry_run:
     for _, cmd, _ in jobs:
       print(shlex.join(cmd))

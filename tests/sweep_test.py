@@ -136,3 +136,24 @@ def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
           f'once that one is done (pid {os.getpid()} on host') in out
   assert 'raced: not started: another process is running it in this workdir' in out
   assert workdir_lock.in_use(str(held)) is None  # released
+
+
+def test_pack_seeds_packs_the_runs_that_differ_only_in_their_seed(tmp_path):
+  run_dir = tmp_path / 'cifar10-hetero-n10-E1-R2-fedssa-s1'
+  run_dir.mkdir()
+  (run_dir / 'summary.json').write_text('{}')
+  sweep_dir, runs, jobs = sweep.plan('small', str(tmp_path), {'num_rounds': 3}, 'python',
+                                     pack_seeds=True)
+  assert len(runs) == 6 and len(jobs) == 3  # 3 methods; fedssa's seed 1 is done
+  by_name = {name: (cmd, workdir) for name, cmd, workdir in jobs}
+  cmd, workdir = by_name['cifar10-hetero-n10-E1-R2-fedssa-s0']
+  assert '--config.seed=0' in cmd and not any(c.startswith('--seeds') for c in cmd)
+  packed = [name for name in by_name if name.endswith('-s0+1')]
+  assert len(packed) == 2
+  cmd, workdir = by_name[packed[0]]
+  base = packed[0][:-len('-s0+1')]
+  assert workdir == os.path.join(sweep_dir, base + '-s0')
+  assert '--seeds=0,1' in cmd and '--config.num_rounds=3' in cmd
+  assert (f'--seed_workdirs={os.path.join(sweep_dir, base + "-s0")},'
+          f'{os.path.join(sweep_dir, base + "-s1")}') in cmd
+  assert not any(c.startswith('--config.seed') for c in cmd)

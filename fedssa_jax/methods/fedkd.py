@@ -92,6 +92,9 @@ def compress_update(delta, threshold):
 class FedKD(base.Method):
   name = 'fedkd'
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
+  # Packed seeds on XLA:CPU (JAX 0.10.2) stall in the training call: its SVDs, batched over
+  # the replica axis too, never finish (with the SVDs left out, the call runs).
+  packs_on_cpu = False
   config_section = 'fedkd'
 
   @classmethod

@@ -1,0 +1,233 @@
+"""Packed seeds (engine.Replicas, train.train_replicas): replica r of a packed run equals the run
+of its seed alone, for every method, with cohorts that differ between the replicas (so chunk
+lists are padded with all-inactive chunks) and each replica's own partition (padded index rows);
+a stopped packed run resumes to the same records; what is not supported is refused by name."""
+import json
+import os
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_small_sim
+from fedssa_jax import client, config_lib, engine, main, methods, train
+
+SEEDS = (0, 3)
+ROUNDS = 2
+# Record fields that are timings (the rest must match a run alone).
+TIMINGS = ('round_seconds', 'elapsed_seconds')
+
+
+def overrides(**more):
+  """Two families (so that the replicas' cohorts split differently over them), K = 2 of 5."""
+  return {'model.families': ('cnn5', 'cnn4'), **more}
+
+
+def packed_and_alone(ds, method, seeds=SEEDS, rounds=ROUNDS, compare=None, **more):
+  """(infos, evaluations, states) per round of the packed replicas and of each seed alone (of
+  the replicas `compare`, default all), whether a replica's chunk list was padded, and the
+  replicas' index-row widths."""
+  sims = [make_small_sim(ds, method, **overrides(seed=s, **more)) for s in seeds]
+  pack = engine.Replicas(sims)
+  state = pack.stack([s.init_state() for s in sims])
+  packed = [[] for _ in seeds]
+  evs = [None] * len(seeds)
+  padded = False
+  for _ in range(rounds):
+    t = int(state.round)
+    chunks = pack.aligned_chunks([s.chunks(s.cohort(t)) for s in sims])
+    padded |= any((~active).all(axis=1).any() for _, _, active in chunks)
+    state, infos = pack.run_round(state)
+    for r, sim in enumerate(sims):
+      mine = pack.replica(state, r)
+      evs[r] = sim.evaluate(mine, previous=evs[r])
+      packed[r].append((infos[r], evs[r], mine))
+  compare = range(len(seeds)) if compare is None else compare
+  packed = [packed[r] for r in compare]
+  alone = []
+  for s in [seeds[r] for r in compare]:
+    sim = make_small_sim(ds, method, **overrides(seed=s, **more))
+    st, ev, out = sim.init_state(), None, []
+    for _ in range(rounds):
+      st, info = sim.run_round(st)
+      ev = sim.evaluate(st, previous=ev)
+      out.append((info, ev, st))
+    alone.append(out)
+  widths = [int(s.data.train_idx.shape[1]) for s in sims]
+  return packed, alone, padded, widths
+
+
+def assert_same_rounds(packed, alone, rtol=1e-5, atol=1e-6):
+  for p_rounds, a_rounds in zip(packed, alone):
+    for (pi, pe, ps), (ai, ae, as_) in zip(p_rounds, a_rounds):
+      np.testing.assert_array_equal(pi.cohort, ai.cohort)
+      for f in ('train_samples', 'train_steps', 'client_up_floats', 'client_down_floats'):
+        np.testing.assert_array_equal(getattr(pi, f), getattr(ai, f), err_msg=f)
+      for f in ('train_loss', 'train_accuracy', 'up_floats', 'down_floats', 'client_flops'):
+        np.testing.assert_allclose(getattr(pi, f), getattr(ai, f), rtol=rtol, err_msg=f)
+      np.testing.assert_allclose(pe.accuracy, ae.accuracy, atol=1e-9)
+      np.testing.assert_allclose(pe.batch_accuracy, ae.batch_accuracy, atol=1e-9)
+      assert ps.round == as_.round
+      for k in ps.costs:
+        np.testing.assert_allclose(ps.costs[k], as_.costs[k], rtol=rtol)
+    # The last state (earlier rounds' buffers were donated to the next round).
+    (_, _, ps), (_, _, as_) = p_rounds[-1], a_rounds[-1]
+    for x, y in zip(jax.tree.leaves((ps.params, ps.client_state, ps.server)),
+                    jax.tree.leaves((as_.params, as_.client_state, as_.server))):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol * 100, atol=atol)
+
+
+def test_epoch_order_is_invariant_to_the_padding_width():
+  # Packed replicas pad their training index rows to a common width; each client's shuffle must
+  # stay that of its run alone (jax_threefry_partitionable: a longer draw starts the same).
+  key = jax.random.PRNGKey(7)
+  for n, short, long in [(5, 16, 48), (16, 16, 32), (0, 16, 64), (33, 48, 512)]:
+    a = np.asarray(client.epoch_order(key, n, short))
+    b = np.asarray(client.epoch_order(key, n, long))
+    np.testing.assert_array_equal(a[:n], b[:n])
+    np.testing.assert_array_equal(np.sort(b[:n]), np.arange(n))
+
+
+def test_fedssa_replicas_equal_their_seeds_alone(small_ds):
+  # One family and one replica compared, to stay fast (the slow tests below pad the replicas'
+  # chunk lists and compare them all).
+  packed, alone, _, widths = packed_and_alone(small_ds, 'fedssa', compare=[1],
+                                              **{'model.families': ('cnn5',)})
+  assert len(set(widths)) > 1, 'the replicas\' partitions have one width: pick other seeds'
+  assert_same_rounds(packed, alone)
+
+
+@pytest.mark.slow  # simulators of every method compiled and run
+@pytest.mark.parametrize('method', [m for m, cls in methods.METHODS.items()
+                                    if m != 'fedssa' and cls.packs_on_cpu])
+def test_every_method_replicas_equal_their_seeds_alone(small_ds, method):
+  packed, alone, padded, _ = packed_and_alone(small_ds, method)
+  assert padded
+  assert_same_rounds(packed, alone)
+
+
+def test_fedkd_is_refused_on_the_cpu():
+  # Its SVDs stall XLA:CPU under the replica axis (FedKD.packs_on_cpu); accelerators only.
+  assert jax.default_backend() == 'cpu'
+  fake = lambda c: types.SimpleNamespace(
+      config=c, placement=types.SimpleNamespace(mesh=None, num_devices=1))
+  with pytest.raises(config_lib.ConfigError, match='fedkd do not run on the CPU'):
+    engine.Replicas([fake(tiny_config(0, method='fedkd')), fake(tiny_config(1, method='fedkd'))])
+
+
+# -- Whole runs: outputs, resume, refusals --------------------------------------------------------
+
+def tiny_config(seed=0, **more):
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.model.families = ('cnn5', 'cnn4')
+  c.num_clients, c.participation, c.num_rounds = 5, 0.4, ROUNDS
+  c.batch_size, c.eval_batch_size, c.local_epochs = 16, 16, 1
+  c.seed = seed
+  c.update_from_flattened_dict(more)
+  return c
+
+
+def records(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in f]
+
+
+@pytest.mark.slow  # whole runs compiled
+def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds, tmp_path,
+                                                                       monkeypatch):
+  seeds = SEEDS
+  base = tiny_config()
+  alone = {}
+  for s in seeds:
+    w = str(tmp_path / f'alone{s}')
+    train.train_and_evaluate(tiny_config(seed=s), w, dataset=small_ds)
+    alone[s] = records(w)
+  whole = [str(tmp_path / 'whole' / f'seed{s}') for s in seeds]
+  summaries = train.train_replicas(train.replica_configs(base, seeds), whole, dataset=small_ds)
+  assert len(summaries) == len(seeds)
+  for s, w in zip(seeds, whole):
+    got = records(w)
+    assert [r['round'] for r in got] == list(range(1, ROUNDS + 1))
+    for a, b in zip(got, alone[s]):
+      assert a['participants'] == b['participants']
+      assert a['mean_accuracy'] == pytest.approx(b['mean_accuracy'], abs=1e-9)
+      assert a['train_loss'] == pytest.approx(b['train_loss'], rel=1e-5)
+      assert a['cum_floats'] == b['cum_floats']
+    assert json.load(open(os.path.join(w, 'config.json')))['config']['seed'] == s
+    assert os.path.exists(os.path.join(w, 'summary.json'))
+
+  # A stop request (SIGTERM) after round 1: every replica checkpoints, then Preempted.
+  stopped = [str(tmp_path / 'stopped' / f'seed{s}') for s in seeds]
+  enter = train._StopRequests.__enter__
+
+  def stop_at_once(self):
+    enter(self)
+    self.signal_name = 'SIGTERM'
+    return self
+  monkeypatch.setattr(train._StopRequests, '__enter__', stop_at_once)
+  with pytest.raises(train.Preempted, match='stopped after round 1'):
+    train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)
+  monkeypatch.setattr(train._StopRequests, '__enter__', enter)
+  for w in stopped:
+    assert os.listdir(os.path.join(w, 'checkpoints')) == ['1']
+  train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)
+  for a, b in zip(stopped, whole):
+    assert records(a) == records(b)
+
+  # A replica that diverges fails alone: the other finishes, and the error names it.
+  real_check = train.check_finite
+
+  def diverge(sim, state, info, ckpts):
+    if sim.config.seed == seeds[1]:
+      raise train.DivergenceError('a divergence for the test')
+    real_check(sim, state, info, ckpts)
+  monkeypatch.setattr(train, 'check_finite', diverge)
+  failing = [str(tmp_path / 'failing' / f'seed{s}') for s in seeds]
+  with pytest.raises(train.DivergenceError,
+                     match=f'1 of the 2 packed seeds diverged.*Seed {seeds[1]} '):
+    train.train_replicas(train.replica_configs(base, seeds), failing, dataset=small_ds)
+  monkeypatch.setattr(train, 'check_finite', real_check)
+  assert records(failing[0]) == records(whole[0])
+  assert os.path.exists(os.path.join(failing[0], 'summary.json'))
+  assert not os.path.exists(os.path.join(failing[1], 'summary.json'))
+
+  # Workdirs at different rounds are refused, naming them.
+  with pytest.raises(config_lib.ConfigError, match='different rounds'):
+    train.train_replicas(train.replica_configs(base, (seeds[0], 5)),
+                         [stopped[0], str(tmp_path / 'fresh')], dataset=small_ds)
+
+
+@pytest.mark.parametrize('store', ['host', 'disk'])
+def test_row_stores_are_refused(tmp_path, store):
+  configs = train.replica_configs(tiny_config(population_store=store), (0, 1))
+  with pytest.raises(config_lib.ConfigError, match="population_store='device'"):
+    train.train_replicas(configs, [str(tmp_path / 'a'), str(tmp_path / 'b')])
+
+
+def test_refusals_of_replicas_that_cannot_pack(tmp_path):
+  fake = lambda c, mesh=None: types.SimpleNamespace(
+      config=c, placement=types.SimpleNamespace(mesh=mesh, num_devices=1 if mesh is None else 8))
+  with pytest.raises(config_lib.ConfigError, match='mesh_devices=1'):
+    engine.Replicas([fake(tiny_config(0), mesh=object()), fake(tiny_config(1))])
+  with pytest.raises(config_lib.ConfigError, match='differ only in their seed'):
+    engine.Replicas([fake(tiny_config(0)), fake(tiny_config(1, local_epochs=2))])
+  with pytest.raises(config_lib.ConfigError, match='must differ'):
+    train.train_replicas([tiny_config(1), tiny_config(1)],
+                         [str(tmp_path / 'a'), str(tmp_path / 'b')])
+  with pytest.raises(config_lib.ConfigError, match='a workdir each'):
+    train.train_replicas([tiny_config(0), tiny_config(1)], [str(tmp_path)] * 2)
+
+
+def test_seeds_flag_is_checked(capsys, tmp_path):
+  for bad in ('0,0', 'a,1', '-1'):
+    rc = main.run_cli(['main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                       f'--seeds={bad}'])
+    assert rc == main.EXIT_BAD_INPUT
+    assert '--seeds' in capsys.readouterr().err
+  rc = main.run_cli(['main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                     '--seeds=0,1', '--config.population_store=host'])
+  assert rc == main.EXIT_BAD_INPUT
+  assert "population_store='device'" in capsys.readouterr().err
+  assert main.replica_workdir('W', 3) == os.path.join('W', 'seed3')
