@@ -16,6 +16,10 @@ with torch and torchvision (a venv of its own keeps the system's Python as it is
   python -m venv /tmp/venv-torch --system-site-packages
   /tmp/venv-torch/bin/pip install torch torchvision
 
+(Measured with torch 2.14.1 and torchvision 0.29.1, the default CUDA wheels, which run on a
+CPU-only machine; a CPU-only torch wheel needs a torchvision built for it. The official script's
+`--data-name` lists no 'cifar10' among its choices, so it is left at its default, cifar10.)
+
 Data: `--data_dir` is what this simulator reads (a TFDS data_dir holding cifar10, or an .npz of
 x_train, y_train, x_test, y_test). The script writes the same images and labels, in the order
 TFDS gives them, as torchvision's `cifar-10-batches-py` pickles into a scratch folder, which the
@@ -24,14 +28,14 @@ re-encoding, so both read those pixels, not the original files').
 
 The official script runs unchanged, from its own folder, with `--num-nodes`, `--frac`,
 `--num-steps`, `--batch-size`, `--inner-steps`, `--inner-lr`, `--inner-wd`, `--data-path` and
-`--save-path` set from our config; its other arguments keep their defaults. Three things are
+`--save-path` set from our config; its other arguments keep their defaults. Two things are
 changed at run time by a small runner that then runs the script with runpy (the checkout's files
 are not touched; Python writes no bytecode into it; its outputs go to the scratch folder):
   - torchvision's MD5 check of the CIFAR-10 files accepts any file that exists (our pickles are
     not byte for byte the originals), and it never downloads;
   - torch.cuda.is_available() is False, so the script runs on the CPU whatever GPU it finds (it
-    sets CUDA_VISIBLE_DEVICES=3 itself);
-  - nothing else: the algorithm, the data pipeline and the logging are the official ones.
+    sets CUDA_VISIBLE_DEVICES=3 itself).
+Nothing else: the algorithm, the data pipeline and the logging are the official ones.
 The official round times come from its log's timestamps (millisecond resolution): from
 `#-----------Round:r-------------#` to the following `Global Headers are updated after
 aggregation`, i.e. local training, each participant's test evaluation, the CSV row and the
