@@ -1,8 +1,10 @@
 """Shared fixtures and helpers: small synthetic data sets that need no TFDS, small simulators
 and rounds run by hand, and the plain references the method tests compare against."""
 import functools
+import importlib.util
 import os
 import random
+import sys
 import tempfile
 
 import jax
@@ -11,6 +13,19 @@ import numpy as np
 import pytest
 
 from fedssa_jax import data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_file(path: str, name: str | None = None):
+  """The module of a file of the repository that is no package module (a launch script, a
+  config file), by its path from the repository root; registered in sys.modules as `name`."""
+  name = name or os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
 
 # Full float32 matmuls and convolutions: on GPUs JAX's default (TF32) rounds to ~1e-3, which
 # would blur the vectorised-equals-plain comparisons. Runs keep the backend's default.

@@ -1,7 +1,6 @@
 """The blow-up guard (train.check_blowup): it stops a run whose finite loss diverges, naming the
 round, the statistic and the clients, and leaves healthy runs alone. (main_every_method_test.py
 runs every method 3 rounds with the guard at its defaults.)"""
-import importlib.util
 import os
 import types
 
@@ -10,7 +9,7 @@ import pytest
 
 from fedssa_jax import config_lib, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_file
 
 
 def tiny(**overrides):
@@ -73,10 +72,6 @@ def test_every_config_keeps_the_guard_on():
   base = config_lib.base_config()
   for name, arg in [('cifar10', 'hetero,n10'), ('cifar10', 'homo,n100'), ('cifar100', 'dir,n50'),
                     ('tiny', None)]:
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'configs',
-                                                                      f'{name}.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config(arg)
+    c = load_file(f'configs/{name}.py', f'config_{name}').get_config(arg)
     assert (c.guard.max_train_loss, c.guard.loss_growth) == (
         base.guard.max_train_loss, base.guard.loss_growth) == (1e3, 1e3)

@@ -1,6 +1,5 @@
 """End to end: `python -m fedssa_jax.main` flags, TFDS loading (mock data), the output files."""
 import glob
-import importlib.util
 import json
 import os
 
@@ -13,14 +12,11 @@ from ml_collections import config_flags
 
 from fedssa_jax import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO as ROOT, load_file
 
 
 def load_config_module(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'configs', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file(f'configs/{name}.py', f'config_{name}')
 
 
 def test_config_file_variants_and_overrides(monkeypatch):

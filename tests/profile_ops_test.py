@@ -1,19 +1,13 @@
 """launch/profile_ops.py reads op names, result shapes and matmul shapes from compiled HLO."""
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_file
 
 
 def load_script():
-  spec = importlib.util.spec_from_file_location(
-      'profile_ops', os.path.join(ROOT, 'launch', 'profile_ops.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file('launch/profile_ops.py')
 
 
 def test_parse_finds_each_matmul_with_its_shape_and_flops():

@@ -1,20 +1,14 @@
 """launch/side_by_side.py: its short errors when the official checkout or torch is missing, and
 its reading of the official code's log. Needs no torch and runs neither code."""
-import importlib.util
-import os
 import stat
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_file
 
 
 def load_script():
-  spec = importlib.util.spec_from_file_location(
-      'side_by_side', os.path.join(ROOT, 'launch', 'side_by_side.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file('launch/side_by_side.py')
 
 
 # The official FedSSA_hetero.py's log (logging's format from experiments/utils.py), two rounds:

@@ -1,23 +1,14 @@
 """Sweep expansion (configs/sweeps.py) and the launcher's commands and job scripts."""
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO, load_file
 
 
-def _load(name, path):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-sweep = _load('sweep_launcher', 'launch/sweep.py')
+sweep = load_file('launch/sweep.py', 'sweep_launcher')
 sweeps = sweep.load_sweeps()
 
 
