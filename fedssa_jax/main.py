@@ -85,25 +85,23 @@ def run(flag_values: flags.FlagValues):
       flag_values.distributed, flag_values.coordinator_address, flag_values.num_processes,
       flag_values.process_id, flag_values.local_device_ids))
   config = flag_values.config
-  if flag_values.seeds is not None:
-    seeds = seeds_of(flag_values.seeds)
-    workdirs = [replica_workdir(flag_values.workdir, s) for s in seeds]
+  if flag_values.seeds is None:
     if flag_values.seed_workdirs is not None:
-      workdirs = list(flag_values.seed_workdirs)
-      if len(workdirs) != len(seeds):
-        raise config_lib.ConfigError(
-            f'--seed_workdirs names {len(workdirs)} workdirs for {len(seeds)} --seeds: give one '
-            'per seed, in the same order.')
-  elif flag_values.seed_workdirs is not None:
-    raise config_lib.ConfigError('--seed_workdirs goes with --seeds (one workdir per seed).')
-  if flag_values.seeds is not None:
-    logging.info('Running %s on %s (%s), seeds %s packed, outputs in %s', config.method,
-                 config.dataset, flag_values['config'].config_filename,
-                 ','.join(map(str, seeds)), ', '.join(workdirs))
-    return train.train_replicas(train.replica_configs(config, seeds), workdirs)
-  logging.info('Running %s on %s (%s), outputs in %s', config.method, config.dataset,
-               flag_values['config'].config_filename, flag_values.workdir)
-  return train.train_and_evaluate(config, flag_values.workdir)
+      raise config_lib.ConfigError('--seed_workdirs goes with --seeds (one workdir per seed).')
+    logging.info('Running %s on %s (%s), outputs in %s', config.method, config.dataset,
+                 flag_values['config'].config_filename, flag_values.workdir)
+    return train.train_and_evaluate(config, flag_values.workdir)
+  seeds = seeds_of(flag_values.seeds)
+  workdirs = ([replica_workdir(flag_values.workdir, s) for s in seeds]
+              if flag_values.seed_workdirs is None else list(flag_values.seed_workdirs))
+  if len(workdirs) != len(seeds):
+    raise config_lib.ConfigError(
+        f'--seed_workdirs names {len(workdirs)} workdirs for {len(seeds)} --seeds: give one '
+        'per seed, in the same order.')
+  logging.info('Running %s on %s (%s), seeds %s packed, outputs in %s', config.method,
+               config.dataset, flag_values['config'].config_filename,
+               ','.join(map(str, seeds)), ', '.join(workdirs))
+  return train.train_replicas(train.replica_configs(config, seeds), workdirs)
 
 
 def seeds_of(values: list[str]) -> list[int]:
