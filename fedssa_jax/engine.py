@@ -397,23 +397,13 @@ def _without_seed(config) -> dict:
   return d
 
 
-def check_packable(config, num_devices: int) -> None:
-  """Raises ConfigError, naming the fix, if seeds of `config` cannot run packed (Replicas) on
-  `num_devices` devices (the `clients` mesh's)."""
+def check_packable(config) -> None:
+  """Raises ConfigError, naming the fix, if seeds of `config` cannot run packed (Replicas)."""
   if config.population_store != 'device':
     raise config_lib.ConfigError(
         f"Packed seeds (--seeds) need population_store='device', not "
         f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
         'one (one command per seed, without --seeds).')
-  if num_devices > 1:
-    raise config_lib.ConfigError(
-        f'Packed seeds (--seeds) run on one device, but engine.mesh_devices='
-        f'{config.engine.mesh_devices} makes a mesh of {num_devices} devices: set '
-        '--config.engine.mesh_devices=1, or run the seeds one by one (without --seeds).')
-  if jax.default_backend() == 'cpu' and not methods.get_method(config.method).packs_on_cpu:
-    raise config_lib.ConfigError(
-        f'Packed seeds of {config.method} do not run on the CPU backend (its SVDs stall under '
-        'the replica axis): run the seeds one by one (without --seeds), or on an accelerator.')
 
 
 class Replicas:
@@ -428,7 +418,12 @@ class Replicas:
   chunk j of a group is ONE jitted call: the device store's chunk call vmapped over the replica
   axis (R x clients_per_call clients), each replica with its own rows, server, seen-class masks,
   training indices and root key, the images shared. The server rule is vmapped the same way, so
-  each replica aggregates only its own uploads. Only the device store, without a `clients` mesh.
+  each replica aggregates only its own uploads. Only the device store.
+
+  Under a `clients` mesh (placement.py), the stacked arrays keep each replica's client axis
+  sharded as a run alone has it (P(None, 'clients'): the replica axis is not sharded), and a
+  chunk's clients of every replica train under the same shard_map: each device trains its share
+  of every replica's chunk, as it would of one run's.
   """
 
   def __init__(self, sims: list[Simulator]):
@@ -437,7 +432,7 @@ class Replicas:
     self.sims = sims
     s0 = sims[0]
     c0 = s0.config
-    check_packable(c0, s0.placement.num_devices)
+    check_packable(c0)
     seeds = [s.config.seed for s in sims]
     if len(set(seeds)) != len(seeds):
       raise config_lib.ConfigError(f'Packed seeds must differ, got {seeds}.')
@@ -461,22 +456,30 @@ class Replicas:
       raise config_lib.ConfigError(
           'Packed seeds with per-seed partitions need jax_threefry_partitionable (JAX\'s '
           'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, width - a.shape[1])))
+    place = self.placement = s0.placement
+    stack = lambda arrays: place.replicate(jnp.asarray(np.stack(place.fetch(arrays))))
+    pad = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])))
     for s in sims[1:]:  # one copy of the images on the device
       s.data = dataclasses.replace(s.data, images=s0.data.images, labels=s0.data.labels)
     # Evaluation does not come through here (each replica evaluates with its own Simulator):
     # test_idx and test_n are replica 0's, unused by training.
     self.data = dataclasses.replace(
-        s0.data, train_idx=jnp.stack([pad(s.data.train_idx) for s in sims]),
-        train_n=jnp.stack([s.data.train_n for s in sims]))
+        s0.data, train_idx=stack([pad(s.fetch(s.data.train_idx)) for s in sims]),
+        train_n=stack([s.data.train_n for s in sims]))
     data_axes = client.DeviceData(images=None, labels=None, train_idx=0, train_n=0,
                                   test_idx=None, test_n=None)
-    self.seen = jnp.stack([s.seen_dev for s in sims])
-    self.root_keys = jnp.stack([s.root_key for s in sims])
+    self.seen = stack([s.seen_dev for s in sims])
+    self.root_keys = stack([s.root_key for s in sims])
     self._train_calls = [s0.store.packed_train_call(g, s0._train_chunk_fn(g), data_axes)
                          for g in self.groups]
-    self._aggregate = jax.jit(jax.vmap(s0.method.server_aggregate, in_axes=(0, 0, None)),
+    self._aggregate = jax.jit(lambda *a: place.constrain(
+        jax.vmap(s0.method.server_aggregate, in_axes=(0, 0, None))(*a), sharded=False),
                               donate_argnums=0)
+    # Stacking the replicas' trees, and slicing one out, placed as above.
+    self._stack = jax.jit(lambda trees, sharded: place.constrain(
+        jax.tree.map(lambda *a: jnp.stack(a), *trees), sharded, stacked=True), static_argnums=1)
+    self._slice = jax.jit(lambda tree, r, sharded: place.constrain(
+        jax.tree.map(lambda a: a[r], tree), sharded), static_argnums=2)
 
   # --- the stacked state ---------------------------------------------------------------------
   def stack(self, states: list[RunState]) -> RunState:
@@ -485,20 +488,19 @@ class Replicas:
     rounds = {int(s.round) for s in states}
     if len(rounds) != 1:
       raise ValueError(f'Replicas at different rounds: {[int(s.round) for s in states]}.')
-    stack = lambda *a: jnp.stack(a)
     return RunState(round=states[0].round,
-                    params=tuple(jax.tree.map(stack, *(s.params[gi] for s in states))
+                    params=tuple(self._stack([s.params[gi] for s in states], True)
                                  for gi in range(len(self.groups))),
-                    client_state=jax.tree.map(stack, *(s.client_state for s in states)),
-                    server=jax.tree.map(stack, *(s.server for s in states)),
+                    client_state=self._stack([s.client_state for s in states], True),
+                    server=self._stack([s.server for s in states], False),
                     costs=tuple(dict(s.costs) for s in states))
 
   def replica(self, state: RunState, r: int) -> RunState:
     """Replica r's own RunState, out of the stacked one (its arrays sliced)."""
-    take = lambda tree: jax.tree.map(lambda a: a[r], tree)
-    return RunState(round=state.round, params=tuple(take(p) for p in state.params),
-                    client_state=take(state.client_state), server=take(state.server),
-                    costs=dict(state.costs[r]))
+    i = jnp.asarray(r, jnp.int32)
+    return RunState(round=state.round, params=tuple(self._slice(p, i, True) for p in state.params),
+                    client_state=self._slice(state.client_state, i, True),
+                    server=self._slice(state.server, i, False), costs=dict(state.costs[r]))
 
   # --- the round -----------------------------------------------------------------------------
   def aligned_chunks(self, chunk_lists: list[list]) -> list:
@@ -533,7 +535,7 @@ class Replicas:
     for r, c in enumerate(cohorts):
       participants[r, c] = True
     server = self._aggregate(server, jnp.asarray(participants), t_dev)
-    all_stats = jax.device_get(chunk_stats)  # one transfer for the round
+    all_stats = self.placement.fetch(chunk_stats)  # one transfer for the round
     infos, costs = [], []
     for r, sim in enumerate(self.sims):
       mine = [(gi, slots[r], active[r], {k: v[r] for k, v in stats.items()})

@@ -90,12 +90,13 @@ class Placement:
     return distributed.put(jax.tree.map(pad, distributed.fetch(tree)),
                            NamedSharding(self.mesh, P(CLIENTS)))
 
-  def constrain(self, tree: PyTree, sharded: bool) -> PyTree:
+  def constrain(self, tree: PyTree, sharded: bool, stacked: bool = False) -> PyTree:
     """Under jit: `tree`'s arrays sharded along `clients` (or replicated); nothing without a
-    mesh."""
+    mesh. `stacked`: their client axis comes after a leading replica axis (engine.Replicas),
+    which is not sharded."""
     if self.mesh is None:
       return tree
-    spec = P(CLIENTS) if sharded else P()
+    spec = P(*[None] * stacked, CLIENTS) if sharded else P()
     return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
 
   def per_device(self, fn: Callable, num_sharded: int) -> Callable:

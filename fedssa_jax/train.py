@@ -31,7 +31,6 @@ except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it
   metric_writers = periodic_actions = None
 
 from fedssa_jax import checkpoint, config_lib, data, distributed, engine, workdir_lock
-from fedssa_jax.placement import Placement
 
 
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
@@ -125,7 +124,7 @@ def train_replicas(configs: list, workdirs: list[str],
   if len(set(seeds)) != len(seeds):
     raise config_lib.ConfigError(f'Packed seeds must differ, got seeds {seeds}.')
   # Before anything is loaded or written.
-  engine.check_packable(configs[0], Placement(configs[0].engine.mesh_devices).num_devices)
+  engine.check_packable(configs[0])
   for workdir in workdirs:
     check_workdir_writable(workdir)
   with contextlib.ExitStack() as stack:

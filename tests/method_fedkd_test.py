@@ -101,6 +101,19 @@ def test_vmapped_compression_equals_per_client():
       np.testing.assert_allclose(np.asarray(got)[i], np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
+def test_thin_svd_under_nested_vmap_is_each_matrix_s():
+  # Replicas x clients, as packed seeds batch it: on the CPU one matrix after another (two
+  # concurrent batched SVDs can deadlock XLA:CPU's thread pool), the same numbers as alone.
+  a = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 12, 5)), jnp.float32)
+  u, s, vt = jax.jit(jax.vmap(jax.vmap(fedkd.thin_svd)))(a)
+  assert u.shape == (2, 3, 12, 5) and s.shape == (2, 3, 5) and vt.shape == (2, 3, 5, 5)
+  for r in range(2):
+    for c in range(3):
+      want = jnp.linalg.svd(a[r, c], full_matrices=False)
+      for got, w in zip((u, s, vt), want):
+        np.testing.assert_allclose(np.asarray(got[r, c]), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def test_loss_vmapped_equals_hand_computation():
   method = make_method()
   own = models.make_model('cnn4', C, 'im2col')

@@ -14,7 +14,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402  (full float32 matmuls, the synthetic data set)
 import engine_test  # noqa: E402  (the small configs)
-from fedssa_jax import checkpoint  # noqa: E402
+from fedssa_jax import checkpoint, data, engine  # noqa: E402
 
 
 def sharding_facts(sim, state):
@@ -61,10 +61,55 @@ def one_run(method, mesh_devices, ds, rounds, families, store='device'):
   }
 
 
+def summary(sim, state, infos, ev):
+  """What replicas_on_the_mesh compares of a run: its records, and its state's sums."""
+  host = sim.saved(state)
+  return {'cohorts': [i.cohort.tolist() for i in infos],
+          'train_loss': [i.train_loss for i in infos],
+          'up_floats': [i.up_floats for i in infos],
+          'accuracy': ev.accuracy.tolist(),
+          'abs_sums': [float(np.abs(np.asarray(x, np.float64)).sum())
+                       for x in jax.tree.leaves((host['params'], host['server']))]}
+
+
+def replicas_on_the_mesh(ds, seeds=(0, 3), rounds=2):
+  """FedSSA seeds packed (engine.Replicas) on the mesh of all devices, and each alone on it. The
+  packed state goes through its replicas' checkpoint form (saved, then live and stacked again)
+  after round 1, as a resume does."""
+  configs = []
+  for seed in seeds:
+    c = engine_test.small_config('fedssa')
+    c.engine.mesh_devices, c.num_rounds, c.seed = 0, rounds, seed
+    configs.append(c)
+  sims = [engine.Simulator(c, ds, data.partition_from_config(c, ds)) for c in configs]
+  pack = engine.Replicas(sims)
+  state = pack.stack([s.init_state() for s in sims])
+  infos, evs = [[] for _ in seeds], [None] * len(seeds)
+  for t in range(rounds):
+    state, round_infos = pack.run_round(state)
+    for r, sim in enumerate(sims):
+      evs[r] = sim.evaluate(pack.replica(state, r), previous=evs[r])
+      infos[r].append(round_infos[r])
+    if t == 0:
+      state = pack.stack([sim.live(sim.saved(pack.replica(state, r)))
+                          for r, sim in enumerate(sims)])
+  leaf = jax.tree.leaves(state.params[0])[0]
+  out = {'stacked': {'shape': list(leaf.shape), 'spec': str(leaf.sharding.spec),
+                     'shard_shapes': sorted({sh.data.shape[:2] for sh in leaf.addressable_shards})},
+         'packed': [summary(sim, pack.replica(state, r), infos[r], evs[r])
+                    for r, sim in enumerate(sims)]}
+  out['alone'] = [summary(*engine_test.run(c, ds)) for c in configs]
+  return out
+
+
 def main(runs):
-  """runs: 'method:rounds:family,family' each; every one on one device and on all of them."""
+  """runs: 'method:rounds:family,family' each; every one on one device and on all of them.
+  'replicas': replicas_on_the_mesh."""
   ds = conftest.synthetic_dataset()
   out = {'devices': jax.device_count()}
+  if 'replicas' in runs:
+    runs = [r for r in runs if r != 'replicas']
+    out['replicas'] = replicas_on_the_mesh(ds)
   for i, run in enumerate(runs):
     method, rounds, families = run.split(':')
     sims = {d: one_run(method, d, ds, int(rounds), tuple(families.split(','))) for d in (1, 0)}

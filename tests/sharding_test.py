@@ -28,7 +28,8 @@ SHARDING = {  # per group: stored rows, clients, chunk size, rows per device
 def results():
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS=f'--xla_force_host_platform_device_count={DEVICES}')
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'sharding_run.py'), *RUNS],
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'sharding_run.py'), *RUNS,
+                         'replicas'],
                         env=env, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')][-1]
@@ -76,3 +77,18 @@ def test_the_host_store_on_eight_devices_gives_the_device_store_metrics(results)
               'params_rows', 'train_loss', 'accuracy', 'batch_accuracy', 'server_abs_sum',
               'params_abs_sum'):
     np.testing.assert_allclose(host[key], device[key], rtol=1e-6, err_msg=key)
+
+
+def test_packed_seeds_on_the_mesh_equal_their_runs_alone(results):
+  """engine.Replicas under the mesh: each replica's client axis sharded as alone (the replica
+  axis not), and each replica's records and state those of its seed alone on the mesh, through a
+  checkpoint round trip after round 1."""
+  rep = results['replicas']
+  assert rep['stacked'] == {'shape': [2, 8, 16], 'spec': "P(None, 'clients')",
+                            'shard_shapes': [[2, 1]]}  # 2 seeds, 5 clients in 8 rows, a bias
+  assert rep['packed'][0]['cohorts'] != rep['packed'][1]['cohorts']
+  for packed, alone in zip(rep['packed'], rep['alone']):
+    assert packed['cohorts'] == alone['cohorts'] and packed['up_floats'] == alone['up_floats']
+    np.testing.assert_allclose(packed['accuracy'], alone['accuracy'], atol=1e-9)
+    for key in ('train_loss', 'abs_sums'):
+      np.testing.assert_allclose(packed[key], alone[key], rtol=1e-5, err_msg=key)

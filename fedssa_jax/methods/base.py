@@ -163,8 +163,6 @@ class Method:
   # Is the loss a mean of per-sample terms? Then a step's gradient may be summed over smaller
   # passes (client.TrainConfig.micro_batch). Not for losses coupling a batch's samples.
   per_sample_loss = True
-  # Whether seeds of this method may run packed (engine.Replicas) on the CPU backend.
-  packs_on_cpu = True
 
   def __init__(self, config, num_clients: int, num_classes: int):
     # The same checks as config_lib.validate's, so that no method is built from a config that

@@ -57,11 +57,35 @@ def svd_flops(m: int, n: int) -> float:
   return float(min(14 * m * n * n + 8 * n ** 3, 6 * m * n * n + 20 * n ** 3))
 
 
+def _svd(a):
+  return tuple(jnp.linalg.svd(a, full_matrices=False))
+
+
+@jax.custom_batching.custom_vmap
+def _svd_one_at_a_time(a):
+  """_svd, which under vmap runs its matrices one after another (lax.map)."""
+  return _svd(a)
+
+
+@_svd_one_at_a_time.def_vmap
+def _svd_one_at_a_time_vmap(axis_size, in_batched, a):
+  del axis_size, in_batched  # its one argument is batched
+  return jax.lax.map(_svd_one_at_a_time, a), (True, True, True)
+
+
+def thin_svd(a):
+  """(u, s, vt) of a [m, n] matrix. On the CPU, a batch of them (under vmap) runs one matrix at
+  a time: XLA:CPU's batched SVD spreads a batch over the thread pool that runs the program, and
+  two such SVDs running at once can wait on each other forever (seen with packed seeds on 2
+  cores, JAX 0.10.2). Each matrix gets the same LAPACK call either way."""
+  return (_svd_one_at_a_time if jax.default_backend() == 'cpu' else _svd)(a)
+
+
 def compress_matrix(a, threshold):
   """Truncated SVD of a [m, n] matrix by the energy rule. Returns (what the receiver rebuilds,
   floats sent, the rebuild's FLOPs if compressed else 0)."""
   m, n = a.shape
-  u, s, vt = jnp.linalg.svd(a, full_matrices=False)
+  u, s, vt = thin_svd(a)
   cum = jnp.cumsum(s * s)
   total = cum[-1]
   q = jnp.minimum(jnp.sum(cum < threshold * total) + 1, s.shape[0])  # clamped to [1, full]
@@ -92,9 +116,6 @@ def compress_update(delta, threshold):
 class FedKD(base.Method):
   name = 'fedkd'
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
-  # Packed seeds on XLA:CPU (JAX 0.10.2) stall in the training call: its SVDs, batched over
-  # the replica axis too, never finish (with the SVDs left out, the call runs).
-  packs_on_cpu = False
   config_section = 'fedkd'
 
   @classmethod
