@@ -59,17 +59,22 @@ def best_time(fn, repeats: int) -> float:
   return min(times)
 
 
-def matmul_roofline(quick: bool) -> dict:
-  """float32 matmul FLOP/s: the best over a few large shapes."""
+def matmul_roofline(quick: bool, dtype: str = 'float32') -> dict:
+  """Matmul FLOP/s in `dtype` (at the matmul precision in effect): the best over a few large
+  shapes, and on an accelerator an 8192-cube too, with about 20 GFLOP (CPU) or 20 TFLOP per
+  timing."""
   shapes = [(512, 800, 2000)] if quick else [(512, 800, 2000), (1024, 1024, 1024),
                                              (2048, 2048, 2048)]
+  on_cpu = jax.default_backend() == 'cpu'
+  if not (quick or on_cpu):
+    shapes.append((8192, 8192, 8192))
   best, rates = 0.0, []
   for m, k, n in shapes:
-    a = jax.random.normal(jax.random.PRNGKey(0), (m, k))
-    b = jax.random.normal(jax.random.PRNGKey(1), (k, n))
+    a = jax.random.normal(jax.random.PRNGKey(0), (m, k), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (k, n), dtype)
     f = jax.jit(lambda a, b: a @ b)
     f(a, b).block_until_ready()
-    reps = max(1, int(2e10 // (2 * m * k * n)))  # about 20 GFLOP per timing
+    reps = max(1, int((2e10 if on_cpu else 2e13) // (2 * m * k * n)))
 
     def run():
       for _ in range(reps):
