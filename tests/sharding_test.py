@@ -84,8 +84,8 @@ def test_packed_seeds_on_the_mesh_equal_their_runs_alone(results):
   axis not), and each replica's records and state those of its seed alone on the mesh, through a
   checkpoint round trip after round 1."""
   rep = results['replicas']
-  assert rep['stacked'] == {'shape': [2, 8, 16], 'spec': "P(None, 'clients')",
-                            'shard_shapes': [[2, 1]]}  # 2 seeds, 5 clients in 8 rows, a bias
+  assert rep['stacked'] == {'shape': [2, 16, 16], 'spec': "P(None, 'clients')",
+                            'shard_shapes': [[2, 2]]}  # 2 seeds, 10 clients in 16 rows, a bias
   assert rep['packed'][0]['cohorts'] != rep['packed'][1]['cohorts']
   for packed, alone in zip(rep['packed'], rep['alone']):
     assert packed['cohorts'] == alone['cohorts'] and packed['up_floats'] == alone['up_floats']
