@@ -208,7 +208,54 @@ def logged_seed(var):
   return _LOGGED_SEEDS[var]
 
 
+# What this process compiled: XLA compilations (each a miss of the persistent cache), programs
+# loaded from the cache instead, and the seconds each test spent on them (compiling or loading).
+# The cache's entries at the end count the distinct programs of the whole run, subprocesses
+# included (they share its folder). The terminal summary prints them (what a slow test costs).
+_COMPILES = {'/jax/compilation_cache/cache_misses': 0, '/jax/compilation_cache/cache_hits': 0}
+_COMPILE_SECONDS = {}  # test id -> seconds in XLA's compile (or cache load)
+_CURRENT_TEST = ['(collection and fixtures)']
+
+
+def _count_event(event, **kwargs):
+  del kwargs
+  if event in _COMPILES:
+    _COMPILES[event] += 1
+
+
+def _count_duration(event, duration, **kwargs):
+  del kwargs
+  if event == '/jax/core/compile/backend_compile_duration':
+    test = _CURRENT_TEST[0]
+    _COMPILE_SECONDS[test] = _COMPILE_SECONDS.get(test, 0.0) + duration
+
+
+jax.monitoring.register_event_listener(_count_event)
+jax.monitoring.register_event_duration_secs_listener(_count_duration)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  _CURRENT_TEST[0] = item.nodeid
+  try:
+    return (yield)
+  finally:
+    _CURRENT_TEST[0] = '(between tests)'
+
+
 def pytest_terminal_summary(terminalreporter):
+  cache = os.environ['JAX_COMPILATION_CACHE_DIR']
+  entries = len(os.listdir(cache)) if os.path.isdir(cache) else 0
+  terminalreporter.write_line(
+      f'XLA: {entries} distinct programs compiled in this run (persistent cache entries); this '
+      f"process compiled {_COMPILES['/jax/compilation_cache/cache_misses']} and loaded "
+      f"{_COMPILES['/jax/compilation_cache/cache_hits']} from the cache, in "
+      f'{sum(_COMPILE_SECONDS.values()):.0f} s')
+  top = sorted(_COMPILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
+  if top:
+    terminalreporter.write_line('XLA compile seconds of the 10 costliest tests (this process): ' +
+                                '; '.join(f'{t} {s:.1f}' for t, s in top))
   if _LOGGED_SEEDS:
     terminalreporter.write_line('random draws of this session (set these to repeat them): ' +
                                 ' '.join(f'{k}={v}' for k, v in sorted(_LOGGED_SEEDS.items())))
