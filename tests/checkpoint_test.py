@@ -1,9 +1,17 @@
 """Runs that survive: kill and resume, preemption, determinism, corrupt checkpoints, divergence.
 
-The end-to-end tests run `python -m fedssa_jax.main` in a subprocess, as a user would, on a tiny
-prepared TFDS cifar10 written here (a subprocess cannot see tfds.testing.mock_data). They share
-the session's persistent XLA compilation cache (conftest), so only the first run compiles.
+The end-to-end tests run the command line of `python -m fedssa_jax.main` on a tiny prepared
+TFDS cifar10 written here. Most call main.run_cli in this process (a subprocess would add
+seconds of imports and nothing else): the uninterrupted reference, the resumes, the two seeds,
+the corrupt-checkpoint fallback and the divergence (a NaN put in by monkeypatching
+engine.Simulator.run_round). Only the runs that a real SIGKILL or SIGTERM stops are subprocesses
+(a subprocess cannot see tfds.testing.mock_data, hence the prepared data). Every run has the same
+flags, so all of them (subprocesses too, through the persistent XLA cache of conftest) share the
+programs the first run compiles. The runs compute at their config's engine.matmul_precision,
+which replaces conftest's 'highest' here, so this process and a subprocess compute the same.
 """
+import contextlib
+import io
 import json
 import os
 import random
@@ -18,15 +26,17 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import checkpoint, engine, train
+from fedssa_jax import checkpoint, engine, main, train
 
 from conftest import logged_seed, write_tiny_tfds_cifar10
 
-# Every run here is a subprocess (slow: `pytest -m "not slow"` leaves them out).
+# Every case compiles and trains (slow: `pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_ROUNDS = 6
+# 4 rounds: checkpoint_keep = 3 then drops round 1's, a signal after round 1 or 2 leaves a round
+# or two to the resume, and the corrupt round-4 checkpoint falls back to round 3's.
+NUM_ROUNDS = 4
 TIMING_FIELDS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
                  'first_round_seconds')
 # The kill test's rounds are drawn from this seed: a fresh one each session unless it is set,
@@ -36,7 +46,8 @@ KILL_SEED_VAR = 'FEDSSA_TEST_KILL_SEED'
 
 @pytest.fixture(scope='module')
 def env(tmp_path_factory):
-  """What every run needs: the data and an environment with this checkout on the path."""
+  """What every run needs: the data and, for subprocesses, an environment with this checkout on
+  the path."""
   base = tmp_path_factory.mktemp('runs')
   write_tiny_tfds_cifar10(str(base / 'tfds'))
   environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -52,17 +63,24 @@ def command(env, workdir, *overrides):
 
 
 def start(env, workdir, *overrides):
+  """The command in a subprocess: (its Popen, the file of its console output)."""
   os.makedirs(workdir, exist_ok=True)
   log = open(os.path.join(workdir, f'log.{time.time_ns()}.txt'), 'w')
   return subprocess.Popen(command(env, workdir, *overrides), env=env['environ'], cwd=ROOT,
                           stdout=log, stderr=subprocess.STDOUT), log.name
 
 
+def cli(env, workdir, *overrides):
+  """The same command in this process (main.run_cli): (its exit status, its console text)."""
+  text = io.StringIO()
+  with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+    status = main.run_cli(['fedssa_jax.main', *command(env, workdir, *overrides)[3:]])
+  return status, text.getvalue()
+
+
 def run(env, workdir, *overrides, expect=0):
-  proc, log = start(env, workdir, *overrides)
-  rc = proc.wait(timeout=300)
-  text = open(log).read()
-  assert rc == expect, f'exit status {rc}, expected {expect}:\n{text[-5000:]}'
+  status, text = cli(env, workdir, *overrides)
+  assert status == expect, f'exit status {status}, expected {expect}:\n{text[-5000:]}'
   return text
 
 
@@ -125,6 +143,8 @@ def test_kill_rounds_drawn_from_seeds_cover_every_round_a_signal_can_follow():
 
 @pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGTERM], ids=['SIGKILL', 'SIGTERM'])
 def test_killed_run_resumes_to_the_uninterrupted_outputs(sig, env, uninterrupted, tmp_path):
+  """A subprocess, stopped by a real signal after a drawn round; the same command, rerun in this
+  process, resumes it."""
   workdir = str(tmp_path / 'run')
   seed = logged_seed(KILL_SEED_VAR)
   r = kill_round(seed, sig)
@@ -176,11 +196,10 @@ def test_same_seed_gives_identical_outputs_and_another_seed_differs(env, uninter
   assert [r['train_loss'] for r in other] != [r['train_loss'] for r in reference]
 
 
-def main_with_a_nan_after_round(nan_round):
-  """`python -m fedssa_jax.main`, with NaN put into the parameters of one client of the cohort
-  of round `nan_round` before it trains, so that its training diverges. Prints which client and
-  family."""
-  from fedssa_jax import main  # pylint: disable=g-import-not-at-top
+def put_a_nan_after_round(monkeypatch, nan_round):
+  """Patches engine.Simulator.run_round to put NaN into the parameters of one client of the
+  cohort of round `nan_round` before it trains, so that its training diverges. Prints which
+  client and family."""
   run_round = engine.Simulator.run_round
 
   def run_round_with_a_nan(sim, state):
@@ -194,22 +213,15 @@ def main_with_a_nan_after_round(nan_round):
       print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
     return run_round(sim, state)
 
-  engine.Simulator.run_round = run_round_with_a_nan
-  sys.exit(main.run_cli(sys.argv))
+  monkeypatch.setattr(engine.Simulator, 'run_round', run_round_with_a_nan)
 
 
-def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path):
+def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path, monkeypatch):
   workdir = str(tmp_path / 'run')
-  environ = dict(env['environ'])
-  environ['PYTHONPATH'] += os.pathsep + os.path.dirname(os.path.abspath(__file__))
-  log = tmp_path / 'log.txt'
-  with open(log, 'w') as f:
-    rc = subprocess.run(
-        [sys.executable, '-c', 'import checkpoint_test; checkpoint_test.'
-         'main_with_a_nan_after_round(2)', *command(env, workdir)[3:]],
-        env=environ, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
-  text = log.read_text()
+  put_a_nan_after_round(monkeypatch, 2)
+  rc, text = cli(env, workdir)
   assert rc != 0, text[-5000:]
+  assert rc == main.EXIT_FAILED, text[-5000:]
   client, family = re.search(r'NaN in client (\d+) of family (\w+)', text).groups()
   assert 'DivergenceError: Training diverged in round 2' in text, text[-5000:]
   assert f'family {family}: clients {client} (loss and parameters)' in text
