@@ -1,16 +1,22 @@
-"""Every method end to end through the command line, on TFDS mock data, with the floats each
-round sends checked against the spec's communication table (BASELINES.md §10), for 3 rounds
-that the blow-up guard, at its defaults, lets through."""
+"""Every method end to end through the command line, on TFDS mock data: alone, with the floats
+each round sends checked against the communication table (docs/algorithm.md), for 3 rounds that
+the blow-up guard, at its defaults, lets through; and packed with another seed (--seeds), where
+its seed's outputs and last checkpoint equal those of its run alone, with an all-inactive chunk
+added to every group's chunk list (as a replica with fewer chunks of a group is padded).
+
+One simulator of the method per run, alone and packed, in the same process: each method's
+packed-seeds check and its command-line check share their compiles (tests/README.md)."""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from absl import flags
 
+from fedssa_jax import checkpoint, engine, methods, models, train
 from fedssa_jax import main as main_lib
-from fedssa_jax import methods, models
 
 # Every method compiles its programs (slow: `pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
@@ -21,21 +27,78 @@ ROW = models.HEADER_ROW
 P5 = 665_048 + 501 * C  # CNN-5 with its C-way head (spec §0)
 
 
-def run_cli(monkeypatch, workdir, method):
+# The packed run: seed 0 (the run alone) second, so that replica 1 is compared (a replica that
+# read replica 0's keys, data or rows would differ).
+PACKED_SEEDS = (3, 0)
+TIMINGS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
+           'first_round_seconds')
+
+
+def run_cli(monkeypatch, workdir, method, *more):
   argv = ['main', f'--config={ROOT}/configs/tiny.py', f'--workdir={workdir}',
           f'--config.method={method}', '--config.model.families=("cnn5",)',
           '--config.num_clients=5', '--config.participation=0.4',
           '--config.num_rounds=3', '--config.batch_size=8', '--config.target_accuracy=0.01',
-          '--config.engine.micro_batch=4']  # 4-row passes, where the loss allows them
+          '--config.engine.micro_batch=4', *more]  # 4-row passes, where the loss allows them
   monkeypatch.setattr('sys.argv', argv)  # config_flags reads its overrides from sys.argv
   flag_values = flags.FlagValues()  # main's flags, parsed afresh for each run
   main_lib.define_flags(flag_values)
   flag_values(argv)
   with tfds.testing.mock_data(num_examples=200):
     main_lib.run(flag_values)
+
+
+def outputs(workdir):
+  """config.json, the metrics.jsonl records and summary.json of a run."""
   read = lambda name: json.load(open(os.path.join(workdir, name)))
   records = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   return read('config.json'), records, read('summary.json')
+
+
+def untimed(d):
+  return {k: v for k, v in d.items() if k not in TIMINGS}
+
+
+def with_an_idle_chunk_per_group(monkeypatch):
+  """Replicas.aligned_chunks with one all-inactive chunk appended to every group (each
+  replica's rows at the padding slot), which must change nothing."""
+  aligned = engine.Replicas.aligned_chunks
+
+  def padded(self, chunk_lists):
+    out = aligned(self, chunk_lists)
+    for gi, g in enumerate(self.groups):
+      p = g.clients_per_call
+      out.append((gi, np.full((self.num, p), g.rows), np.zeros((self.num, p), bool)))
+    return out
+  monkeypatch.setattr(engine.Replicas, 'aligned_chunks', padded)
+
+
+def capturing_round_infos(monkeypatch):
+  """{console prefix: [RoundInfo of each round]}, filled as the run logs its rounds ('' for a
+  run alone, 'seed s: ' for a packed replica)."""
+  infos = {}
+  log_round = train._log_round  # pylint: disable=protected-access
+
+  def capture(config, rounds_done, record, info, round_times, prefix=''):
+    infos.setdefault(prefix, []).append(info)
+    return log_round(config, rounds_done, record, info, round_times, prefix)
+  monkeypatch.setattr(train, '_log_round', capture)
+  return infos
+
+
+@pytest.fixture(scope='module', params=sorted(methods.METHODS))
+def method_runs(request, tmp_path_factory):
+  """(method, its run alone, its seed-0 replica of the packed run, their RoundInfos): the
+  workdirs, and the infos of each round of both."""
+  method = request.param
+  base = tmp_path_factory.mktemp(method)
+  with pytest.MonkeyPatch.context() as mp:
+    infos = capturing_round_infos(mp)
+    run_cli(mp, str(base / 'alone'), method)
+    with_an_idle_chunk_per_group(mp)
+    run_cli(mp, str(base / 'packed'), method, '--seeds=' + ','.join(map(str, PACKED_SEEDS)))
+  return (method, str(base / 'alone'), str(base / 'packed' / 'seed0'),
+          (infos[''], infos['seed 0: ']))
 
 
 def expected_floats(method, seen, avail_before):
@@ -54,9 +117,9 @@ def expected_floats(method, seen, avail_before):
   }.get(method)
 
 
-@pytest.mark.parametrize('method', sorted(methods.METHODS))
-def test_runs_from_the_command_line_with_spec_communication(monkeypatch, tmp_path, method):
-  config, records, summary = run_cli(monkeypatch, str(tmp_path / method), method)
+def test_runs_from_the_command_line_with_spec_communication(method_runs):
+  method, alone, *_ = method_runs
+  config, records, summary = outputs(alone)
   assert config['config']['method'] == method and summary['method'] == method
   # Three rounds with the blow-up guard at its defaults (train.check_blowup), untripped.
   assert [r['round'] for r in records] == [1, 2, 3]
@@ -82,3 +145,41 @@ def test_runs_from_the_command_line_with_spec_communication(monkeypatch, tmp_pat
     avail |= seen[part].any(axis=0)
   if method == 'fedproto':
     assert 0 <= records[-1]['method_metrics']['prototype_accuracy'] <= 1
+
+
+def test_packed_seeds_equal_their_runs_alone(method_runs):
+  """Replica 1 of the packed run (seed 0) writes what its run alone writes: the same records and
+  summary but for timings, and the same last checkpoint (every array of the state)."""
+  method, alone, packed, (infos_a, infos_p) = method_runs
+  assert len(infos_a) == len(infos_p) == 3
+  for a, p in zip(infos_a, infos_p):  # each participant's figures of each round
+    for f in ('cohort', 'train_samples', 'train_steps', 'client_up_floats',
+              'client_down_floats'):
+      np.testing.assert_array_equal(getattr(p, f), getattr(a, f), err_msg=f'{method}: {f}')
+    np.testing.assert_allclose(p.train_loss_sum, a.train_loss_sum, rtol=1e-5)
+  (config_a, records_a, summary_a), (config_p, records_p, summary_p) = (
+      outputs(alone), outputs(packed))
+  assert config_p['config']['seed'] == 0 and config_p == config_a
+  assert len(records_p) == len(records_a) == 3
+  for a, p in zip(records_a, records_p):
+    a, p = untimed(a), untimed(p)
+    for key in ('round', 'participants', 'up_floats', 'down_floats', 'cum_floats',
+                'evaluated_clients'):
+      assert p[key] == a[key], (method, a['round'], key)
+    for key in ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference'):
+      np.testing.assert_allclose(p[key], a[key], atol=1e-9, err_msg=f'{method}: {key}')
+    for key in ('train_loss', 'train_accuracy', 'client_flops', 'cum_client_flops',
+                'header_norm_max', 'header_norm_mean'):
+      np.testing.assert_allclose(p[key], a[key], rtol=1e-5, err_msg=f'{method}: {key}')
+    for name, value in a['method_metrics'].items():
+      np.testing.assert_allclose(p['method_metrics'][name], value, atol=1e-9, err_msg=name)
+  assert untimed(summary_p).keys() == untimed(summary_a).keys()
+  assert summary_p['cum_up_floats'] == summary_a['cum_up_floats']
+  states = [checkpoint.Checkpointer(os.path.join(w, 'checkpoints')).restore_latest()
+            for w in (alone, packed)]
+  assert states[0].step == states[1].step == 3
+  (sa, ta), (sp, tp) = [jax.tree_util.tree_flatten_with_path(s.state) for s in states]
+  assert ta == tp
+  for (path, x), (_, y) in zip(sa, sp):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-3, atol=1e-6,
+                               err_msg=f'{method}: {jax.tree_util.keystr(path)}')
