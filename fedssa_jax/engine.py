@@ -325,8 +325,12 @@ class Simulator:
     restored (population.Store.initial)."""
     server_key = jax.random.fold_in(self.root_key, STREAM_SERVER)
     params, client_state = self.store.initial(fresh)
+    # Replicated on the mesh, as every later round's server is (an init_server that ignores
+    # its inputs would otherwise leave it on one device, and round 1 would compile again).
+    init_server = jax.jit(lambda key, seen: self.placement.constrain(
+        self.method.init_server(key, seen), sharded=False))
     return RunState(round=0, params=params, client_state=client_state,
-                    server=jax.jit(self.method.init_server)(server_key, self.seen_dev),
+                    server=init_server(server_key, self.seen_dev),
                     costs={'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0})
 
   def saved(self, state: RunState) -> dict:
