@@ -1,7 +1,14 @@
 """Short runs on 1 and on several (fake CPU) devices, printed as one JSON line; sharding_test.py
 runs this in a subprocess, since the device count is fixed when JAX starts:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_run.py fedssa:3:cnn5,cnn4
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_run.py \
+        fedssa:2:cnn4 fd:2:cnn4 replicas
+
+Each run is engine_test's small config (10 clients, K = 3) with the rounds and families given.
+Every distinct config is a new set of XLA programs (most of the time), so the runs are few
+and share what they can (the persistent compilation cache of conftest.py loads a program
+compiled before): the first run's mesh run also resumes the one-device run's checkpoint, and is
+seed 0's run alone for 'replicas', which packs FedSSA seeds 0 and 11 of the same config.
 """
 import json
 import os
@@ -17,6 +24,18 @@ import engine_test  # noqa: E402  (the small configs)
 from fedssa_jax import checkpoint, data, engine  # noqa: E402
 
 
+def make_config(method, rounds, families, mesh_devices, store='device', seed=0):
+  """engine_test's small config (10 clients, K = 3), with these rounds, families and seed, on
+  `mesh_devices` (0: all) with the population store `store`."""
+  config = engine_test.small_config(method)
+  config.engine.mesh_devices = mesh_devices
+  config.population_store = store
+  config.num_rounds = rounds
+  config.model.families = families
+  config.seed = seed
+  return config
+
+
 def sharding_facts(sim, state):
   """How the state is placed: per group, the spec and device count of its parameters' sharding
   and the rows of each addressable shard."""
@@ -30,20 +49,19 @@ def sharding_facts(sim, state):
   return facts
 
 
-def one_run(method, mesh_devices, ds, rounds, families, store='device'):
-  """One run of engine_test's small config (K = 3) on `mesh_devices` (0: all)."""
-  config = engine_test.small_config(method)
-  config.engine.mesh_devices = mesh_devices
-  config.population_store = store
-  config.num_rounds = rounds
-  config.model.families = families
+def one_run(config, ds):
+  """engine_test.run of `config`: (sim, state, what the tests compare of it)."""
   sim, state, infos, ev = engine_test.run(config, ds)
   # The server state and per-client state, without padding rows, to compare across meshes.
   host = sim.saved(state)
   server_sum = sum(float(np.abs(np.asarray(x, np.float64)).sum())
                    for x in jax.tree.leaves(host['server']))
   return sim, state, {
-      'sharding': sharding_facts(sim, state) if store == 'device' else None,
+      'sharding': sharding_facts(sim, state) if config.population_store == 'device' else None,
+      # Programs of each group's training call: one for every round (the server's placement
+      # from init_state on is the one later rounds give it).
+      'train_compiles': ([call._cache_size() for call in sim._train_calls]
+                         if config.population_store == 'device' else None),
       'cohorts': [i.cohort.tolist() for i in infos],
       'train_loss': [i.train_loss for i in infos],
       'train_samples': [i.train_samples.tolist() for i in infos],
@@ -58,11 +76,15 @@ def one_run(method, mesh_devices, ds, rounds, families, store='device'):
                                    for x in jax.tree.leaves(p))) for p in host['params']],
       'params_rows': [[np.asarray(x).shape[0] for x in jax.tree.leaves(p)][0]
                       for p in host['params']],
+      # What replicas_on_the_mesh compares (summary): every leaf's sum, params and server.
+      'abs_sums': [float(np.abs(np.asarray(x, np.float64)).sum())
+                   for x in jax.tree.leaves((host['params'], host['server']))],
   }
 
 
 def summary(sim, state, infos, ev):
-  """What replicas_on_the_mesh compares of a run: its records, and its state's sums."""
+  """What replicas_on_the_mesh compares of a run: its records, and its state's sums (the keys
+  of one_run's that it shares)."""
   host = sim.saved(state)
   return {'cohorts': [i.cohort.tolist() for i in infos],
           'train_loss': [i.train_loss for i in infos],
@@ -72,16 +94,17 @@ def summary(sim, state, infos, ev):
                        for x in jax.tree.leaves((host['params'], host['server']))]}
 
 
-def replicas_on_the_mesh(ds, seeds=(0, 3), rounds=2):
+def replicas_on_the_mesh(ds, rounds, families, seed0_alone, seeds=(0, 11)):
   """FedSSA seeds packed (engine.Replicas) on the mesh of all devices, and each alone on it. The
   packed state goes through its replicas' checkpoint form (saved, then live and stacked again)
-  after round 1, as a resume does."""
-  configs = []
-  for seed in seeds:
-    c = engine_test.small_config('fedssa')
-    c.engine.mesh_devices, c.num_rounds, c.seed = 0, rounds, seed
-    c.model.families = ('cnn5',)  # one group: half the compiles of small_config's two
-    configs.append(c)
+  after round 1, as a resume does. `seed0_alone`: (config, one_run's result) of the FedSSA run
+  of seeds[0] alone on the mesh, already run (its config must be the replicas'); the others run
+  alone here. Seed 11's partition has seed 0's index-row widths (52 training, 22 test samples),
+  so its run alone is seed 0's programs, loaded from the cache; replicas_test.py packs seeds of
+  unequal widths (padded index rows)."""
+  configs = [make_config('fedssa', rounds, families, 0, seed=seed) for seed in seeds]
+  config0, result0 = seed0_alone
+  assert configs[0].to_dict() == config0.to_dict(), 'seed 0 alone must be the packed config'
   sims = [engine.Simulator(c, ds, data.partition_from_config(c, ds)) for c in configs]
   pack = engine.Replicas(sims)
   state = pack.stack([s.init_state() for s in sims])
@@ -99,27 +122,34 @@ def replicas_on_the_mesh(ds, seeds=(0, 3), rounds=2):
                      'shard_shapes': sorted({sh.data.shape[:2] for sh in leaf.addressable_shards})},
          'packed': [summary(sim, pack.replica(state, r), infos[r], evs[r])
                     for r, sim in enumerate(sims)]}
-  out['alone'] = [summary(*engine_test.run(c, ds)) for c in configs]
+  alone0 = {k: result0[k] for k in out['packed'][0]}
+  out['alone'] = [alone0] + [summary(*engine_test.run(c, ds)) for c in configs[1:]]
   return out
 
 
 def main(runs):
   """runs: 'method:rounds:family,family' each; every one on one device and on all of them.
-  'replicas': replicas_on_the_mesh."""
+  The first also resumes one device's checkpoint on all of them, and runs with the host store
+  on all of them. 'replicas': replicas_on_the_mesh, with the rounds and families of the first
+  run, which must be FedSSA (its mesh run is seed 0's run alone)."""
   ds = conftest.synthetic_dataset()
   out = {'devices': jax.device_count()}
-  if 'replicas' in runs:
-    runs = [r for r in runs if r != 'replicas']
-    out['replicas'] = replicas_on_the_mesh(ds)
+  packed = 'replicas' in runs
+  runs = [r for r in runs if r != 'replicas']
   for i, run in enumerate(runs):
     method, rounds, families = run.split(':')
-    sims = {d: one_run(method, d, ds, int(rounds), tuple(families.split(','))) for d in (1, 0)}
+    rounds, families = int(rounds), tuple(families.split(','))
+    configs = {d: make_config(method, rounds, families, d) for d in (1, 0)}
+    sims = {d: one_run(c, ds) for d, c in configs.items()}
     out[method] = {str(d): r for d, (_, _, r) in sims.items()}
     if i == 0:
       out[method]['resume'] = resume_across_meshes(sims[1][:2], sims[0][:2])
       # The host store on the mesh: chunks read from RAM and placed sharded.
-      out[method]['0host'] = one_run(method, 0, ds, int(rounds), tuple(families.split(',')),
-                                     store='host')[2]
+      out[method]['0host'] = one_run(make_config(method, rounds, families, 0, store='host'),
+                                     ds)[2]
+      if packed:
+        assert method == 'fedssa', 'replicas pack FedSSA seeds: the first run must be FedSSA'
+        out['replicas'] = replicas_on_the_mesh(ds, rounds, families, (configs[0], sims[0][2]))
   print('RESULT ' + json.dumps(out))
 
 

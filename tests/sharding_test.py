@@ -1,7 +1,13 @@
 """Clients sharded over 8 (fake CPU) devices give the metrics of one device: same cohorts,
 samples and float counts, losses, accuracies and server state within float tolerance, with
 cohorts of 3 clients that do not divide by 8 (dummies fill each chunk). The runs happen in one
-subprocess (tests/sharding_run.py), as XLA's host device count is fixed when JAX starts."""
+subprocess (tests/sharding_run.py), as XLA's host device count is fixed when JAX starts.
+
+Its time is each distinct config's XLA programs (traced, compiled, run), so the runs are few and
+all have the same shapes: one family of 10 clients (16 rows, two per device), two rounds. FedSSA on
+1 and 8 devices; the 1-device run's checkpoint resumed on 8; the host store on 8; FD on 1 and 8
+(a second method's server state); FedSSA seeds 0 and 11 packed on 8, whose reference for seed 0
+is the FedSSA run on 8 (the same config) and for seed 11 its run alone (the same programs)."""
 import json
 import os
 import subprocess
@@ -15,19 +21,21 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
-# method:rounds:families. FedSSA as in engine_test (two groups of 5 clients, each padded to 8
-# rows); FD shorter, with one group of 10 clients (padded to 16, two rows per device).
-RUNS = ('fedssa:3:cnn5,cnn4', 'fd:2:cnn4')
+# method:rounds:families. Both methods as engine_test's small config (10 clients, K = 3) with
+# one group of 10 clients (padded to 16 rows, two per device) and two rounds; the first run also
+# gives the resume, the host store and the packed seeds (tests/sharding_run.py).
+RUNS = ('fedssa:2:cnn4', 'fd:2:cnn4')
 SHARDING = {  # per group: stored rows, clients, chunk size, rows per device
-    'fedssa': [(8, 5, 8, 1), (8, 5, 8, 1)],
+    'fedssa': [(16, 10, 8, 2)],
     'fd': [(16, 10, 8, 2)],
 }
 
 
 @pytest.fixture(scope='module')
 def results():
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={DEVICES}')
+  # The caller's XLA flags are kept (conftest's among them), the device count added.
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu', XLA_FLAGS=flags.strip())
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'sharding_run.py'), *RUNS,
                          'replicas'],
                         env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -54,6 +62,9 @@ def test_eight_devices_shard_the_client_axis(results, method):
   assert results['devices'] == DEVICES
   one, eight = results[method]['1']['sharding'], results[method]['0']['sharding']
   assert len(one) == len(eight) == len(SHARDING[method])
+  # Round 1 compiled nothing that round 0 had not: the state is placed alike from the start.
+  for devices in ('1', '0'):
+    assert results[method][devices]['train_compiles'] == [1] * len(SHARDING[method])
   for a, b, (rows, size, per_call, per_device) in zip(one, eight, SHARDING[method]):
     assert a['devices'] == 1 and a['rows'] == a['size'] == size  # unsharded, unpadded
     # Sharded along the clients axis, padded to a multiple of the devices; chunks of 8.
@@ -82,7 +93,7 @@ def test_the_host_store_on_eight_devices_gives_the_device_store_metrics(results)
 def test_packed_seeds_on_the_mesh_equal_their_runs_alone(results):
   """engine.Replicas under the mesh: each replica's client axis sharded as alone (the replica
   axis not), and each replica's records and state those of its seed alone on the mesh, through a
-  checkpoint round trip after round 1."""
+  checkpoint round trip after round 1. Seed 0 alone is the FedSSA run on the mesh above."""
   rep = results['replicas']
   assert rep['stacked'] == {'shape': [2, 16, 16], 'spec': "P(None, 'clients')",
                             'shard_shapes': [[2, 2]]}  # 2 seeds, 10 clients in 16 rows, a bias
