@@ -2,21 +2,32 @@
 FedSSA as one process does: the `clients` mesh spans both processes' devices, the metrics match
 (cohorts and float counts exactly, accuracies and losses within float tolerance), only process 0
 writes the outputs, and SIGTERM to one of them stops both after the same round, from whose
-checkpoint they resume to the same metrics. Each process is a subprocess running
-tests/multihost_run.py."""
+checkpoint they resume to the same metrics.
+
+One two-process run of ROUNDS = 2 rounds of one model family (cnn5) makes every check: SIGTERM
+stops it after round 1 (that part without TensorBoard events: no TensorFlow to import), and
+the resumed run does round 2. Each of its processes is a subprocess running
+tests/multihost_run.py. The one-process reference is the same run (multihost_run.run)
+made in this process, which has one CPU device, while the stopped run's processes run (where
+this process has other devices, that script started alone with one CPU device instead)."""
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 
+import jax
 import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, distributed, train
 
+import multihost_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROCESSES, DEVICES_PER_PROCESS, ROUNDS = 2, 2, 3
+PROCESSES, DEVICES_PER_PROCESS, ROUNDS = 2, 2, 2
+FAMILIES = 1  # multihost_run.run_config's model families (cnn5)
 EXACT = ('round', 'participants', 'up_floats', 'down_floats', 'client_flops', 'cum_up_floats',
          'cum_down_floats', 'cum_floats', 'cum_client_flops')
 CLOSE = ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference', 'train_loss',
@@ -29,37 +40,66 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(workdir, rounds, processes, devices, signal_round=None):
-  """Runs multihost_run.py as `processes` processes of `devices` CPU devices each (with
-  `signal_round`, the last one sends itself SIGTERM in that round); returns each one's exit
-  status and RESULT, by process index. They share the session's compilation cache (conftest),
-  so a resumed run loads what its first part compiled."""
+def start(workdir, rounds, processes, devices, signal_round=None, events=True):
+  """Starts multihost_run.py as `processes` processes of `devices` CPU devices each (with
+  `signal_round`, the last one sends itself SIGTERM in that round; without `events`, they leave
+  out CLU's metric writers and TensorFlow); `finish` waits for them.
+  They share the session's compilation cache (conftest), so a resumed run loads what its first
+  part compiled (process 1 too: multihost_run has it write its programs, as process 0 does)."""
   port = free_port()
   procs = []
-  for i in range(processes):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
-    for var in distributed.ENV.values():
-      env.pop(var, None)
-    if processes > 1:
-      env.update(FEDSSA_COORDINATOR_ADDRESS=f'localhost:{port}',
-                 FEDSSA_NUM_PROCESSES=str(processes), FEDSSA_PROCESS_ID=str(i))
-    args = [str(workdir), str(rounds)] + ([str(signal_round)] if signal_round else [])
-    procs.append(subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, 'tests', 'multihost_run.py'), *args], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  try:
+    for i in range(processes):
+      env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+                 XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+      for var in (*distributed.ENV.values(), multihost_run.NO_EVENTS):
+        env.pop(var, None)
+      if not events:
+        env[multihost_run.NO_EVENTS] = '1'
+      if processes > 1:
+        env.update(FEDSSA_COORDINATOR_ADDRESS=f'localhost:{port}',
+                   FEDSSA_NUM_PROCESSES=str(processes), FEDSSA_PROCESS_ID=str(i))
+      args = [str(workdir), str(rounds)] + ([str(signal_round)] if signal_round else [])
+      # Output to files, not pipes: nobody reads them until `finish`, and a process blocked on
+      # a full pipe would stall the other in their collectives.
+      out, err = tempfile.TemporaryFile('w+'), tempfile.TemporaryFile('w+')
+      procs.append((subprocess.Popen(
+          [sys.executable, os.path.join(ROOT, 'tests', 'multihost_run.py'), *args], env=env,
+          stdout=out, stderr=err, text=True), out, err))
+  except BaseException:
+    kill(procs)
+    raise
+  return procs
+
+
+def kill(procs):
+  for p, out, err in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+    out.close()
+    err.close()
+
+
+def finish(procs):
+  """Each started process's exit status and RESULT, by process index."""
   results = []
   try:
-    for p in procs:
-      out, err = p.communicate(timeout=300)
-      lines = [l for l in out.splitlines() if l.startswith('RESULT ')]
-      assert lines, f'exit status {p.returncode}: {err[-3000:]}'
+    for p, out, err in procs:
+      p.wait(timeout=300)
+      out.seek(0)
+      err.seek(0)
+      lines = [l for l in out.read().splitlines() if l.startswith('RESULT ')]
+      assert lines, f'exit status {p.returncode}: {err.read()[-3000:]}'
       results.append((p.returncode, json.loads(lines[-1][len('RESULT '):])))
   finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+    kill(procs)
   return results
+
+
+def launch(*args, **kwargs):
+  """start, then finish."""
+  return finish(start(*args, **kwargs))
 
 
 def records(workdir):
@@ -67,16 +107,36 @@ def records(workdir):
     return [json.loads(l) for l in f]
 
 
+def alone(workdir):
+  """The one-process reference run, as launch's results. In this process if it has a single
+  CPU device: its compiled programs differ from those of the script started alone with one
+  device only in their source locations, and its records in the compared fields are the same.
+  Else the script started alone with one CPU device."""
+  if jax.default_backend() == 'cpu' and jax.device_count() == 1 and jax.process_count() == 1:
+    result = multihost_run.run(workdir, ROUNDS)
+    return [(train.EXIT_PREEMPTED if result['preempted'] else 0, result)]
+  return launch(workdir, ROUNDS, 1, 1)
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   one = tmp_path_factory.mktemp('one_process')
   two = tmp_path_factory.mktemp('two_processes')
-  alone = launch(one, ROUNDS, 1, 1)
-  # SIGTERM to the second process only, in round 1: both stop after it, then resume.
-  stopped = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, signal_round=1)
+  # SIGTERM to the second process only, in round 1: both stop after it, then resume (round 2).
+  # The reference runs meanwhile, in this process: it keeps a core busy while the two processes
+  # are not both busy (starting, waiting for each other). The stopped part leaves out CLU's
+  # writers (TensorFlow's import, in each process); the resumed part, whose outputs the tests
+  # check, runs them as every run does.
+  stopping = start(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, signal_round=1, events=False)
+  try:
+    reference = alone(one)
+  except BaseException:
+    kill(stopping)
+    raise
+  stopped = finish(stopping)
   stopped_records = records(two)
   resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS)
-  return {'one': (one, alone), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
+  return {'one': (one, reference), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
 
 
 @pytest.mark.slow  # the runs are subprocesses
@@ -87,7 +147,7 @@ def test_two_processes_span_one_mesh(runs):
     assert status == 0 and not r['preempted']
     assert r['process_count'] == PROCESSES and r['local_devices'] == DEVICES_PER_PROCESS
     assert r['devices'] == r['mesh_devices'] == PROCESSES * DEVICES_PER_PROCESS
-    assert r['sharding'] == ["P('clients',)"] * 2
+    assert r['sharding'] == ["P('clients',)"] * FAMILIES
   assert runs['one'][1][0][1]['mesh_devices'] == 1
 
 
