@@ -8,7 +8,7 @@ folder reuses table2's runs instead of running them again.
 
   python launch/sweep.py --sweep=table2 --dry_run
 
-Mapping of the paper's ablations to config options (spec FEDSSA.md §5):
+Mapping of the paper's ablations to config options (docs/algorithm.md §4):
 - without adaptive stabilisation = plain replacement of the seen rows by the global ones:
   `fedssa.mu0=0` (then mu_t = 0 in every round). `fedssa.fusion='reference'` is the official
   code's fusion, not the ablation.

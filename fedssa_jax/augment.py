@@ -1,4 +1,4 @@
-"""On-device training augmentation, in the reference's order (spec FEDSSA.md §3).
+"""On-device training augmentation, in the reference's order (docs/algorithm.md §2).
 
 Applied after normalisation, per sample:
 1. random horizontal flip, p = 0.5;

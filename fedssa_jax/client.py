@@ -1,6 +1,6 @@
 """Local training of one client, written so that a vmapped group trains exactly like singletons.
 
-Spec FEDSSA.md §4: SGD (lr 0.005, momentum 0.9, L2 weight decay 5e-5 added to the gradient as
+docs/algorithm.md §3: SGD (lr 0.005, momentum 0.9, L2 weight decay 5e-5 added to the gradient as
 torch does), global-norm clip 50, batch 512, E epochs over the shuffled training split, the last
 partial batch kept with its loss averaged over its real samples, optimizer state reset per round.
 

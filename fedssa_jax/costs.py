@@ -1,7 +1,7 @@
 """Client FLOPs of local training, from XLA's cost analysis with an analytic cross-check.
 
 Training FLOPs of a client in a round = (forward + backward FLOPs per sample) x (samples actually
-processed, E * n_k), spec FEDSSA.md §6. The per-sample figure is XLA's count for one gradient
+processed, E * n_k), docs/algorithm.md §8. The per-sample figure is XLA's count for one gradient
 step of the family's model, at the run's batch size, divided by the batch size. It is taken from
 the standard-convolution formulation, analysed by the CPU backend, so that it does not depend on
 the backend or its choice of kernel (im2col would count its patch copies).

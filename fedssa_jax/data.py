@@ -3,7 +3,7 @@
 All images of a data set live in one uint8 array (TFDS 'train' then 'test'); clients refer to
 them by index. Each client's train/val/test sets are fixed-shape, padded int32 index arrays
 with per-client counts (`ClientData`), so a jitted, vmapped step gathers any client's batch
-with one indexing op and no Python loop (spec FEDSSA.md §3).
+with one indexing op and no Python loop (docs/algorithm.md §2).
 """
 from __future__ import annotations
 

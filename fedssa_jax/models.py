@@ -1,4 +1,4 @@
-"""The five CNN families of FedSSA (spec FEDSSA.md §2), in Flax.
+"""The five CNN families of FedSSA (docs/algorithm.md §1), in Flax.
 
 Every family is
 

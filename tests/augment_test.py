@@ -1,6 +1,6 @@
 """Training augmentation (fedssa_jax.augment): normalisation against hand-computed values, and
 each augmented image taken apart again into its flip, erased box and crop offset, which must be
-those of the spec (FEDSSA.md §3): flip p = 0.5, erasing p = 0.5 of one box of 4% to 20% of the
+those of docs/algorithm.md §2: flip p = 0.5, erasing p = 0.5 of one box of 4% to 20% of the
 image with aspect ratio in [0.5, 2], a crop of the image zero-padded by 4."""
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""FD (spec BASELINES.md §3): the distillation loss, the accumulator, the server rule with and
+"""FD (docs/algorithm.md §6): the distillation loss, the accumulator, the server rule with and
 without the client's own contribution, and the float counts, against plain per-client loops."""
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""FedClassAvg (spec BASELINES.md §8): SupCon against a plain double loop over anchors, the full
+"""FedClassAvg (docs/algorithm.md §6): SupCon against a plain double loop over anchors, the full
 loss on a real model (CE on view 1, proximal term), the header exchange and weighted server mean,
 the FLOP approximation, and one round through the engine."""
 import jax

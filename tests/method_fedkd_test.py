@@ -1,4 +1,4 @@
-"""FedKD (spec BASELINES.md §6): the joint adaptive loss against a numpy hand computation, the SVD
+"""FedKD (docs/algorithm.md §6): the joint adaptive loss against a numpy hand computation, the SVD
 rank rule and payload counts against a plain numpy loop over matrices, vmapped compression equals
 per-client, the server rule, the download charges, and one engine round trip."""
 import jax

@@ -1,4 +1,4 @@
-"""FedProto (spec BASELINES.md §4): the prototype loss, the accumulator, the server rule (both
+"""FedProto (docs/algorithm.md §6): the prototype loss, the accumulator, the server rule (both
 weightings), nearest-prototype inference and the float counts, against plain per-client loops."""
 import jax
 import jax.numpy as jnp

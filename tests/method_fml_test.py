@@ -1,4 +1,4 @@
-"""FML (spec BASELINES.md §5): the mutual-learning loss against a numpy hand computation, the meme
+"""FML (docs/algorithm.md §6): the mutual-learning loss against a numpy hand computation, the meme
 average against a plain loop, the float counts, and one engine round trip."""
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""LG-FedAvg (spec BASELINES.md §7): the whole-header exchange, the weighted server mean against a
+"""LG-FedAvg (docs/algorithm.md §6): the whole-header exchange, the weighted server mean against a
 plain loop over clients, evaluation with the global header, and one round through the engine."""
 import math
 

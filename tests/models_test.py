@@ -5,7 +5,7 @@ import pytest
 
 from fedssa_jax import costs, models
 
-# spec FEDSSA.md §2: params (S=10), params (S=100), forward MACs per sample (S=10)
+# docs/algorithm.md §1: params (S=10), params (S=100), forward MACs per sample (S=10)
 SPEC = {
     'cnn1': (2_621_558, 2_666_648, 4_825_800),
     'cnn2': (1_815_142, 1_860_232, 3_385_800),

@@ -1,4 +1,4 @@
-"""FD, federated distillation (Jeong et al. 2018; spec BASELINES.md §3 and Decisions).
+"""FD, federated distillation (Jeong et al. 2018; docs/algorithm.md §6).
 
 Unlike FedSSA, no parameters leave the client: the exchange is per-class mean *logits*.
 - Up: L_k[c] in R^C, the mean over all E epochs of the logits of the client's training forward
@@ -45,7 +45,7 @@ class FD(base.Method):
 
   @classmethod
   def default_config(cls):
-    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.lam = 1.0                  # weight of the distillation term
     c.exclude_own = False        # the FD paper's global logits without the client's own
     return c

@@ -1,5 +1,5 @@
 """FedClassAvg (Jang et al., ICPP 2022): header averaging plus SupCon and a proximal term
-(spec BASELINES.md §8 and Decisions).
+(docs/algorithm.md §6).
 
 Exchange and server: exactly LG-FedAvg's (lg_fedavg.SharedHeader): participants overwrite their
 whole [C, 501] header with the global H_g (the common initial header before the first round),
@@ -64,7 +64,7 @@ class FedClassAvg(lg_fedavg.SharedHeader):
 
   @classmethod
   def default_config(cls):
-    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.tau = 0.07                 # SupCon temperature
     c.base_tau = 0.07            # SupCon's base temperature (loss scale tau / base_tau)
     c.normalize = True           # L2-normalise representations (official code: False,

@@ -1,5 +1,5 @@
 """FedKD: adaptive mutual distillation with a shared CNN-5 mentee and SVD-compressed updates
-(spec BASELINES.md §6, with the defaults of its Decisions section).
+(docs/algorithm.md §6, with its defaults).
 
 Where FedSSA exchanges header rows, FedKD exchanges a whole second model, the mentee (CNN-5 with
 its own C-way head), as low-rank updates. Each participant trains its own model f_k (the mentor),
@@ -120,7 +120,7 @@ class FedKD(base.Method):
 
   @classmethod
   def default_config(cls):
-    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.energy_start = 0.95        # SVD energy threshold T, from round 0 ...
     c.energy_end = 0.98          # ... to the last round
     return c

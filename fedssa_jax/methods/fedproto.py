@@ -1,4 +1,4 @@
-"""FedProto (Tan et al., AAAI 2022; spec BASELINES.md §4 and Decisions).
+"""FedProto (Tan et al., AAAI 2022; docs/algorithm.md §6).
 
 Unlike FedSSA, no parameters leave the client: the exchange is per-class *prototypes*, means of
 the 500-d representation r = F_k(x).
@@ -54,7 +54,7 @@ class FedProto(base.Method):
 
   @classmethod
   def default_config(cls):
-    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.lam = 1.0                  # weight of the prototype (MSE) term
     c.weighting = 'uniform'      # 'uniform' over holders, or 'samples' (class counts)
     c.inference = 'classifier'   # headline accuracy: 'classifier' or 'prototype'

@@ -1,4 +1,4 @@
-"""FedSSA: semantic-similarity-based, class-wise header aggregation (spec FEDSSA.md §5).
+"""FedSSA: semantic-similarity-based, class-wise header aggregation (docs/algorithm.md §4).
 
 Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
 - Before round 0 (`initial_header`, the default), the server holds a global header theta^0,

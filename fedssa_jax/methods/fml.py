@@ -1,4 +1,4 @@
-"""FML: federated mutual learning with a shared CNN-5 "meme" model (spec BASELINES.md §5).
+"""FML: federated mutual learning with a shared CNN-5 "meme" model (docs/algorithm.md §6).
 
 Where FedSSA exchanges header rows, FML exchanges a whole second model: every client trains its
 own heterogeneous model f_k jointly with a copy of the global meme (CNN-5 with its own C-way head),
@@ -43,7 +43,7 @@ class FML(base.Method):
 
   @classmethod
   def default_config(cls):
-    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.alpha = 0.5                # local model: alpha CE + (1 - alpha) KL(meme || local)
     c.beta = 0.5                 # meme: beta CE + (1 - beta) KL(local || meme)
     return c

@@ -1,4 +1,4 @@
-"""LG-FedAvg (Liang et al. 2020) sharing the whole header (spec BASELINES.md §7 and Decisions).
+"""LG-FedAvg (Liang et al. 2020) sharing the whole header (docs/algorithm.md §6).
 
 Unlike FedSSA, which exchanges only the rows of a client's seen classes and averages them class
 by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c = (W[c], b[c])):
@@ -37,7 +37,7 @@ class SharedHeader(base.Method):
 
   @classmethod
   def default_config(cls):
-    c = ml_collections.ConfigDict()  # spec BASELINES.md: its first section's defaults
+    c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.weighting = 'samples'      # header mean: 'samples' (n_k) or 'uniform'
     return c
 
