@@ -215,6 +215,10 @@ class Simulator:
     self._train_calls = [self.store.train_call(g, self._train_chunk_fn(g)) for g in self.groups]
     self._aggregate = jax.jit(lambda *a: self.placement.constrain(
         self.method.server_aggregate(*a), sharded=False), donate_argnums=0)
+    # Replicated on the mesh, as every later round's server is (an init_server that ignores
+    # its inputs would otherwise leave it on one device, and round 1 would compile again).
+    self._init_server = jax.jit(lambda key, seen: self.placement.constrain(
+        self.method.init_server(key, seen), sharded=False))
     eval_ids = eval_subset(config.seed, cd.test_n, config.eval_clients)
     # The clients whose accuracy every evaluation reports (those with test data, or the subset).
     self.evaluated_ids = np.flatnonzero(cd.test_n > 0) if eval_ids is None else eval_ids
@@ -325,12 +329,8 @@ class Simulator:
     restored (population.Store.initial)."""
     server_key = jax.random.fold_in(self.root_key, STREAM_SERVER)
     params, client_state = self.store.initial(fresh)
-    # Replicated on the mesh, as every later round's server is (an init_server that ignores
-    # its inputs would otherwise leave it on one device, and round 1 would compile again).
-    init_server = jax.jit(lambda key, seen: self.placement.constrain(
-        self.method.init_server(key, seen), sharded=False))
     return RunState(round=0, params=params, client_state=client_state,
-                    server=init_server(server_key, self.seen_dev),
+                    server=self._init_server(server_key, self.seen_dev),
                     costs={'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0})
 
   def saved(self, state: RunState) -> dict:
