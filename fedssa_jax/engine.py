@@ -206,7 +206,6 @@ class Simulator:
     self.client_flops_per_sample = np.array(
         [self.flops_per_sample[self.groups[g].family] for g in self.group_of])
 
-    self._init_fns = {}
     self._init_client_state_fn = jax.jit(jax.vmap(self.method.init_client_state))
     self.store = population.make_store(
         config.population_store, self.placement, self.groups, self.num_clients,
@@ -366,18 +365,23 @@ class Simulator:
     """The initial parameters of the group's members at `slots` (stacked): each one's own draw,
     or (init_scope 'family') copies of the family's one model, the same in every method."""
     slots = np.asarray(slots)
-    if g.family not in self._init_fns:
-      self._init_fns[g.family] = jax.jit(jax.vmap(functools.partial(models.init_params, g.model)))
     if self.config.model.init_scope == 'family':
       family_ids = np.full(len(slots), models.FAMILY_NAMES.index(g.family))
-      return self._init_fns[g.family](_client_keys(self.root_key, STREAM_FAMILY_INIT,
-                                                   jnp.asarray(family_ids)))
-    return self._init_fns[g.family](_client_keys(self.root_key, STREAM_INIT,
-                                                 jnp.asarray(g.members[slots])))
+      return _stacked_init(g.model)(_client_keys(self.root_key, STREAM_FAMILY_INIT,
+                                                 jnp.asarray(family_ids)))
+    return _stacked_init(g.model)(_client_keys(self.root_key, STREAM_INIT,
+                                               jnp.asarray(g.members[slots])))
 
   def _init_client_state(self, cids) -> PyTree:
     return self._init_client_state_fn(_client_keys(self.root_key, STREAM_CLIENT_STATE,
                                                    jnp.asarray(np.asarray(cids))))
+
+
+@functools.lru_cache(maxsize=None)
+def _stacked_init(model) -> Callable:
+  """The jitted initialiser of `model`'s parameters for a stack of keys: one per model (equal
+  modules are equal keys), so every Simulator of a process shares its traces and programs."""
+  return jax.jit(jax.vmap(functools.partial(models.init_params, model)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,6 +53,23 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes',
                   int(os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES']))
 
 
+# The files that take longest, longest first: pytest-xdist hands out whole files in collection
+# order (setup.cfg: --dist loadfile --no-loadscope-reorder), so these start at once and the
+# short ones fill the workers in at the end. A file missing here only runs later (see the
+# slowest durations every run prints); the order changes nothing else.
+LONGEST_FILES = ('sharding_test.py', 'multihost_test.py', 'main_every_method_test.py',
+                 'checkpoint_test.py', 'replicas_test.py', 'engine_test.py', 'bench_test.py',
+                 'client_test.py', 'main_bad_input_test.py', 'population_test.py',
+                 'precision_test.py')
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+  rank = lambda item: (LONGEST_FILES.index(item.path.name) if item.path.name in LONGEST_FILES
+                       else len(LONGEST_FILES))
+  items.sort(key=rank)  # stable: each file's own order (its fixtures' grouping) is kept
+
+
 def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name='cifar10'):
   rng = np.random.default_rng(seed)
   m = num_train + num_test
@@ -216,26 +233,30 @@ def logged_seed(var):
   return _LOGGED_SEEDS[var]
 
 
-# What this process compiled: XLA compilations (each a miss of the persistent cache), programs
-# loaded from the cache instead, and the seconds each test spent on them (compiling or loading).
-# The cache's entries at the end count the distinct programs of the whole run, subprocesses
-# included (they share its folder). The terminal summary prints them (what a slow test costs).
-_COMPILES = {'/jax/compilation_cache/cache_misses': 0, '/jax/compilation_cache/cache_hits': 0}
-_COMPILE_SECONDS = {}  # test id -> seconds in XLA's compile (or cache load)
-_CURRENT_TEST = ['(collection and fixtures)']
+# What XLA did for each test: compilations (each a miss of the persistent cache), programs loaded
+# from the cache instead, and the seconds spent compiling or loading. Each test's report carries
+# them (user_properties), so the terminal summary sums them over pytest-xdist's workers too; the
+# cache's entries at the end count the distinct programs of the whole run, subprocesses included
+# (they share its folder). The summary prints them: what a slow test costs.
+_HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
+_NOW = {'compiles': 0, 'loads': 0, 'compile_s': 0.0}  # the running test's, reset before each
+_TOTAL = {'compiles': 0, 'loads': 0, 'compile_s': 0.0}  # summed from the reports
+_COMPILE_SECONDS = {}  # test id -> seconds in XLA's compile (or cache load), from the reports
+_SEEDS_KEY = 'random_draws'
 
 
 def _count_event(event, **kwargs):
   del kwargs
-  if event in _COMPILES:
-    _COMPILES[event] += 1
+  if event == _MISSES:
+    _NOW['compiles'] += 1
+  elif event == _HITS:
+    _NOW['loads'] += 1
 
 
 def _count_duration(event, duration, **kwargs):
   del kwargs
   if event == '/jax/core/compile/backend_compile_duration':
-    test = _CURRENT_TEST[0]
-    _COMPILE_SECONDS[test] = _COMPILE_SECONDS.get(test, 0.0) + duration
+    _NOW['compile_s'] += duration
 
 
 jax.monitoring.register_event_listener(_count_event)
@@ -244,25 +265,44 @@ jax.monitoring.register_event_duration_secs_listener(_count_duration)
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  del nextitem
-  _CURRENT_TEST[0] = item.nodeid
-  try:
-    return (yield)
-  finally:
-    _CURRENT_TEST[0] = '(between tests)'
+  del item, nextitem
+  _NOW.update(compiles=0, loads=0, compile_s=0.0)
+  return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  """The last report of a test (its teardown's) carries what its setup, call and teardown
+  compiled, and the seeds drawn so far."""
+  del item, call
+  report = yield
+  if report.when == 'teardown':
+    report.user_properties += [('xla', dict(_NOW)), (_SEEDS_KEY, dict(_LOGGED_SEEDS))]
+  return report
+
+
+def pytest_runtest_logreport(report):
+  if report.when != 'teardown':
+    return
+  props = dict(report.user_properties)
+  xla = props.get('xla')
+  if xla:
+    for k in _TOTAL:
+      _TOTAL[k] += xla[k]
+    _COMPILE_SECONDS[report.nodeid] = xla['compile_s']
+  _LOGGED_SEEDS.update(props.get(_SEEDS_KEY) or {})
 
 
 def pytest_terminal_summary(terminalreporter):
   cache = os.environ['JAX_COMPILATION_CACHE_DIR']
   entries = len(os.listdir(cache)) if os.path.isdir(cache) else 0
   terminalreporter.write_line(
-      f'XLA: {entries} distinct programs compiled in this run (persistent cache entries); this '
-      f"process compiled {_COMPILES['/jax/compilation_cache/cache_misses']} and loaded "
-      f"{_COMPILES['/jax/compilation_cache/cache_hits']} from the cache, in "
-      f'{sum(_COMPILE_SECONDS.values()):.0f} s')
+      f'XLA: {entries} distinct programs compiled in this run (persistent cache entries); the '
+      f"tests' processes compiled {_TOTAL['compiles']} and loaded {_TOTAL['loads']} from the "
+      f"cache, in {_TOTAL['compile_s']:.0f} s (subprocesses not counted)")
   top = sorted(_COMPILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
   if top:
-    terminalreporter.write_line('XLA compile seconds of the 10 costliest tests (this process): ' +
+    terminalreporter.write_line('XLA compile seconds of the 10 costliest tests: ' +
                                 '; '.join(f'{t} {s:.1f}' for t, s in top))
   if _LOGGED_SEEDS:
     terminalreporter.write_line('random draws of this session (set these to repeat them): ' +

@@ -60,9 +60,8 @@ def test_loss_vmapped_equals_hand_computation_and_gradients_separate():
   def loss(mp, mm, x, y, v):
     return method.loss(own.apply, {'model': mp, 'meme': mm}, (), (x,), y, v)
 
-  (loss_v, (correct_v, acc_v)), grads = jax.vmap(
-      jax.value_and_grad(lambda mp, mm, *a: loss(mp, mm, *a), argnums=(0, 1), has_aux=True))(
-          models_, memes, x, y, valid)
+  (loss_v, (correct_v, acc_v)), grads = jax.jit(jax.vmap(jax.value_and_grad(
+      loss, argnums=(0, 1), has_aux=True)))(models_, memes, x, y, valid)
   assert acc_v == {}
   take = lambda t, i: jax.tree_util.tree_map(lambda a: a[i], t)
   logits = jax.jit(jax.vmap(lambda mp, mm, x: (own.apply({'params': mp}, x)[0],

@@ -50,8 +50,11 @@ def start(workdir, rounds, processes, devices, signal_round=None, events=True):
   procs = []
   try:
     for i in range(processes):
-      env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-                 XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+      # The caller's XLA flags are kept (conftest's optimisation level), the device count set.
+      flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
+               if not f.startswith('--xla_force_host_platform_device_count')]
+      env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu', XLA_FLAGS=' '.join(
+          [*flags, f'--xla_force_host_platform_device_count={devices}']))
       for var in (*distributed.ENV.values(), multihost_run.NO_EVENTS):
         env.pop(var, None)
       if not events:
