@@ -146,6 +146,63 @@ def assert_floats_each_way(info, floats):
   np.testing.assert_array_equal(info.client_down_floats, want)
 
 
+def capturing_round_infos(monkeypatch):
+  """{(packed, seed): [RoundInfo of each round]}, filled as runs log their rounds (train's
+  console line): packed is whether the run was a replica of packed seeds."""
+  from fedssa_jax import train  # pylint: disable=g-import-not-at-top
+  infos = {}
+  log_round = train._log_round  # pylint: disable=protected-access
+
+  def capture(config, rounds_done, record, info, round_times, prefix=''):
+    # A packed replica's lines start 'seed S: ' (the config is the pack's first).
+    seed = int(prefix.split()[1].rstrip(':')) if prefix else config.seed
+    infos.setdefault((bool(prefix), seed), []).append(info)
+    return log_round(config, rounds_done, record, info, round_times, prefix)
+  monkeypatch.setattr(train, '_log_round', capture)
+  return infos
+
+
+def assert_same_round_infos(packed, alone, what=''):
+  """Each participant's figures of each round, exactly, and the loss sums to float rounding."""
+  assert len(packed) == len(alone), what
+  for p, a in zip(packed, alone):
+    for f in ('cohort', 'train_samples', 'train_steps', 'client_up_floats',
+              'client_down_floats'):
+      np.testing.assert_array_equal(getattr(p, f), getattr(a, f), err_msg=f'{what}: {f}')
+    np.testing.assert_allclose(p.train_loss_sum, a.train_loss_sum, rtol=1e-5, err_msg=what)
+
+
+def assert_same_records(records_p, records_a, what=''):
+  """metrics.jsonl records of two runs of one seed (packed, alone): counts exactly, accuracies
+  to 1e-9, losses and FLOPs to float rounding; timings are not compared."""
+  assert len(records_p) == len(records_a), what
+  for a, p in zip(records_a, records_p):
+    for key in ('round', 'participants', 'up_floats', 'down_floats', 'cum_floats',
+                'evaluated_clients'):
+      assert p[key] == a[key], (what, a['round'], key)
+    for key in ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference'):
+      np.testing.assert_allclose(p[key], a[key], atol=1e-9, err_msg=f'{what}: {key}')
+    for key in ('train_loss', 'train_accuracy', 'client_flops', 'cum_client_flops',
+                'header_norm_max', 'header_norm_mean'):
+      np.testing.assert_allclose(p[key], a[key], rtol=1e-5, err_msg=f'{what}: {key}')
+    for name, value in a['method_metrics'].items():
+      np.testing.assert_allclose(p['method_metrics'][name], value, atol=1e-9, err_msg=name)
+
+
+def assert_same_last_checkpoint(workdir_a, workdir_b, rounds, what=''):
+  """The last checkpoints of two runs: both of round `rounds`, every array of the state equal to
+  float rounding (rtol 1e-3, atol 1e-6)."""
+  from fedssa_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  states = [checkpoint.Checkpointer(os.path.join(w, 'checkpoints')).restore_latest()
+            for w in (workdir_a, workdir_b)]
+  assert states[0].step == states[1].step == rounds, what
+  (sa, ta), (sb, tb) = [jax.tree_util.tree_flatten_with_path(s.state) for s in states]
+  assert ta == tb, what
+  for (path, x), (_, y) in zip(sa, sb):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-3, atol=1e-6,
+                               err_msg=f'{what}: {jax.tree_util.keystr(path)}')
+
+
 # -- Plain references for the method tests -----------------------------------------------------
 
 def log_softmax(z):
@@ -239,8 +296,14 @@ def logged_seed(var):
 # cache's entries at the end count the distinct programs of the whole run, subprocesses included
 # (they share its folder). The summary prints them: what a slow test costs.
 _HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
-_NOW = {'compiles': 0, 'loads': 0, 'compile_s': 0.0}  # the running test's, reset before each
-_TOTAL = {'compiles': 0, 'loads': 0, 'compile_s': 0.0}  # summed from the reports
+# Seconds of each stage of a jit's first call: tracing to a jaxpr, lowering it to MLIR (neither
+# is saved by the persistent cache), and XLA's compile (or the cache's load).
+_STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace_s',
+           '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lower_s',
+           '/jax/core/compile/backend_compile_duration': 'compile_s'}
+_ZERO = {'compiles': 0, 'loads': 0, 'trace_s': 0.0, 'lower_s': 0.0, 'compile_s': 0.0}
+_NOW = dict(_ZERO)  # the running test's, reset before each
+_TOTAL = dict(_ZERO)  # summed from the reports
 _COMPILE_SECONDS = {}  # test id -> seconds in XLA's compile (or cache load), from the reports
 _SEEDS_KEY = 'random_draws'
 
@@ -255,8 +318,8 @@ def _count_event(event, **kwargs):
 
 def _count_duration(event, duration, **kwargs):
   del kwargs
-  if event == '/jax/core/compile/backend_compile_duration':
-    _NOW['compile_s'] += duration
+  if event in _STAGES:
+    _NOW[_STAGES[event]] += duration
 
 
 jax.monitoring.register_event_listener(_count_event)
@@ -266,7 +329,7 @@ jax.monitoring.register_event_duration_secs_listener(_count_duration)
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
   del item, nextitem
-  _NOW.update(compiles=0, loads=0, compile_s=0.0)
+  _NOW.update(_ZERO)
   return (yield)
 
 
@@ -299,7 +362,8 @@ def pytest_terminal_summary(terminalreporter):
   terminalreporter.write_line(
       f'XLA: {entries} distinct programs compiled in this run (persistent cache entries); the '
       f"tests' processes compiled {_TOTAL['compiles']} and loaded {_TOTAL['loads']} from the "
-      f"cache, in {_TOTAL['compile_s']:.0f} s (subprocesses not counted)")
+      f"cache, in {_TOTAL['compile_s']:.0f} s, after {_TOTAL['trace_s']:.0f} s of tracing and "
+      f"{_TOTAL['lower_s']:.0f} s of lowering (subprocesses not counted)")
   top = sorted(_COMPILE_SECONDS.items(), key=lambda kv: -kv[1])[:10]
   if top:
     terminalreporter.write_line('XLA compile seconds of the 10 costliest tests: ' +

@@ -9,14 +9,16 @@ packed-seeds check and its command-line check share their compiles (tests/README
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from absl import flags
 
-from fedssa_jax import checkpoint, engine, methods, models, train
+from fedssa_jax import engine, methods, models
 from fedssa_jax import main as main_lib
+
+from conftest import (assert_same_last_checkpoint, assert_same_records, assert_same_round_infos,
+                      capturing_round_infos)
 
 # Every method compiles its programs (slow: `pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
@@ -73,19 +75,6 @@ def with_an_idle_chunk_per_group(monkeypatch):
   monkeypatch.setattr(engine.Replicas, 'aligned_chunks', padded)
 
 
-def capturing_round_infos(monkeypatch):
-  """{console prefix: [RoundInfo of each round]}, filled as the run logs its rounds ('' for a
-  run alone, 'seed s: ' for a packed replica)."""
-  infos = {}
-  log_round = train._log_round  # pylint: disable=protected-access
-
-  def capture(config, rounds_done, record, info, round_times, prefix=''):
-    infos.setdefault(prefix, []).append(info)
-    return log_round(config, rounds_done, record, info, round_times, prefix)
-  monkeypatch.setattr(train, '_log_round', capture)
-  return infos
-
-
 @pytest.fixture(scope='module', params=sorted(methods.METHODS))
 def method_runs(request, tmp_path_factory):
   """(method, its run alone, its seed-0 replica of the packed run, their RoundInfos): the
@@ -98,7 +87,7 @@ def method_runs(request, tmp_path_factory):
     with_an_idle_chunk_per_group(mp)
     run_cli(mp, str(base / 'packed'), method, '--seeds=' + ','.join(map(str, PACKED_SEEDS)))
   return (method, str(base / 'alone'), str(base / 'packed' / 'seed0'),
-          (infos[''], infos['seed 0: ']))
+          (infos[False, 0], infos[True, 0]))
 
 
 def expected_floats(method, seen, avail_before):
@@ -151,35 +140,13 @@ def test_packed_seeds_equal_their_runs_alone(method_runs):
   """Replica 1 of the packed run (seed 0) writes what its run alone writes: the same records and
   summary but for timings, and the same last checkpoint (every array of the state)."""
   method, alone, packed, (infos_a, infos_p) = method_runs
-  assert len(infos_a) == len(infos_p) == 3
-  for a, p in zip(infos_a, infos_p):  # each participant's figures of each round
-    for f in ('cohort', 'train_samples', 'train_steps', 'client_up_floats',
-              'client_down_floats'):
-      np.testing.assert_array_equal(getattr(p, f), getattr(a, f), err_msg=f'{method}: {f}')
-    np.testing.assert_allclose(p.train_loss_sum, a.train_loss_sum, rtol=1e-5)
+  assert len(infos_a) == 3
+  assert_same_round_infos(infos_p, infos_a, method)
   (config_a, records_a, summary_a), (config_p, records_p, summary_p) = (
       outputs(alone), outputs(packed))
   assert config_p['config']['seed'] == 0 and config_p == config_a
   assert len(records_p) == len(records_a) == 3
-  for a, p in zip(records_a, records_p):
-    a, p = untimed(a), untimed(p)
-    for key in ('round', 'participants', 'up_floats', 'down_floats', 'cum_floats',
-                'evaluated_clients'):
-      assert p[key] == a[key], (method, a['round'], key)
-    for key in ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference'):
-      np.testing.assert_allclose(p[key], a[key], atol=1e-9, err_msg=f'{method}: {key}')
-    for key in ('train_loss', 'train_accuracy', 'client_flops', 'cum_client_flops',
-                'header_norm_max', 'header_norm_mean'):
-      np.testing.assert_allclose(p[key], a[key], rtol=1e-5, err_msg=f'{method}: {key}')
-    for name, value in a['method_metrics'].items():
-      np.testing.assert_allclose(p['method_metrics'][name], value, atol=1e-9, err_msg=name)
+  assert_same_records(records_p, records_a, method)
   assert untimed(summary_p).keys() == untimed(summary_a).keys()
   assert summary_p['cum_up_floats'] == summary_a['cum_up_floats']
-  states = [checkpoint.Checkpointer(os.path.join(w, 'checkpoints')).restore_latest()
-            for w in (alone, packed)]
-  assert states[0].step == states[1].step == 3
-  (sa, ta), (sp, tp) = [jax.tree_util.tree_flatten_with_path(s.state) for s in states]
-  assert ta == tp
-  for (path, x), (_, y) in zip(sa, sp):
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-3, atol=1e-6,
-                               err_msg=f'{method}: {jax.tree_util.keystr(path)}')
+  assert_same_last_checkpoint(alone, packed, 3, method)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import base, fml
+from fedssa_jax.methods import fml
 
 from conftest import assert_floats_each_way, log_softmax, random_params, rounds, stack_trees
 

@@ -166,7 +166,6 @@ def test_loss_is_plain_cross_entropy_over_valid_samples():
 @pytest.mark.slow  # a simulator compiled and run
 def test_one_round_through_the_engine(small_sim):
   sim = small_sim('lg_fedavg')
-  c = sim.config
   for state, info in rounds(sim, 2):
     assert np.isfinite(info.train_loss)
     assert_floats_each_way(info, 501 * sim.num_classes)  # 5,010 each way

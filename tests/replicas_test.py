@@ -8,76 +8,17 @@ import os
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import make_small_sim
-from fedssa_jax import client, config_lib, engine, main, methods, train
+from conftest import assert_same_last_checkpoint, assert_same_records, assert_same_round_infos
+from conftest import capturing_round_infos
+from fedssa_jax import client, config_lib, data, engine, main, train
 
 SEEDS = (0, 3)
 ROUNDS = 2
 # Record fields that are timings (the rest must match a run alone).
 TIMINGS = ('round_seconds', 'elapsed_seconds')
-
-
-def overrides(**more):
-  """Two families (so that the replicas' cohorts split differently over them), K = 2 of 5."""
-  return {'model.families': ('cnn5', 'cnn4'), **more}
-
-
-def packed_and_alone(ds, method, seeds=SEEDS, rounds=ROUNDS, compare=None, **more):
-  """(infos, evaluations, states) per round of the packed replicas and of each seed alone (of
-  the replicas `compare`, default all), whether a replica's chunk list was padded, and the
-  replicas' index-row widths."""
-  sims = [make_small_sim(ds, method, **overrides(seed=s, **more)) for s in seeds]
-  pack = engine.Replicas(sims)
-  state = pack.stack([s.init_state() for s in sims])
-  packed = [[] for _ in seeds]
-  evs = [None] * len(seeds)
-  padded = False
-  for _ in range(rounds):
-    t = int(state.round)
-    chunks = pack.aligned_chunks([s.chunks(s.cohort(t)) for s in sims])
-    padded |= any((~active).all(axis=1).any() for _, _, active in chunks)
-    state, infos = pack.run_round(state)
-    for r, sim in enumerate(sims):
-      mine = pack.replica(state, r)
-      evs[r] = sim.evaluate(mine, previous=evs[r])
-      packed[r].append((infos[r], evs[r], mine))
-  compare = range(len(seeds)) if compare is None else compare
-  packed = [packed[r] for r in compare]
-  alone = []
-  for s in [seeds[r] for r in compare]:
-    sim = make_small_sim(ds, method, **overrides(seed=s, **more))
-    st, ev, out = sim.init_state(), None, []
-    for _ in range(rounds):
-      st, info = sim.run_round(st)
-      ev = sim.evaluate(st, previous=ev)
-      out.append((info, ev, st))
-    alone.append(out)
-  widths = [int(s.data.train_idx.shape[1]) for s in sims]
-  return packed, alone, padded, widths
-
-
-def assert_same_rounds(packed, alone, rtol=1e-5, atol=1e-6):
-  for p_rounds, a_rounds in zip(packed, alone):
-    for (pi, pe, ps), (ai, ae, as_) in zip(p_rounds, a_rounds):
-      np.testing.assert_array_equal(pi.cohort, ai.cohort)
-      for f in ('train_samples', 'train_steps', 'client_up_floats', 'client_down_floats'):
-        np.testing.assert_array_equal(getattr(pi, f), getattr(ai, f), err_msg=f)
-      for f in ('train_loss', 'train_accuracy', 'up_floats', 'down_floats', 'client_flops'):
-        np.testing.assert_allclose(getattr(pi, f), getattr(ai, f), rtol=rtol, err_msg=f)
-      np.testing.assert_allclose(pe.accuracy, ae.accuracy, atol=1e-9)
-      np.testing.assert_allclose(pe.batch_accuracy, ae.batch_accuracy, atol=1e-9)
-      assert ps.round == as_.round
-      for k in ps.costs:
-        np.testing.assert_allclose(ps.costs[k], as_.costs[k], rtol=rtol)
-    # The last state (earlier rounds' buffers were donated to the next round).
-    (_, _, ps), (_, _, as_) = p_rounds[-1], a_rounds[-1]
-    for x, y in zip(jax.tree.leaves((ps.params, ps.client_state, ps.server)),
-                    jax.tree.leaves((as_.params, as_.client_state, as_.server))):
-      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol * 100, atol=atol)
 
 
 def test_epoch_order_is_invariant_to_the_padding_width():
@@ -89,15 +30,6 @@ def test_epoch_order_is_invariant_to_the_padding_width():
     b = np.asarray(client.epoch_order(key, n, long))
     np.testing.assert_array_equal(a[:n], b[:n])
     np.testing.assert_array_equal(np.sort(b[:n]), np.arange(n))
-
-
-def test_fedssa_replicas_equal_their_seeds_alone(small_ds):
-  # One family and one replica compared, to stay fast (the slow tests below pad the replicas'
-  # chunk lists and compare them all).
-  packed, alone, _, widths = packed_and_alone(small_ds, 'fedssa', compare=[1],
-                                              **{'model.families': ('cnn5',)})
-  assert len(set(widths)) > 1, 'the replicas\' partitions have one width: pick other seeds'
-  assert_same_rounds(packed, alone)
 
 
 def test_aligned_chunks_pad_a_replica_with_fewer_chunks_of_a_group():
@@ -138,27 +70,52 @@ def records(workdir):
     return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in f]
 
 
+def capturing_evaluations(monkeypatch):
+  """{(phase, seed): [Evaluation of each round]}, as runs evaluate; phase: the list's one item,
+  set by the caller before each run."""
+  evals, phase = {}, ['']
+  evaluate = engine.Simulator.evaluate
+
+  def capture(sim, state, previous=None):
+    ev = evaluate(sim, state, previous)
+    evals.setdefault((phase[0], sim.config.seed), []).append(ev)
+    return ev
+  monkeypatch.setattr(engine.Simulator, 'evaluate', capture)
+  return evals, phase
+
+
 @pytest.mark.slow  # whole runs compiled
 def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds, tmp_path,
                                                                        monkeypatch):
+  """Each replica of the packed run equals its seed's run alone: the records, each round's
+  figures of each participant and evaluation of each client, and the last checkpoint (every
+  array of the state). The seeds' partitions differ in width (padded index rows)."""
   seeds = SEEDS
   base = tiny_config()
+  widths = {int(data.partition_from_config(tiny_config(seed=s), small_ds).train_idx.shape[1])
+            for s in seeds}
+  assert len(widths) > 1, 'the replicas\' partitions have one width: pick other seeds'
+  infos = capturing_round_infos(monkeypatch)
+  evals, phase = capturing_evaluations(monkeypatch)
   alone = {}
   for s in seeds:
-    w = str(tmp_path / f'alone{s}')
-    train.train_and_evaluate(tiny_config(seed=s), w, dataset=small_ds)
-    alone[s] = records(w)
+    alone[s] = str(tmp_path / f'alone{s}')
+    train.train_and_evaluate(tiny_config(seed=s), alone[s], dataset=small_ds)
   whole = [str(tmp_path / 'whole' / f'seed{s}') for s in seeds]
+  phase[0] = 'packed'
   summaries = train.train_replicas(train.replica_configs(base, seeds), whole, dataset=small_ds)
+  phase[0] = 'later'
   assert len(summaries) == len(seeds)
   for s, w in zip(seeds, whole):
     got = records(w)
     assert [r['round'] for r in got] == list(range(1, ROUNDS + 1))
-    for a, b in zip(got, alone[s]):
-      assert a['participants'] == b['participants']
-      assert a['mean_accuracy'] == pytest.approx(b['mean_accuracy'], abs=1e-9)
-      assert a['train_loss'] == pytest.approx(b['train_loss'], rel=1e-5)
-      assert a['cum_floats'] == b['cum_floats']
+    assert_same_records(got, records(alone[s]), f'seed {s}')
+    assert_same_round_infos(infos[True, s], infos[False, s], f'seed {s}')
+    assert len(evals['packed', s]) == len(evals['', s]) == ROUNDS
+    for p, a in zip(evals['packed', s], evals['', s]):
+      np.testing.assert_allclose(p.accuracy, a.accuracy, atol=1e-9)
+      np.testing.assert_allclose(p.batch_accuracy, a.batch_accuracy, atol=1e-9)
+    assert_same_last_checkpoint(alone[s], w, ROUNDS, f'seed {s}')
     assert json.load(open(os.path.join(w, 'config.json')))['config']['seed'] == s
     assert os.path.exists(os.path.join(w, 'summary.json'))
 
