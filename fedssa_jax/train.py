@@ -536,7 +536,7 @@ def _run_rounds(runs: list[_Run], pack: engine.Replicas | None = None) -> None:
                          run.meta)
           run.sim.after_checkpoint(run_state, run.ckpts.steps())
         run.report_progress(rounds_done)
-        _log_round(config, rounds_done, run.history_last, info, progress.round_times,
+        _log_round(run.config, rounds_done, run.history_last, info, progress.round_times,
                    run.prefix)
         # A packed replica's copy is kept only at the end.
         run.state = run_state if pack is None or last else None

@@ -8,8 +8,9 @@ import sys
 import tempfile
 
 # The suite compiles hundreds of small programs and runs each on a few images, so XLA's backend
-# optimisation (LLVM's passes on the CPU) costs far more than it saves: at level 0 a small
-# simulator compiles about 2x faster and runs about 3x slower. Set before JAX starts a backend;
+# optimisation (LLVM's passes on the CPU) costs more than it saves: its programs run slower at
+# level 0, but the whole suite took 13 min 6 s against 15 min 22 s at the default level
+# (tests/README.md). Set before JAX starts a backend;
 # exported, so the subprocesses the tests start get it too. A level the caller set is kept.
 if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
@@ -68,6 +69,15 @@ def pytest_collection_modifyitems(items):
   rank = lambda item: (LONGEST_FILES.index(item.path.name) if item.path.name in LONGEST_FILES
                        else len(LONGEST_FILES))
   items.sort(key=rank)  # stable: each file's own order (its fixtures' grouping) is kept
+
+
+def cpu_devices_env(devices: int, **more) -> dict:
+  """The environment of a subprocess with `devices` fake CPU devices and this checkout on its
+  path: the caller's XLA flags kept (conftest's optimisation level), but for the device count."""
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS='cpu', XLA_FLAGS=' '.join(
+      [*flags, f'--xla_force_host_platform_device_count={devices}']), **more)
 
 
 def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name='cifar10'):
@@ -154,9 +164,7 @@ def capturing_round_infos(monkeypatch):
   log_round = train._log_round  # pylint: disable=protected-access
 
   def capture(config, rounds_done, record, info, round_times, prefix=''):
-    # A packed replica's lines start 'seed S: ' (the config is the pack's first).
-    seed = int(prefix.split()[1].rstrip(':')) if prefix else config.seed
-    infos.setdefault((bool(prefix), seed), []).append(info)
+    infos.setdefault((bool(prefix), config.seed), []).append(info)  # a replica: 'seed S: '
     return log_round(config, rounds_done, record, info, round_times, prefix)
   monkeypatch.setattr(train, '_log_round', capture)
   return infos
@@ -295,7 +303,8 @@ def logged_seed(var):
 # them (user_properties), so the terminal summary sums them over pytest-xdist's workers too; the
 # cache's entries at the end count the distinct programs of the whole run, subprocesses included
 # (they share its folder). The summary prints them: what a slow test costs.
-_HITS, _MISSES = '/jax/compilation_cache/cache_hits', '/jax/compilation_cache/cache_misses'
+_COUNTS = {'/jax/compilation_cache/cache_misses': 'compiles',
+           '/jax/compilation_cache/cache_hits': 'loads'}
 # Seconds of each stage of a jit's first call: tracing to a jaxpr, lowering it to MLIR (neither
 # is saved by the persistent cache), and XLA's compile (or the cache's load).
 _STAGES = {'/jax/core/compile/jaxpr_trace_duration': 'trace_s',
@@ -310,10 +319,8 @@ _SEEDS_KEY = 'random_draws'
 
 def _count_event(event, **kwargs):
   del kwargs
-  if event == _MISSES:
-    _NOW['compiles'] += 1
-  elif event == _HITS:
-    _NOW['loads'] += 1
+  if event in _COUNTS:
+    _NOW[_COUNTS[event]] += 1
 
 
 def _count_duration(event, duration, **kwargs):

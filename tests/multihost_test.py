@@ -24,6 +24,7 @@ import pytest
 from fedssa_jax import config_lib, distributed, train
 
 import multihost_run
+from conftest import cpu_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES, DEVICES_PER_PROCESS, ROUNDS = 2, 2, 2
@@ -50,11 +51,7 @@ def start(workdir, rounds, processes, devices, signal_round=None, events=True):
   procs = []
   try:
     for i in range(processes):
-      # The caller's XLA flags are kept (conftest's optimisation level), the device count set.
-      flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
-               if not f.startswith('--xla_force_host_platform_device_count')]
-      env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu', XLA_FLAGS=' '.join(
-          [*flags, f'--xla_force_host_platform_device_count={devices}']))
+      env = cpu_devices_env(devices)
       for var in (*distributed.ENV.values(), multihost_run.NO_EVENTS):
         env.pop(var, None)
       if not events:

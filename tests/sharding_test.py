@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import cpu_devices_env
+
 # The runs are a subprocess of 8 devices (slow: `pytest -m "not slow"` leaves them out).
 pytestmark = pytest.mark.slow
 
@@ -33,12 +35,10 @@ SHARDING = {  # per group: stored rows, clients, chunk size, rows per device
 
 @pytest.fixture(scope='module')
 def results():
-  # The caller's XLA flags are kept (conftest's among them), the device count added.
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu', XLA_FLAGS=flags.strip())
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'sharding_run.py'), *RUNS,
                          'replicas'],
-                        env=env, capture_output=True, text=True, timeout=600, check=False)
+                        env=cpu_devices_env(DEVICES), capture_output=True, text=True,
+                        timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')][-1]
   return json.loads(line[len('RESULT '):])
