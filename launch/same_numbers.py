@@ -1,8 +1,9 @@
 """Checks that a change moves no number: every method's 5-round tiny run, record by record.
 
 Runs a 5-round `configs/cifar10.py:hetero,n10,tiny` run (5 clients, 3 a round, batch 16) of every
-method, plus FedSSA from the host and disk population stores and on a two-device mesh, each as
-its own `python -m fedssa_jax.main` process, into `--out`. With `--reference`, a folder an
+method, alone and with seeds 0, 1 and 2 packed (`--seeds`), plus FedSSA from the host and disk
+population stores and on a two-device mesh, each as its own `python -m fedssa_jax.main` process,
+into `--out`. With `--reference`, a folder an
 earlier commit's run of this script wrote, it then compares every run's `metrics.jsonl` records
 and `summary.json` with the reference's, timings aside, and exits 1 on any difference.
 
@@ -38,12 +39,22 @@ ROUNDS = 5
 TIMING = {'seconds_per_round_steady', 'first_round_seconds', 'wall_seconds', 'round_seconds',
           'elapsed_seconds'}
 
+PACKED_SEEDS = (0, 1, 2)  # the seeds of every '-seeds3' run, one workdir each (seed<s>)
+
 # name -> (extra --config overrides, environment)
 RUNS = {m: ({'method': m}, {}) for m in sweeps.METHODS}
+RUNS.update({f'{m}-seeds3': ({'method': m}, {}) for m in sweeps.METHODS})
 RUNS['fedssa-host'] = ({'method': 'fedssa', 'population_store': 'host'}, {})
 RUNS['fedssa-disk'] = ({'method': 'fedssa', 'population_store': 'disk'}, {})
 RUNS['fedssa-mesh2'] = ({'method': 'fedssa', 'engine.mesh_devices': 2},
                         {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+
+
+def outputs(name: str, workdir: str) -> list[str]:
+  """The workdirs a run writes: its own, or one per packed seed."""
+  if name.endswith('-seeds3'):
+    return [os.path.join(workdir, f'seed{s}') for s in PACKED_SEEDS]
+  return [workdir]
 
 _MOCK = """
 import sys, tensorflow_datasets as tfds
@@ -57,6 +68,8 @@ def command(name: str, workdir: str) -> list[str]:
   overrides, _ = RUNS[name]
   args = [f'--config={CONFIG}', f'--workdir={workdir}', f'--config.num_rounds={ROUNDS}',
           *(f'--config.{k}={v}' for k, v in overrides.items())]
+  if name.endswith('-seeds3'):
+    args.append('--seeds=' + ','.join(map(str, PACKED_SEEDS)))
   if _DATA_DIR.value:
     return [sys.executable, '-m', 'fedssa_jax.main', *args,
             f'--config.data_dir={os.path.expanduser(_DATA_DIR.value)}']
@@ -108,26 +121,29 @@ def main(argv):
       failed.append(name)
       print(f'{name}: the run failed (exit {r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}')
       continue
-    history, summary = records(workdir)
-    print(f'{name}: {len(history)} records, final mean accuracy '
-          f'{summary["final_mean_accuracy"]:.6f}')
+    for w in outputs(name, workdir):
+      history, summary = records(w)
+      print(f'{os.path.relpath(w, out)}: {len(history)} records, final mean accuracy '
+            f'{summary["final_mean_accuracy"]:.6f}')
   with open(os.path.join(out, 'runs.json'), 'w') as f:
     json.dump(log, f, indent=1)
   if _REFERENCE.value:
     for name in names:
       if name in failed:
         continue
-      ref = os.path.join(os.path.abspath(_REFERENCE.value), name)
-      if not os.path.exists(os.path.join(ref, 'summary.json')):
-        print(f'{name}: no reference run in {ref}')
-        failed.append(name)
-        continue
-      diff = differences(records(ref), records(os.path.join(out, name)))
-      print(f'{name}: ' + ('identical' if not diff else
-                           f'{len(diff)} differences, first: ' + '; '.join(diff[:5])))
-      failed += [name] if diff else []
+      for w in outputs(name, os.path.join(out, name)):
+        rel = os.path.relpath(w, out)
+        ref = os.path.join(os.path.abspath(_REFERENCE.value), rel)
+        if not os.path.exists(os.path.join(ref, 'summary.json')):
+          print(f'{rel}: no reference run in {ref}')
+          failed.append(name)
+          continue
+        diff = differences(records(ref), records(w))
+        print(f'{rel}: ' + ('identical' if not diff else
+                            f'{len(diff)} differences, first: ' + '; '.join(diff[:5])))
+        failed += [name] if diff else []
   if failed:
-    print(f'Not the same: {", ".join(failed)}')
+    print(f'Not the same: {", ".join(dict.fromkeys(failed))}')
     sys.exit(1)
 
 
