@@ -19,6 +19,7 @@ set. `--quick` (CI smoke) runs small cases only, in well under two minutes on 2 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import resource
@@ -129,7 +130,7 @@ def padding_share(sim: engine.Simulator, rounds: int, per_call: int | None = Non
   useful = total = 0
   for t in range(rounds):
     for gi, slots, active in sim.chunks(sim.cohort(t), per_call):
-      n = sim.train_n[sim.groups[gi].members[slots[active]]]
+      n = sim.train_n[0][sim.groups[gi].members[slots[active]]]
       useful += n.sum()
       for step in range(-(-n.max() // b)):
         rows = np.clip(n - step * b, 0, b)
@@ -153,8 +154,8 @@ def masked_train_seconds(sim: engine.Simulator, state, rounds: int) -> float:
   params, client_state, server = list(state.params), state.client_state, state.server
   t0 = time.perf_counter()
   for t in range(state.round - rounds, state.round):
-    masked = [(gi, slots, np.zeros_like(active)) for gi, slots, active in
-              sim.chunks(sim.cohort(t))]
+    masked = [dataclasses.replace(c, active=np.zeros_like(c.active))
+              for c in sim.plan([sim.cohort(t)])]
     client_state, server, _ = sim.train_chunks(params, client_state, server, masked, t)
   jax.block_until_ready((params, client_state, server))
   return (time.perf_counter() - t0) / rounds

@@ -1,17 +1,20 @@
-"""The round engine: family groups, cohort sampling, vmapped local training, the server.
+"""The round engine: every seed of a run, every family group, one jitted call per chunk.
 
-Clients that share a model family form a group; a group's parameters are one pytree whose leaves
-have a leading axis over the group's members. A round (`Simulator.run_round`):
+A Simulator runs R >= 1 seeds of one config (R = 1 for a plain run; `--seeds` packs more). Every
+array of the state has a leading seed axis: each group's stacked parameters [R, rows, ...], the
+per-client state [R, N, ...], the server state [R, ...], the costs [R]. A round
+(`Simulator.run_round`):
 
-1. samples the cohort on the host (K = max(1, floor(C N)) clients, uniform without replacement,
-   a pure function of the seed and the round);
-2. for each group, splits its sampled members into chunks of a fixed size `clients_per_call`
-   (padded with masked dummy clients), and trains each chunk in one jitted call
-   (`train_chunk`, `local_round`): the method's download, local training of every client under
-   `vmap` with the method's loss, the upload, and the server's receipt of the uploads. The population store
-   (population.py) brings the chunk's rows to the call and takes them back;
-3. runs the method's server rule once, under jit;
-4. adds up the round's floats, FLOPs and training statistics (`RoundInfo`).
+1. samples each seed's cohort and cuts it into chunks of one family group (schedule.py); chunk j
+   of a group holds chunk j of every seed;
+2. trains each chunk in one jitted call (`train_chunk` around `local_round`): the method's
+   download, local training of every client under `vmap` with the method's loss, the upload,
+   the server's receipt of the uploads; the population store (population.py) brings the chunk's
+   rows to the call and takes them back. The call is vmapped over the seeds, each with its own
+   rows, server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed
+   it runs on the seed's slice, the program a run alone would compile;
+3. runs the method's server rule, per seed, under jit;
+4. adds up each seed's floats, FLOPs and training statistics (`RoundInfo`).
 
 Shapes never depend on the round, so each family compiles its training call once. Dummy clients
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
@@ -30,50 +33,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax import client, config_lib, costs, data, evaluation, methods, models, population
-from fedssa_jax.placement import Placement
-from fedssa_jax.state import RoundInfo, RunState
+from fedssa_jax import schedule
+from fedssa_jax.placement import REPLICATED, SHARDED, Placement, over_replicas
+from fedssa_jax.schedule import (STREAM_CLIENT_STATE, STREAM_FAMILY_INIT, STREAM_INIT,  # noqa
+                                 STREAM_SERVER, STREAM_TRAIN, cohort_size, sample_cohort)
+from fedssa_jax.state import ChunkInputs, Costs, RoundInfo, RunState
 
 PyTree = Any
 
-# Independent random streams, all derived from the config's seed. STREAM_INIT draws a client's
-# own initial model (model.init_scope='client', keyed by client id); STREAM_FAMILY_INIT a
-# family's shared one ('family', keyed by the family's index in models.FAMILY_NAMES).
-(STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL,
- STREAM_FAMILY_INIT) = range(7)
 
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-  family: str
-  members: np.ndarray  # sorted client ids
-  model: models.CNN
-  clients_per_call: int  # a multiple of the mesh's device count
-  rows: int  # stored rows: the size padded to a multiple of the device count
-  eval_model: models.CNN  # the same function, in the formulation fastest forward-only
-
-  @property
-  def size(self) -> int:
-    return len(self.members)
-
-
-def cohort_size(num_clients: int, participation: float) -> int:
-  return max(1, int(np.floor(participation * num_clients)))
-
-
-def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.ndarray:
-  """The round's participants, sorted; a pure function of (seed, round)."""
-  rng = np.random.default_rng([seed, STREAM_SAMPLE, round_index])
-  return np.sort(rng.choice(num_clients, size=k, replace=False))
-
-
-def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray | None:
-  """The fixed random subset of `eval_clients` clients evaluated every time (sorted ids),
-  drawn among the clients with test data; None: evaluate them all."""
-  candidates = np.flatnonzero(test_n > 0)
-  if not eval_clients or eval_clients >= len(candidates):
-    return None
-  rng = np.random.default_rng([seed, STREAM_EVAL])
-  return np.sort(rng.choice(candidates, size=eval_clients, replace=False))
+# Under a mesh, each device trains its share of a chunk's clients (local_round's arguments).
+LOCAL_SPECS = (SHARDED, SHARDED, REPLICATED,
+               ChunkInputs(slots=SHARDED, ids=SHARDED, active=SHARDED, seen=REPLICATED,
+                           data=REPLICATED, round_index=REPLICATED, root_key=REPLICATED))
 
 
 @jax.jit
@@ -102,103 +74,110 @@ def micro_batch(config) -> int:
   return 64 if jax.default_backend() == 'cpu' and b > 64 and b % 64 == 0 else b
 
 
-def make_groups(config, num_classes: int, num_clients: int, k: int,
-                place: Placement) -> list[Group]:
-  """The family groups (client i gets families[i mod F])."""
-  families = tuple(config.model.families)
-  client_family = np.array([i % len(families) for i in range(num_clients)])
-  groups = []
-  for gi, fam in enumerate(families):
-    members = np.flatnonzero(client_family == gi)
-    if not len(members):
-      continue
-    # Auto: one client per call on the CPU, where vmapping over clients gains nothing; on
-    # accelerators, the group's expected share of the cohort, so that a typical round needs
-    # one call per family and few dummies. A family sampled more often takes more calls.
-    per_call = config.engine.clients_per_call or (
-        1 if jax.default_backend() == 'cpu' else -(-k // len(families)))
-    # Every device trains as many of a chunk's clients (padded with dummies).
-    per_call = place.rows(int(min(per_call, len(members), k)))
-    model, eval_model = (models.make_model(fam, num_classes, config.model.conv_impl,
-                                           config.engine.compute_dtype, forward_only=fwd)
-                         for fwd in (False, True))
-    groups.append(Group(fam, members, model, per_call, place.rows(len(members)), eval_model))
-  return groups
-
-
-def local_round(params, state, cids, active, server, data_: client.DeviceData, seen,
-                round_index, root_key, *, method: methods.Method, train_one: Callable):
+def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
+                train_one: Callable):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   client.local_train for the family's model."""
+  ids, data_ = inputs.ids, inputs.data
+  seen = inputs.seen[ids]
   down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
-      params, state, server, cids, seen[cids], round_index)
-  round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
-  keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(cids)
-  n = jnp.where(active, data_.train_n[cids], 0)
+      params, state, server, ids, seen, inputs.round_index)
+  round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_TRAIN),
+                                 inputs.round_index)
+  keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
+  n = jnp.where(inputs.active, data_.train_n[ids], 0)
   trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
-      {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[cids], n, data_)
+      {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[ids], n, data_)
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
-      trainable, acc, down.ctx, state, seen[cids], n, round_index)
+      trainable, acc, down.ctx, state, seen, n, inputs.round_index)
   stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
            'extra_flops': down.flops + up.flops}
   return up.params, up.state, up.payload, stats
 
 
-def train_chunk(params, state, cids, active, server, data_, seen, round_index, root_key, *,
-                method: methods.Method, local: Callable):
+def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
+                local: Callable):
   """One chunk of a group, on its rows: `local` (local_round, per device under a mesh), then
   the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
   server, stats); the store's call brings the rows and takes them back."""
-  new_params, new_state, payload, stats = local(
-      params, state, cids, active, server, data_, seen, round_index, root_key)
-  server = method.server_receive(server, cids, payload, active)
+  new_params, new_state, payload, stats = local(params, state, server, inputs)
+  server = method.server_receive(server, inputs.ids, payload, inputs.active)
   # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
   stats['nonfinite'] = jnp.stack([
       ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
       for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
-  ]).any(axis=0) & active
+  ]).any(axis=0) & inputs.active
   # The norms of each trained client's seen-class header rows, after training (a diagnostic of
   # header growth, e.g. FedSSA's `reference` fusion).
   norms = jnp.linalg.norm(jax.vmap(models.header_rows)(new_params), axis=-1)
-  own = seen[cids]
+  own = inputs.seen[inputs.ids]
   stats['header_norm_max'] = jnp.where(own, norms, 0.0).max(axis=1)
   stats['header_norm_sum'] = jnp.where(own, norms, 0.0).sum(axis=1)
   stats['header_rows'] = own.sum(axis=1)
   return new_params, new_state, server, stats
 
 
-class Simulator:
-  """Holds the static parts of a run (data, groups, compiled steps); the state is passed in
-  and out. `phase(name, *arrays)`, if given, is called after each phase of a round (a
-  benchmark's timer; bench.py)."""
+def check_seeds(config, seeds, widths) -> None:
+  """Raises ConfigError, naming the fix, if `seeds` of `config` cannot run packed."""
+  if len(set(seeds)) != len(seeds):
+    raise config_lib.ConfigError(f'Packed seeds must differ, got {list(seeds)}.')
+  if len(seeds) > 1 and config.population_store != 'device':
+    raise config_lib.ConfigError(
+        f"Packed seeds (--seeds) need population_store='device', not "
+        f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
+        'one (one command per seed, without --seeds).')
+  # local_train's shuffles stay those of each seed alone when the training index rows are
+  # padded to a common width: client.epoch_order draws uniform numbers over the padded length,
+  # and with jax_threefry_partitionable (the default since JAX 0.5) the first n of a longer
+  # draw are the same numbers (tests/replicas_test.py checks it).
+  if len(set(widths)) > 1 and not jax.config.jax_threefry_partitionable:
+    raise config_lib.ConfigError(
+        'Packed seeds with per-seed partitions need jax_threefry_partitionable (JAX\'s '
+        'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
 
-  def __init__(self, config, ds: data.Dataset, cd: data.ClientData,
-               workdir: str | None = None, phase: Callable | None = None):
+
+class Simulator:
+  """Holds the static parts of a run of `seeds` (default: the config's), each with its client
+  data `cd` (one ClientData for all, or one per seed): data, groups, compiled steps. The state
+  is passed in and out. `phase(name, *arrays)`, if given, is called after each phase of a round
+  (a benchmark's timer; bench.py)."""
+
+  def __init__(self, config, ds: data.Dataset, cd, workdir: str | None = None,
+               phase: Callable | None = None, *, seeds=None):
     self.config = config
+    self.seeds = tuple(int(s) for s in (seeds if seeds is not None else (config.seed,)))
+    cds = list(cd) if isinstance(cd, (list, tuple)) else [cd] * len(self.seeds)
+    self.num_seeds = r = len(self.seeds)
+    widths = [c.train_idx.shape[1] for c in cds]
+    check_seeds(config, self.seeds, widths)
     self.phase = phase or (lambda name, *arrays: None)
-    self.num_clients = cd.num_clients
+    self.num_clients = cds[0].num_clients
     self.num_classes = ds.num_classes
     self.k = cohort_size(self.num_clients, config.participation)
-    self.seen, self.train_n = cd.seen, cd.train_n
+    # Host copies, [R, ...]: each seed's seen classes and training-set sizes.
+    self.seen = np.stack([c.seen for c in cds])
+    self.train_n = np.stack([c.train_n for c in cds])
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes)
     self.train_cfg = train_config(config, ds)
-    self.root_key = jax.random.PRNGKey(config.seed)
-    self.placement = Placement(config.engine.mesh_devices)
-    self.data = self.placement.replicate(client.DeviceData(
-        images=jnp.asarray(ds.images), labels=jnp.asarray(ds.labels),
-        train_idx=jnp.asarray(cd.train_idx), train_n=jnp.asarray(cd.train_n),
-        test_idx=jnp.asarray(cd.test_idx), test_n=jnp.asarray(cd.test_n)))
-    self.seen_dev = self.placement.replicate(jnp.asarray(cd.seen))
+    place = self.placement = Placement(config.engine.mesh_devices)
+    self._keys = [jax.random.PRNGKey(s) for s in self.seeds]
+    self.root_keys = place.replicate(jnp.stack(self._keys))
+    images, labels = place.replicate((jnp.asarray(ds.images), jnp.asarray(ds.labels)))
+    # Each seed's own data (its evaluation's), and the stacked training data of every seed.
+    self.seed_data = [place.replicate(client.DeviceData(
+        images=images, labels=labels, train_idx=jnp.asarray(c.train_idx),
+        train_n=jnp.asarray(c.train_n), test_idx=jnp.asarray(c.test_idx),
+        test_n=jnp.asarray(c.test_n))) for c in cds]
+    pad = lambda a: np.pad(a, ((0, 0), (0, max(widths) - a.shape[1])))
+    train_idx = np.stack([pad(c.train_idx) for c in cds])
+    self.data = dataclasses.replace(
+        self.seed_data[0], train_idx=place.replicate(jnp.asarray(train_idx)),
+        train_n=place.replicate(jnp.asarray(self.train_n)))
+    self.seen_dev = place.replicate(jnp.asarray(self.seen))
 
-    self.groups = make_groups(config, ds.num_classes, self.num_clients, self.k, self.placement)
-    # client id -> (group index, slot within the group)
-    self.group_of = np.empty(self.num_clients, int)
-    self.slot_of = np.empty(self.num_clients, int)
-    for gi, g in enumerate(self.groups):
-      self.group_of[g.members] = gi
-      self.slot_of[g.members] = np.arange(g.size)
-
+    self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place)
+    self.group_of, self.slot_of = schedule.group_index(self.groups, self.num_clients)
     # Training FLOPs per processed sample: the family's own model, plus what the method adds
     # (e.g. a jointly trained CNN-5).
     self.flops_per_sample = {g.family: self.method.train_flops_per_sample(
@@ -208,148 +187,177 @@ class Simulator:
 
     self._init_client_state_fn = jax.jit(jax.vmap(self.method.init_client_state))
     self.store = population.make_store(
-        config.population_store, self.placement, self.groups, self.num_clients,
+        config.population_store, place, self.groups, self.num_clients, r,
         self._init_group, self._init_client_state,
         directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
     self._train_calls = [self.store.train_call(g, self._train_chunk_fn(g)) for g in self.groups]
-    self._aggregate = jax.jit(lambda *a: self.placement.constrain(
-        self.method.server_aggregate(*a), sharded=False), donate_argnums=0)
+    self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
+        self._aggregate_seed, r, (0, 0, None, 0))(*a), sharded=False), donate_argnums=0)
     # Replicated on the mesh, as every later round's server is (an init_server that ignores
     # its inputs would otherwise leave it on one device, and round 1 would compile again).
-    self._init_server = jax.jit(lambda key, seen: self.placement.constrain(
+    self._init_server = jax.jit(lambda key, seen: place.constrain(
         self.method.init_server(key, seen), sharded=False))
-    eval_ids = eval_subset(config.seed, cd.test_n, config.eval_clients)
-    # The clients whose accuracy every evaluation reports (those with test data, or the subset).
-    self.evaluated_ids = np.flatnonzero(cd.test_n > 0) if eval_ids is None else eval_ids
-    self.evaluator = evaluation.Evaluator(self, self.evaluated_ids)
+    self._stack_server = jax.jit(lambda trees: place.constrain(
+        jax.tree.map(lambda *a: jnp.stack(a), *trees), sharded=False))
+    self._server_of = jax.jit(lambda tree, i: place.constrain(
+        jax.tree.map(lambda a: a[i], tree), sharded=False))
+    # The clients whose accuracy every evaluation reports (those with test data, or a subset).
+    self.evaluated_ids = []
+    for seed, c in zip(self.seeds, cds):
+      ids = schedule.eval_subset(seed, c.test_n, config.eval_clients)
+      self.evaluated_ids.append(np.flatnonzero(c.test_n > 0) if ids is None else ids)
+    self.evaluator = evaluation.Evaluator(
+        self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
+        self.slot_of, eval_batch_size=config.eval_batch_size,
+        clients_per_call=config.engine.eval_clients_per_call, phase=self.phase)
 
   # ------------------------------------------------------------------------------------------
   # The round
   # ------------------------------------------------------------------------------------------
-  def run_round(self, state: RunState) -> tuple[RunState, RoundInfo]:
-    """One round: sample, train the cohort chunk by chunk, aggregate, account."""
-    t = state.round
-    cohort = self.cohort(t)
-    chunks = self.chunks(cohort)
+  def run_round(self, state: RunState) -> tuple[RunState, list[RoundInfo]]:
+    """One round of every seed: sample, train the cohorts chunk by chunk, aggregate, account.
+    Returns the new state and each seed's RoundInfo."""
+    t = int(state.round)
+    cohorts = [self.cohort(t, i) for i in range(self.num_seeds)]
+    chunks = self.plan(cohorts)
     self.phase('sample')
     params = list(state.params)
     client_state, server, chunk_stats = self.train_chunks(params, state.client_state,
                                                           state.server, chunks, t)
     self.phase('train', params, server)
-    participants = np.zeros(self.num_clients, bool)
-    participants[cohort] = True
-    server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
+    participants = np.zeros((self.num_seeds, self.num_clients), bool)
+    for i, c in enumerate(cohorts):
+      participants[i, c] = True
+    server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32),
+                             self.root_keys)
     self.phase('aggregate', server)
-    info = self._round_info(cohort, chunk_stats)
-    new_costs = dict(state.costs)
-    new_costs['up_floats'] += info.up_floats
-    new_costs['down_floats'] += info.down_floats
-    new_costs['client_flops'] += info.client_flops
+    all_stats = self.fetch(chunk_stats)  # one transfer for the round
+    infos = [self._round_info(cohorts[i], chunks, [{k: v[i] for k, v in s.items()}
+                                                   for s in all_stats], i)
+             for i in range(self.num_seeds)]
     self.phase('host')
     return RunState(round=t + 1, params=tuple(params), client_state=client_state,
-                    server=server, costs=new_costs), info
+                    server=server, costs=state.costs.add(infos)), infos
 
-  def cohort(self, t: int) -> np.ndarray:
-    return sample_cohort(self.config.seed, t, self.num_clients, self.k)
+  def cohort(self, t: int, seed_index: int = 0) -> np.ndarray:
+    return sample_cohort(self.seeds[seed_index], t, self.num_clients, self.k)
 
-  def chunks(self, cohort: np.ndarray, per_call: int | None = None) -> list:
-    """[(group index, slots, active)]: each group's sampled members in chunks of its
-    `clients_per_call` (or `per_call`), the last padded with dummy slots (`g.rows`).
+  def chunks(self, cohort: np.ndarray, per_call: int | None = None,
+             seed_index: int = 0) -> list:
+    """[(group index, slots, active)] of one seed's `cohort` (schedule.chunks)."""
+    return schedule.chunks(self.groups, self.group_of, self.slot_of, self.train_n[seed_index],
+                           cohort, per_call)
 
-    Within a group, clients are taken in decreasing order of training-set size, so that a
-    vmapped chunk holds clients of similar step counts (the chunk runs its largest one's)."""
-    out = []
-    for gi, g in enumerate(self.groups):
-      cids = cohort[self.group_of[cohort] == gi]
-      cids = cids[np.argsort(-self.train_n[cids], kind='stable')]
-      slots = self.slot_of[cids]
-      p = per_call or g.clients_per_call
-      for start in range(0, len(slots), p):
-        chunk = slots[start:start + p]
-        active = np.arange(p) < len(chunk)
-        out.append((gi, np.pad(chunk, (0, p - len(chunk)), constant_values=g.rows), active))
-    return out
+  def plan(self, cohorts: list[np.ndarray]) -> list[schedule.Chunk]:
+    """The calls of a round whose cohorts (one per seed) are `cohorts` (schedule.plan)."""
+    return schedule.plan(self.groups, self.group_of, self.slot_of, self.train_n, cohorts)
 
   def train_chunks(self, params: list, client_state, server, chunks, t: int):
     """Trains round `t`'s `chunks`, updating the list `params` (one entry per group) in place.
-    Returns (client_state, server, [(group index, slots, active, stats) per chunk])."""
-    consts = (self.data, self.seen_dev, jnp.asarray(t, jnp.int32), self.root_key)
-    return self.store.train(params, client_state, server, chunks, self._train_calls, consts)
+    Returns (client_state, server, [stats of each chunk])."""
+    inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
+                         round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys)
+    return self.store.train(params, client_state, server, chunks, self._train_calls, inputs)
 
-  def _train_chunk_fn(self, g: Group) -> Callable:
-    """`train_chunk` for the group's model."""
+  def _train_chunk_fn(self, g: schedule.Group) -> Callable:
+    """`train_chunk` for the group's model, one seed's (the store vmaps it over the seeds)."""
     train_one = functools.partial(client.local_train, apply_fn=g.model.apply,
                                   cfg=self.train_cfg, method=self.method)
     local = functools.partial(local_round, method=self.method, train_one=train_one)
     return functools.partial(train_chunk, method=self.method,
-                             local=self.placement.per_device(local, num_sharded=4))
+                             local=self.placement.per_device(local, LOCAL_SPECS))
 
-  def _round_info(self, cohort: np.ndarray, chunk_stats) -> RoundInfo:
-    """The round's per-client stats and counts: one host transfer for the whole round."""
+  def _aggregate_seed(self, server, participants, round_index, root_key):
+    """One seed's server rule, with its key of the round (STREAM_AGGREGATE)."""
+    del root_key  # no method draws server randomness yet
+    return self.method.server_aggregate(server, participants, round_index)
+
+  def _round_info(self, cohort: np.ndarray, chunks, chunk_stats, i: int) -> RoundInfo:
+    """Seed i's round: per-client stats and counts, from the fetched stats of every chunk."""
     per_client = {}
-    all_stats = self.fetch([stats for *_, stats in chunk_stats])
-    for (gi, slots, active, _), stats in zip(chunk_stats, all_stats):
-      cids = self.groups[gi].members[slots[active]]
+    for c, stats in zip(chunks, chunk_stats):
+      active = c.active[i]
+      cids = self.groups[c.group].members[c.slots[i][active]]
       for k, v in stats.items():
         per_client.setdefault(k, np.zeros(self.num_clients))[cids] = np.asarray(v)[active]
-    c = {k: v[cohort] for k, v in per_client.items()}
+    s = {k: v[cohort] for k, v in per_client.items()}
     # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
-    flops = self.client_flops_per_sample[cohort] * c['samples'] + c['extra_flops']
-    samples = max(c['samples'].sum(), 1)
+    flops = self.client_flops_per_sample[cohort] * s['samples'] + s['extra_flops']
+    samples = max(s['samples'].sum(), 1)
     return RoundInfo(
         cohort=cohort,
-        up_floats=float(c['up_floats'].sum()), down_floats=float(c['down_floats'].sum()),
+        up_floats=float(s['up_floats'].sum()), down_floats=float(s['down_floats'].sum()),
         client_flops=float(flops.sum()),
-        train_loss=float(c['loss_sum'].sum() / samples),
-        train_accuracy=float(c['correct'].sum() / samples),
-        train_samples=c['samples'], train_loss_sum=c['loss_sum'], train_steps=c['steps'],
-        client_up_floats=c['up_floats'], client_down_floats=c['down_floats'],
+        train_loss=float(s['loss_sum'].sum() / samples),
+        train_accuracy=float(s['correct'].sum() / samples),
+        train_samples=s['samples'], train_loss_sum=s['loss_sum'], train_steps=s['steps'],
+        client_up_floats=s['up_floats'], client_down_floats=s['down_floats'],
         client_flops_per_client=flops,
-        nonfinite_params=c['nonfinite'].astype(bool),
-        header_norm_max=float(c['header_norm_max'].max()),
-        header_norm_mean=float(c['header_norm_sum'].sum() / max(c['header_rows'].sum(), 1)))
+        nonfinite_params=s['nonfinite'].astype(bool),
+        header_norm_max=float(s['header_norm_max'].max()),
+        header_norm_mean=float(s['header_norm_sum'].sum() / max(s['header_rows'].sum(), 1)))
 
   # ------------------------------------------------------------------------------------------
   # Evaluation (evaluation.py)
   # ------------------------------------------------------------------------------------------
-  def evaluate(self, state: RunState,
-               previous: evaluation.Evaluation | None = None) -> evaluation.Evaluation:
-    return self.evaluator.evaluate(state, previous)
+  def evaluate(self, state: RunState, previous: evaluation.Evaluation | None = None,
+               seed_index: int = 0) -> evaluation.Evaluation:
+    """Seed `seed_index`'s evaluated clients, with their models of `state`."""
+    return self.evaluator.evaluate(
+        state, seed_index, self.seed_data[seed_index], self.evaluated_ids[seed_index],
+        functools.partial(self.cohort, seed_index=seed_index), previous)
 
-  def save_representations(self, state: RunState, workdir: str) -> str:
-    return self.evaluator.save_representations(state, workdir)
+  def save_representations(self, state: RunState, workdir: str, seed_index: int = 0) -> str:
+    return self.evaluator.save_representations(state, seed_index,
+                                               self.seed_data[seed_index], workdir)
 
   # ------------------------------------------------------------------------------------------
-  # State and checkpoints
+  # State and checkpoints: the stacked state, and each seed's own (what its checkpoint holds)
   # ------------------------------------------------------------------------------------------
   def init_state(self, fresh: bool = True) -> RunState:
-    """Round 0: the server's initial state and each client's initial model (`_init_group`),
-    in storage of its own (no aliasing across clients, spec §2). `fresh`: no checkpoint will be
-    restored (population.Store.initial)."""
-    server_key = jax.random.fold_in(self.root_key, STREAM_SERVER)
+    """Round 0 of every seed: the server's initial state and each client's initial model
+    (`_init_group`), in storage of its own (no aliasing across clients, docs/algorithm.md §2).
+    `fresh`: no checkpoint will be restored (population.Store.initial)."""
     params, client_state = self.store.initial(fresh)
+    servers = [self._init_server(jax.random.fold_in(key, STREAM_SERVER),
+                                 self.placement.replicate(jnp.asarray(seen)))
+               for key, seen in zip(self._keys, self.seen)]
     return RunState(round=0, params=params, client_state=client_state,
-                    server=self._init_server(server_key, self.seen_dev),
-                    costs={'up_floats': 0.0, 'down_floats': 0.0, 'client_flops': 0.0})
+                    server=self._stack_server(servers), costs=Costs.zeros(self.num_seeds))
 
-  def saved(self, state: RunState) -> dict:
-    """What a checkpoint holds of `state`, whatever the device count and store: host arrays
-    without padding rows (the disk store's slot maps), as a dict."""
-    params, client_state = self.store.saved(state.params, state.client_state)
-    return state.replace(params=params, client_state=client_state,
-                         server=self.placement.unshard(state.server)).to_saved()
+  def saved(self, state: RunState, seed_index: int = 0) -> dict:
+    """What seed `seed_index`'s checkpoint holds of the stacked `state`, whatever the device
+    count and store: host arrays without padding rows (the disk store's slot maps), a dict."""
+    params, client_state = self.store.saved(state.params, state.client_state, seed_index)
+    server = self.placement.unshard(self._server_of(state.server, seed_index))
+    return RunState(round=state.round, params=params, client_state=client_state, server=server,
+                    costs=state.costs.of(seed_index)).to_saved()
 
-  def live(self, saved: dict) -> RunState:
-    """A checkpoint's state (`saved`) made live: in the store, on the devices."""
-    state = RunState.from_saved(saved)
-    params, client_state = self.store.live(state.params, state.client_state)
-    return state.replace(params=params, client_state=client_state,
-                         server=self.placement.reshard_replicated(state.server))
+  def seed_state(self, state: RunState, seed_index: int = 0) -> RunState:
+    """Seed `seed_index`'s own state out of the stacked one, without the seed axis: copies of
+    its arrays (a row store's tables as they are). For tests and tools; the run loop reads the
+    stacked state."""
+    params, client_state = self.store.seed_slice(state.params, state.client_state, seed_index)
+    return RunState(round=state.round, params=params, client_state=client_state,
+                    server=self._server_of(state.server, seed_index),
+                    costs=state.costs.of(seed_index))
 
-  def before_checkpoint(self, state: RunState) -> dict:
-    """The store's bookkeeping, then what the checkpoint of `state` holds (`saved`)."""
+  def stacked(self, saved: list[dict]) -> RunState:
+    """The state of every seed from what their checkpoints hold (`saved`, one per seed, of the
+    same round), live in the store and on the devices."""
+    states = [RunState.from_saved(s) for s in saved]
+    if len({int(s.round) for s in states}) != 1:
+      raise ValueError(f'Seeds at different rounds: {[int(s.round) for s in states]}.')
+    params, client_state = self.store.stacked([(s.params, s.client_state) for s in states])
+    servers = [self.placement.reshard_replicated(s.server) for s in states]
+    return RunState(round=states[0].round, params=params, client_state=client_state,
+                    server=self._stack_server(servers),
+                    costs=Costs.stack([s.costs for s in states]))
+
+  def before_checkpoint(self, state: RunState, seed_index: int = 0) -> dict:
+    """The store's bookkeeping, then what seed `seed_index`'s checkpoint holds (`saved`)."""
     self.store.before_checkpoint(state.params, state.client_state, state.round)
-    return self.saved(state)
+    return self.saved(state, seed_index)
 
   def after_checkpoint(self, state: RunState, kept_steps: list[int]) -> None:
     self.store.after_checkpoint(state.params, state.client_state, kept_steps)
@@ -361,20 +369,20 @@ class Simulator:
     """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
     return model_flops(family, self.num_classes, self.config.batch_size)
 
-  def _init_group(self, g: Group, slots) -> PyTree:
-    """The initial parameters of the group's members at `slots` (stacked): each one's own draw,
-    or (init_scope 'family') copies of the family's one model, the same in every method."""
-    slots = np.asarray(slots)
+  def _init_group(self, g: schedule.Group, slots, seed_index: int) -> PyTree:
+    """The initial parameters of the group's members at `slots` (stacked), of one seed: each
+    one's own draw, or (init_scope 'family') copies of the family's one model, the same in
+    every method."""
+    slots, key = np.asarray(slots), self._keys[seed_index]
     if self.config.model.init_scope == 'family':
       family_ids = np.full(len(slots), models.FAMILY_NAMES.index(g.family))
-      return _stacked_init(g.model)(_client_keys(self.root_key, STREAM_FAMILY_INIT,
+      return _stacked_init(g.model)(_client_keys(key, STREAM_FAMILY_INIT,
                                                  jnp.asarray(family_ids)))
-    return _stacked_init(g.model)(_client_keys(self.root_key, STREAM_INIT,
-                                               jnp.asarray(g.members[slots])))
+    return _stacked_init(g.model)(_client_keys(key, STREAM_INIT, jnp.asarray(g.members[slots])))
 
-  def _init_client_state(self, cids) -> PyTree:
-    return self._init_client_state_fn(_client_keys(self.root_key, STREAM_CLIENT_STATE,
-                                                   jnp.asarray(np.asarray(cids))))
+  def _init_client_state(self, cids, seed_index: int) -> PyTree:
+    return self._init_client_state_fn(_client_keys(
+        self._keys[seed_index], STREAM_CLIENT_STATE, jnp.asarray(np.asarray(cids))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -393,167 +401,3 @@ def model_flops(family: str, num_classes: int, batch_size: int) -> float:
     logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
                     family, xla, analytic)
   return xla
-
-
-# ----------------------------------------------------------------------------------------------
-# Replicas: R runs of one config that differ only in their seed, in the same compiled calls
-# ----------------------------------------------------------------------------------------------
-
-def _without_seed(config) -> dict:
-  d = config.to_dict()
-  d.pop('seed')
-  return d
-
-
-def check_packable(config) -> None:
-  """Raises ConfigError, naming the fix, if seeds of `config` cannot run packed (Replicas)."""
-  if config.population_store != 'device':
-    raise config_lib.ConfigError(
-        f"Packed seeds (--seeds) need population_store='device', not "
-        f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
-        'one (one command per seed, without --seeds).')
-
-
-class Replicas:
-  """R runs of one config that differ only in `seed`, trained in the same compiled calls.
-
-  Each replica has its own Simulator (its seed's keys, cohorts and partition, its evaluation and
-  checkpoints); this class runs their rounds together. Their states are kept stacked between
-  rounds (`stack`: every leaf of params, client_state and server with a leading replica axis;
-  `replica(state, r)` is replica r's own RunState). In a round, each replica samples its cohort
-  and cuts it into chunks as it would alone; the chunk lists are aligned group by group, padding
-  a replica that has fewer chunks of a group with all-inactive chunks (which change nothing), and
-  chunk j of a group is ONE jitted call: the device store's chunk call vmapped over the replica
-  axis (R x clients_per_call clients), each replica with its own rows, server, seen-class masks,
-  training indices and root key, the images shared. The server rule is vmapped the same way, so
-  each replica aggregates only its own uploads. Only the device store.
-
-  Under a `clients` mesh (placement.py), the stacked arrays keep each replica's client axis
-  sharded as a run alone has it (P(None, 'clients'): the replica axis is not sharded), and a
-  chunk's clients of every replica train under the same shard_map: each device trains its share
-  of every replica's chunk, as it would of one run's.
-  """
-
-  def __init__(self, sims: list[Simulator]):
-    if not sims:
-      raise ValueError('Replicas needs at least one Simulator.')
-    self.sims = sims
-    s0 = sims[0]
-    c0 = s0.config
-    check_packable(c0)
-    seeds = [s.config.seed for s in sims]
-    if len(set(seeds)) != len(seeds):
-      raise config_lib.ConfigError(f'Packed seeds must differ, got {seeds}.')
-    for s in sims[1:]:
-      if _without_seed(s.config) != _without_seed(c0):
-        raise config_lib.ConfigError(
-            'Packed runs must differ only in their seed; these configs differ in other fields.')
-      if [(g.family, tuple(g.members), g.clients_per_call, g.rows) for g in s.groups] != [
-          (g.family, tuple(g.members), g.clients_per_call, g.rows) for g in s0.groups]:
-        raise config_lib.ConfigError('Packed runs must have the same family groups.')
-    self.num = len(sims)
-    self.groups = s0.groups
-    # The replicas' own partitions (partition.seed = -1: each its seed's), their training
-    # index rows padded to a common width. local_train's shuffles stay those of each alone:
-    # client.epoch_order draws uniform numbers over the padded length, and with
-    # jax_threefry_partitionable (the default since JAX 0.5) the first n of a longer draw are
-    # the same numbers (tests/replicas_test.py checks it).
-    widths = [int(s.data.train_idx.shape[1]) for s in sims]
-    width = max(widths)
-    if len(set(widths)) > 1 and not jax.config.jax_threefry_partitionable:
-      raise config_lib.ConfigError(
-          'Packed seeds with per-seed partitions need jax_threefry_partitionable (JAX\'s '
-          'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
-    place = self.placement = s0.placement
-    stack = lambda arrays: place.replicate(jnp.asarray(np.stack(place.fetch(arrays))))
-    pad = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])))
-    for s in sims[1:]:  # one copy of the images on the device
-      s.data = dataclasses.replace(s.data, images=s0.data.images, labels=s0.data.labels)
-    # Evaluation does not come through here (each replica evaluates with its own Simulator):
-    # test_idx and test_n are replica 0's, unused by training.
-    self.data = dataclasses.replace(
-        s0.data, train_idx=stack([pad(s.fetch(s.data.train_idx)) for s in sims]),
-        train_n=stack([s.data.train_n for s in sims]))
-    data_axes = client.DeviceData(images=None, labels=None, train_idx=0, train_n=0,
-                                  test_idx=None, test_n=None)
-    self.seen = stack([s.seen_dev for s in sims])
-    self.root_keys = stack([s.root_key for s in sims])
-    self._train_calls = [s0.store.packed_train_call(g, s0._train_chunk_fn(g), data_axes)
-                         for g in self.groups]
-    self._aggregate = jax.jit(lambda *a: place.constrain(
-        jax.vmap(s0.method.server_aggregate, in_axes=(0, 0, None))(*a), sharded=False),
-                              donate_argnums=0)
-    # Stacking the replicas' trees, and slicing one out, placed as above.
-    self._stack = jax.jit(lambda trees, sharded: place.constrain(
-        jax.tree.map(lambda *a: jnp.stack(a), *trees), sharded, stacked=True), static_argnums=1)
-    self._slice = jax.jit(lambda tree, r, sharded: place.constrain(
-        jax.tree.map(lambda a: a[r], tree), sharded), static_argnums=2)
-
-  # --- the stacked state ---------------------------------------------------------------------
-  def stack(self, states: list[RunState]) -> RunState:
-    """The replicas' states as one: arrays with a leading replica axis (costs: one dict per
-    replica). They must be at the same round."""
-    rounds = {int(s.round) for s in states}
-    if len(rounds) != 1:
-      raise ValueError(f'Replicas at different rounds: {[int(s.round) for s in states]}.')
-    return RunState(round=states[0].round,
-                    params=tuple(self._stack([s.params[gi] for s in states], True)
-                                 for gi in range(len(self.groups))),
-                    client_state=self._stack([s.client_state for s in states], True),
-                    server=self._stack([s.server for s in states], False),
-                    costs=tuple(dict(s.costs) for s in states))
-
-  def replica(self, state: RunState, r: int) -> RunState:
-    """Replica r's own RunState, out of the stacked one (its arrays sliced)."""
-    i = jnp.asarray(r, jnp.int32)
-    return RunState(round=state.round, params=tuple(self._slice(p, i, True) for p in state.params),
-                    client_state=self._slice(state.client_state, i, True),
-                    server=self._slice(state.server, i, False), costs=dict(state.costs[r]))
-
-  # --- the round -----------------------------------------------------------------------------
-  def aligned_chunks(self, chunk_lists: list[list]) -> list:
-    """[(group index, slots [R, P], active [R, P])]: chunk j of each group over the replicas,
-    a replica with fewer chunks of the group padded with all-inactive ones. Each replica's
-    chunks keep their order (that of its run alone)."""
-    out = []
-    for gi, g in enumerate(self.groups):
-      per = [[c for c in chunks if c[0] == gi] for chunks in chunk_lists]
-      p = g.clients_per_call
-      idle = (gi, np.full(p, g.rows), np.zeros(p, bool))
-      for j in range(max(len(c) for c in per)):
-        cs = [c[j] if j < len(c) else idle for c in per]
-        out.append((gi, np.stack([c[1] for c in cs]), np.stack([c[2] for c in cs])))
-    return out
-
-  def run_round(self, state: RunState) -> tuple[RunState, list[RoundInfo]]:
-    """One round of every replica: each its own cohort, in the same calls. Returns the stacked
-    state and each replica's RoundInfo."""
-    t = int(state.round)
-    cohorts = [s.cohort(t) for s in self.sims]
-    chunks = self.aligned_chunks([s.chunks(c) for s, c in zip(self.sims, cohorts)])
-    params, client_state, server = list(state.params), state.client_state, state.server
-    t_dev = jnp.asarray(t, jnp.int32)
-    chunk_stats = []
-    for gi, slots, active in chunks:
-      params[gi], client_state, server, stats = self._train_calls[gi](
-          params[gi], client_state, server, self.data, self.seen, jnp.asarray(slots, jnp.int32),
-          jnp.asarray(active), t_dev, self.root_keys)
-      chunk_stats.append(stats)
-    participants = np.zeros((self.num, self.sims[0].num_clients), bool)
-    for r, c in enumerate(cohorts):
-      participants[r, c] = True
-    server = self._aggregate(server, jnp.asarray(participants), t_dev)
-    all_stats = self.placement.fetch(chunk_stats)  # one transfer for the round
-    infos, costs = [], []
-    for r, sim in enumerate(self.sims):
-      mine = [(gi, slots[r], active[r], {k: v[r] for k, v in stats.items()})
-              for (gi, slots, active), stats in zip(chunks, all_stats)]
-      info = sim._round_info(cohorts[r], mine)
-      c = dict(state.costs[r])
-      c['up_floats'] += info.up_floats
-      c['down_floats'] += info.down_floats
-      c['client_flops'] += info.client_flops
-      infos.append(info)
-      costs.append(c)
-    return RunState(round=t + 1, params=tuple(params), client_state=client_state,
-                    server=server, costs=tuple(costs)), infos

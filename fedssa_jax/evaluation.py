@@ -20,11 +20,14 @@ import numpy as np
 from flax import struct
 
 from fedssa_jax import augment, client
+from fedssa_jax.placement import REPLICATED, SHARDED
 
 # Clients per evaluation call when evaluating a subset, or from a host or disk store.
 EVAL_BLOCK = 32
 COUNTS = ('correct', 'count', 'batch_acc_sum', 'num_batches')
 REPRESENTATIONS_FILE = 'representations.npz'
+# Under a mesh, each device evaluates its share of a block's rows (evaluate_rows's arguments).
+ROWS_SPECS = (SHARDED, SHARDED, SHARDED, REPLICATED, REPLICATED)
 
 
 @struct.dataclass
@@ -43,28 +46,36 @@ class Evaluation:
 
 
 class Evaluator:
-  """Evaluates a Simulator's clients: `evaluate(state)` and `representations(state)`."""
+  """Evaluates the clients of a run's seeds: `evaluate(state, seed_index, data, ids, cohort)`
+  and `representations(state, seed_index, data)`. Takes what evaluation needs: the method, the
+  groups and their store, the placement and the training config (normalisation)."""
 
-  def __init__(self, sim, evaluated_ids: np.ndarray):
-    self.sim = sim
-    self.evaluated_ids = evaluated_ids
-    self.calls = [self._eval_call(g) for g in sim.groups]
+  def __init__(self, method, groups: list, store, placement, train_cfg: client.TrainConfig,
+               group_of: np.ndarray, slot_of: np.ndarray, *, eval_batch_size: int,
+               clients_per_call: int = 0, phase=None):
+    self.method, self.groups, self.store, self.placement = method, groups, store, placement
+    self.train_cfg = train_cfg
+    self.group_of, self.slot_of = group_of, slot_of
+    self.eval_batch_size = eval_batch_size
+    self.clients_per_call = clients_per_call
+    self.phase = phase or (lambda name, *arrays: None)
+    self.calls = [self._eval_call(g) for g in groups]
 
   def _per_call(self, g) -> int:
-    return self.sim.config.engine.eval_clients_per_call or (
-        1 if jax.default_backend() == 'cpu' else g.rows // self.sim.placement.num_devices)
+    return self.clients_per_call or (
+        1 if jax.default_backend() == 'cpu' else g.rows // self.placement.num_devices)
 
   def _eval_call(self, g):
     """The group's call evaluating a block of members (rows where `valid` is False, padding,
     evaluate no test batch)."""
-    sim, per_call = self.sim, self._per_call(g)
-    method, cfg = sim.method, sim.train_cfg
-    # No client has more than max_test samples, so a smaller batch than that gives the same
-    # per-batch results with less padding.
-    max_test = sim.data.test_idx.shape[1]
-    eval_batch = min(sim.config.eval_batch_size, -(-max_test // 8) * 8)
+    method, cfg, per_call = self.method, self.train_cfg, self._per_call(g)
 
     def evaluate_rows(group_params, cids, valid, server, data_: client.DeviceData):
+      # No client has more than max_test samples, so a smaller batch than that gives the same
+      # per-batch results with less padding.
+      max_test = data_.test_idx.shape[1]
+      eval_batch = min(self.eval_batch_size, -(-max_test // 8) * 8)
+
       def one(args):
         params, cid, ok = args
         params = method.eval_params(params, server, cid)
@@ -79,7 +90,7 @@ class Evaluator:
       return jax.lax.map(one, (group_params, cids, valid),
                          batch_size=min(per_call, cids.shape[0]))
 
-    return sim.store.eval_call(g, sim.placement.per_device(evaluate_rows, num_sharded=3))
+    return self.store.eval_call(g, self.placement.per_device(evaluate_rows, ROWS_SPECS))
 
   def _jobs(self, ids: np.ndarray, reuse: bool) -> list[tuple[int, np.ndarray, int]]:
     """Blocks of the clients `ids` to evaluate: (group index, slots padded to the block size by
@@ -87,48 +98,49 @@ class Evaluator:
     (its training chunk's), so that the first, whole evaluation compiles the calls that later
     evaluations of a few trained clients run; otherwise blocks are as large as the group's
     share of `ids` allows, up to EVAL_BLOCK."""
-    sim, jobs = self.sim, []
-    for gi, g in enumerate(sim.groups):
-      slots = sim.slot_of[ids[sim.group_of[ids] == gi]]
+    jobs = []
+    for gi, g in enumerate(self.groups):
+      slots = self.slot_of[ids[self.group_of[ids] == gi]]
       if not len(slots):
         continue
-      size = sim.placement.rows(min(g.clients_per_call if reuse else len(slots), EVAL_BLOCK))
+      size = self.placement.rows(min(g.clients_per_call if reuse else len(slots), EVAL_BLOCK))
       jobs += [(gi, np.pad(slots[i:i + size], (0, max(0, i + size - len(slots))), mode='edge'),
                 min(size, len(slots) - i)) for i in range(0, len(slots), size)]
     return jobs
 
-  def evaluate(self, state, previous: Evaluation | None = None) -> Evaluation:
-    """Each evaluated client's test results with its current model.
+  def evaluate(self, state, seed_index: int, data: client.DeviceData, evaluated_ids: np.ndarray,
+               cohort, previous: Evaluation | None = None) -> Evaluation:
+    """Seed `seed_index`'s evaluated clients' (`evaluated_ids`) test results with their models
+    of `state` (every seed's), on that seed's `data`; `cohort(t)` is its round t's cohort.
 
     `previous`, an earlier result of `evaluate` on this run's state at an earlier (or the same)
     round, saves work: unless the method's test results read the server's state
     (`Method.eval_reads_server`), a client's results change only when it trains, so only the
     clients sampled in between (each round's cohort is a function of the seed and the round)
     are evaluated again, and the others' results are copied. The results are the same."""
-    sim = self.sim
-    method = sim.method
+    method = self.method
     names = (*COUNTS, *method.eval_metrics)
     t = int(state.round)
     reuse = not method.eval_reads_server
     if reuse and previous is not None and previous.round <= t:
       counts = {k: v.copy() for k, v in previous.counts.items()}
-      trained = [sim.cohort(r) for r in range(previous.round, t)]
-      ids = np.intersect1d(self.evaluated_ids, np.concatenate([np.zeros(0, int), *trained]))
+      trained = [cohort(r) for r in range(previous.round, t)]
+      ids = np.intersect1d(evaluated_ids, np.concatenate([np.zeros(0, int), *trained]))
     else:
-      counts = {k: np.full(sim.num_clients, np.nan) for k in names}
-      ids = self.evaluated_ids
+      counts = {k: np.full(len(self.group_of), np.nan) for k in names}
+      ids = evaluated_ids
     jobs = self._jobs(ids, reuse)
-    blocks = sim.store.evaluate(state.params, jobs, self.calls, state.server, sim.data)
+    blocks = self.store.evaluate(state.params, seed_index, jobs, self.calls, state.server, data)
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
-      members = sim.groups[gi].members[slots[:n]]
-      for k, v in sim.placement.fetch(r).items():
+      members = self.groups[gi].members[slots[:n]]
+      for k, v in self.placement.fetch(r).items():
         counts[k][members] = v[:n]
-    sim.phase('evaluate')
+    self.phase('evaluate')
     per_sample = lambda k: counts[k] / np.maximum(counts['count'], 1)
     metrics = {name: per_sample(name) for name in method.eval_metrics}
     accuracy = per_sample('correct')
     return Evaluation(
-        round=t, evaluated=self.evaluated_ids.copy(), reevaluated=len(ids),
+        round=t, evaluated=evaluated_ids.copy(), reevaluated=len(ids),
         accuracy=(accuracy if method.headline_metric == 'accuracy'
                   else metrics[method.headline_metric]),  # e.g. FedProto's nearest prototype
         classifier_accuracy=accuracy,
@@ -139,33 +151,32 @@ class Evaluator:
   # Representations
   # ------------------------------------------------------------------------------------------
   def _rep_call(self, g):
-    sim = self.sim
-    cfg, model = sim.train_cfg, g.eval_model
+    cfg, model, method = self.train_cfg, g.eval_model, self.method
 
     def rows_reps(group_params, cids, valid, server, data_: client.DeviceData):
       del valid
       def one(args):
         params, cid = args
-        params = sim.method.eval_params(params, server, cid)
+        params = method.eval_params(params, server, cid)
         idx = data_.test_idx[cid]
         x = augment.normalize(data_.images[idx], cfg.mean, cfg.std)
         return model.apply({'params': params}, x)[1].astype(jnp.float16), data_.labels[idx]
       return jax.lax.map(one, (group_params, cids))
 
-    return sim.store.eval_call(g, sim.placement.per_device(rows_reps, num_sharded=3))
+    return self.store.eval_call(g, self.placement.per_device(rows_reps, ROWS_SPECS))
 
-  def representations(self, state) -> dict[str, np.ndarray]:
+  def representations(self, state, seed_index: int, data: client.DeviceData
+                      ) -> dict[str, np.ndarray]:
     """Runs each client's evaluated model (method.eval_params) over its padded test split, in
     blocks of clients, from any store."""
-    sim = self.sim
-    calls = [self._rep_call(g) for g in sim.groups]
-    jobs = self._jobs(np.arange(sim.num_clients), reuse=False)
-    test_n = sim.placement.fetch(sim.data.test_n)
+    calls = [self._rep_call(g) for g in self.groups]
+    jobs = self._jobs(np.arange(len(self.group_of)), reuse=False)
+    test_n = self.placement.fetch(data.test_n)
     reps, labels, clients = [], [], []
     for (gi, slots, r), (_, _, n) in zip(
-        sim.store.evaluate(state.params, jobs, calls, state.server, sim.data), jobs):
-      r, y = sim.placement.fetch(r)
-      for i, cid in enumerate(sim.groups[gi].members[slots[:n]]):  # drop padding rows
+        self.store.evaluate(state.params, seed_index, jobs, calls, state.server, data), jobs):
+      r, y = self.placement.fetch(r)
+      for i, cid in enumerate(self.groups[gi].members[slots[:n]]):  # drop padding rows
         k = int(test_n[cid])
         reps.append(r[i, :k])
         labels.append(y[i, :k])
@@ -174,11 +185,12 @@ class Evaluator:
     return {'representations': np.concatenate(reps)[order],
             'labels': np.concatenate(labels)[order], 'client': np.concatenate(clients)[order]}
 
-  def save_representations(self, state, workdir: str) -> str:
+  def save_representations(self, state, seed_index: int, data: client.DeviceData,
+                           workdir: str) -> str:
     """Writes the file from process 0; every process must call it (`representations` is
     collective when the clients span several processes)."""
     path = os.path.join(workdir, REPRESENTATIONS_FILE)
-    reps = self.representations(state)
+    reps = self.representations(state, seed_index, data)
     if jax.process_index() == 0:
       np.savez_compressed(path, **reps)
     return path

@@ -30,6 +30,8 @@ from fedssa_jax import config_lib, distributed
 
 PyTree = Any
 CLIENTS = 'clients'  # the mesh axis over which client axes are sharded
+SHARDED = P(CLIENTS)  # a per_device argument with a leading client axis, each device its rows
+REPLICATED = P()      # ... one that every device holds whole
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -75,43 +77,42 @@ class Placement:
     """`tree` on every device of the mesh."""
     return tree if self.mesh is None else distributed.put(tree, NamedSharding(self.mesh, P()))
 
-  def to_device(self, tree: PyTree) -> PyTree:
-    """Host rows with a leading client axis, onto the device (sharded along `clients`)."""
+  def to_device(self, tree: PyTree, stacked: bool = False) -> PyTree:
+    """Host rows with a leading client axis (after a seed axis, `stacked`), onto the device
+    (sharded along `clients`)."""
     if self.mesh is None:
       return jax.device_put(tree)
-    return jax.device_put(tree, NamedSharding(self.mesh, P(CLIENTS)))
+    return jax.device_put(tree, NamedSharding(self.mesh, P(*[None] * stacked, CLIENTS)))
 
-  def shard_rows(self, tree: PyTree, rows: int) -> PyTree:
-    """Host arrays with a leading client axis, padded to `rows` and sharded along `clients`
-    (each process fills its own shards); unchanged without a mesh."""
+  def shard_stacked(self, trees: list, rows: int) -> PyTree:
+    """The seeds' `trees` (host or device arrays with a leading client axis) stacked on a
+    leading seed axis, the client axis padded to `rows` and sharded along `clients` (each
+    process fills its own shards); without a mesh, stacked on the device."""
     if self.mesh is None:
-      return tree
-    pad = lambda a: np.pad(a, [(0, rows - len(a))] + [(0, 0)] * (a.ndim - 1))
-    return distributed.put(jax.tree.map(pad, distributed.fetch(tree)),
-                           NamedSharding(self.mesh, P(CLIENTS)))
+      return jax.tree.map(lambda *a: jax.numpy.stack(a), *trees)
+    pad = lambda a: np.pad(a, [(0, 0), (0, rows - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+    host = [distributed.fetch(t) for t in trees]
+    return distributed.put(jax.tree.map(lambda *a: pad(np.stack(a)), *host),
+                           NamedSharding(self.mesh, P(None, CLIENTS)))
 
   def constrain(self, tree: PyTree, sharded: bool, stacked: bool = False) -> PyTree:
     """Under jit: `tree`'s arrays sharded along `clients` (or replicated); nothing without a
-    mesh. `stacked`: their client axis comes after a leading replica axis (engine.Replicas),
-    which is not sharded."""
+    mesh. `stacked`: their client axis comes after a leading seed axis, which is not
+    sharded."""
     if self.mesh is None:
       return tree
     spec = P(*[None] * stacked, CLIENTS) if sharded else P()
     return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
 
-  def per_device(self, fn: Callable, num_sharded: int) -> Callable:
-    """`fn`, whose first `num_sharded` arguments and every output have a leading client axis,
-    run by each device on its own rows (`jax.shard_map`); the other arguments are replicated.
-    Without a mesh, `fn` itself."""
+  def per_device(self, fn: Callable, in_specs: tuple) -> Callable:
+    """`fn`, every output of which has a leading client axis, run by each device on its own
+    rows (`jax.shard_map`): `in_specs` says of each argument (a pytree prefix) whether it is
+    SHARDED (a leading client axis) or REPLICATED. Without a mesh, `fn` itself."""
     if self.mesh is None:
       return fn
-
-    def sharded(*args):
-      in_specs = (P(CLIENTS),) * num_sharded + (P(),) * (len(args) - num_sharded)
-      # check_vma off: `fn` has no collectives, and its outputs are per client by construction.
-      return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=P(CLIENTS),
-                           check_vma=False)(*args)
-    return sharded
+    # check_vma off: `fn` has no collectives, and its outputs are per client by construction.
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=SHARDED,
+                         check_vma=False)
 
   def unshard(self, tree: PyTree) -> PyTree:
     """A replicated tree as a checkpoint holds it: on the host under a mesh (a collective),
@@ -128,3 +129,18 @@ class Placement:
     """`tree`'s arrays on the host, in full: under several processes a collective, so every
     process calls it at the same point of the run (see distributed.fetch)."""
     return distributed.fetch(tree)
+
+
+def over_replicas(fn: Callable, num_seeds: int, in_axes: tuple) -> Callable:
+  """`fn` of one seed, run for each of `num_seeds` on a leading seed axis: `in_axes` says of
+  each argument (a pytree prefix) whether it has that axis (0) or is shared (None); every
+  output has it. With several seeds, `jax.vmap`; with one, `fn` on the seed's slice, so that a
+  run alone compiles the very program it would without the axis."""
+  if num_seeds > 1:
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def alone(*args):
+    own = lambda axis, arg: arg if axis is None else jax.tree.map(lambda a: a[0], arg)
+    args = jax.tree.map(own, in_axes, args, is_leaf=lambda x: x is None)
+    return jax.tree.map(lambda a: a[None], fn(*args))
+  return alone

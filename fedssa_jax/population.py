@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax import config_lib
-from fedssa_jax.placement import Placement
+from fedssa_jax.placement import Placement, over_replicas
+from fedssa_jax.state import SEED_AXES
 
 PyTree = Any
 
@@ -223,22 +224,24 @@ def _take(tree: PyTree, rows) -> PyTree:
 
 
 class Store:
-  """Where the groups' parameters and the per-client state live, and how chunks of them reach
-  the jitted calls. `params` is a tuple (one entry per group) and `client_state` one entry over
-  all N clients, in whatever form the store keeps them (arrays, or tables of rows); the run
-  state holds them between rounds.
+  """Where the groups' parameters and the per-client state of every seed live, and how chunks
+  of them reach the jitted calls. `params` is a tuple (one entry per group) and `client_state`
+  one entry over all N clients, in whatever form the store keeps them (arrays with a leading
+  seed axis, or tables of rows of the one seed); the run state holds them between rounds.
 
-  `init_group(group, slots)` and `init_client_state(client_ids)` give initial rows (stacked).
-  `train_chunk(params, state, cids, active, server, data, seen, round, key)` trains one chunk's
-  rows (engine.py) and `evaluate_rows(params, cids, valid, server, data)` evaluates them
-  (evaluation.py); a store wraps each into the jitted calls that bring its rows to them.
+  `init_group(group, slots, seed_index)` and `init_client_state(client_ids, seed_index)` give
+  a seed's initial rows (stacked). `train_chunk(params, state, server, inputs)` trains one
+  chunk's rows of one seed (engine.py) and `evaluate_rows(params, cids, valid, server, data)`
+  evaluates them (evaluation.py); a store wraps each into the jitted calls that bring its rows
+  to them.
   """
 
-  def __init__(self, placement: Placement, groups: list, num_clients: int,
+  def __init__(self, placement: Placement, groups: list, num_clients: int, num_seeds: int,
                init_group: Callable, init_client_state: Callable, directory: str | None = None):
     self.placement = placement
     self.groups = groups
     self.num_clients = num_clients
+    self.num_seeds = num_seeds
     self.init_group = init_group
     self.init_client_state = init_client_state
     self.directory = directory  # the run's folder for the population (the disk store's files)
@@ -249,190 +252,204 @@ class Store:
     previous run left (the disk store's files) is discarded."""
     raise NotImplementedError
 
-  def saved(self, params, client_state) -> tuple[tuple, PyTree]:
-    """What a checkpoint holds of them: host arrays without padding rows, whatever the device
-    count (or the disk store's slot maps)."""
+  def saved(self, params, client_state, seed_index: int) -> tuple[tuple, PyTree]:
+    """What a seed's checkpoint holds of them: host arrays without padding rows, whatever the
+    device count (or the disk store's slot maps)."""
     raise NotImplementedError
 
-  def live(self, params, client_state) -> tuple[tuple, PyTree]:
-    """The inverse of `saved`: a checkpoint's population, made live in the store."""
+  def seed_slice(self, params, client_state, seed_index: int) -> tuple[tuple, PyTree]:
+    """One seed's (params, client_state) as the store keeps them, without the seed axis."""
+    del seed_index  # a row store holds one seed
+    return params, client_state
+
+  def stacked(self, saved: list) -> tuple[tuple, PyTree]:
+    """The inverse of `saved`: the seeds' checkpointed (params, client_state), made live."""
     raise NotImplementedError
 
   def before_checkpoint(self, params, client_state, step: int) -> None:
     """Called before the checkpoint of round `step` is written (the disk store flushes its
     files and pins the rows the checkpoint refers to)."""
-    del params, client_state, step
 
   def after_checkpoint(self, params, client_state, kept_steps: list[int]) -> None:
     """Called after a checkpoint save or restore, with the rounds of the checkpoints still kept
     (the disk store frees the slots that none of them refers to)."""
-    del params, client_state, kept_steps
 
   # --- chunks -----------------------------------------------------------------------------------
+  def _jit_chunk_call(self, call: Callable) -> Callable:
+    """`call(rows, state, server, inputs)` of one seed, jitted over the seeds, its rows,
+    state and server donated, placed as the run state is between calls."""
+    place = self.placement
+    over = over_replicas(call, self.num_seeds, (0, 0, 0, SEED_AXES))
+
+    def seeds(rows, state, server, inputs):
+      rows, state, server, stats = over(rows, state, server, inputs)
+      return (place.constrain(rows, True, stacked=True), place.constrain(state, True, stacked=True),
+              place.constrain(server, False), stats)
+    return jax.jit(seeds, donate_argnums=(0, 1, 2))
+
   def train_call(self, g, train_chunk: Callable) -> Callable:
     raise NotImplementedError
 
-  def train(self, params: list, client_state, server, chunks, calls, consts):
-    """Trains `chunks` [(group index, slots, active)] with the groups' `calls` (`train_call`),
-    updating the list `params` in place; `consts` are (data, seen, round, root key). Returns
-    (client_state, server, [(group index, slots, active, stats) per chunk])."""
+  def train(self, params: list, client_state, server, chunks, calls, inputs):
+    """Trains `chunks` (schedule.Chunk) with the groups' `calls` (`train_call`), updating the
+    list `params` in place; `inputs` (engine.ChunkInputs) holds what every chunk's call shares.
+    Returns (client_state, server, [stats of each chunk])."""
     raise NotImplementedError
 
   def eval_call(self, g, evaluate_rows: Callable) -> Callable:
     raise NotImplementedError
 
-  def evaluate(self, params, jobs, calls, server, data) -> list:
+  def evaluate(self, params, seed_index: int, jobs, calls, server, data) -> list:
     """Runs the group `calls` (`eval_call`) on `jobs` [(group index, slots, count of real
-    slots)], one block of clients per call. Returns [(group index, slots, result)], the results
-    still on the device."""
+    slots)] of one seed, one block of clients per call. Returns [(group index, slots, result)],
+    the results still on the device."""
     raise NotImplementedError
 
 
+def _chunk_inputs(inputs, chunk):
+  return inputs.replace(slots=jnp.asarray(chunk.slots, jnp.int32),
+                        ids=jnp.asarray(chunk.ids, jnp.int32), active=jnp.asarray(chunk.active))
+
+
 class DeviceStore(Store):
-  """Every group's parameters and the per-client state as device arrays, padded to a multiple
-  of the device count and sharded along `clients` (placement.py)."""
+  """Every group's parameters and the per-client state as device arrays [R, rows, ...], the
+  client axis padded to a multiple of the device count and sharded along `clients`
+  (placement.py)."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.client_rows = self.placement.rows(self.num_clients)
+    place = self.placement
+    self._slice = jax.jit(lambda tree, i: place.constrain(
+        jax.tree.map(lambda a: a[i], tree), sharded=True))
 
   def initial(self, fresh=True):
-    del fresh
-    params = tuple(self.init_group(g, np.arange(g.size)) for g in self.groups)
-    return self.live(params, self.init_client_state(np.arange(self.num_clients)))
+    return self.stacked([
+        (tuple(self.init_group(g, np.arange(g.size), i) for g in self.groups),
+         self.init_client_state(np.arange(self.num_clients), i))
+        for i in range(self.num_seeds)])
 
-  def saved(self, params, client_state):
+  def seed_slice(self, params, client_state, seed_index):
+    return self._slice((params, client_state), seed_index)
+
+  def saved(self, params, client_state, seed_index):
+    params, client_state = self._slice((params, client_state), seed_index)
     if self.placement.mesh is None:
       return params, client_state
     params, client_state = self.placement.fetch((params, client_state))
     return (tuple(_take(p, slice(0, g.size)) for g, p in zip(self.groups, params)),
             _take(client_state, slice(0, self.num_clients)))
 
-  def live(self, params, client_state):
-    return (tuple(self.placement.shard_rows(p, g.rows) for g, p in zip(self.groups, params)),
-            self.placement.shard_rows(client_state, self.client_rows))
+  def stacked(self, saved):
+    place = self.placement
+    return (tuple(place.shard_stacked([p[gi] for p, _ in saved], g.rows)
+                  for gi, g in enumerate(self.groups)),
+            place.shard_stacked([s for _, s in saved], self.client_rows))
 
   def train_call(self, g, train_chunk):
-    return jax.jit(self._chunk_call(g, train_chunk), donate_argnums=(0, 1, 2))
-
-  def packed_train_call(self, g, train_chunk, data_axes):
-    """`train_call` of R replicas at once (engine.Replicas): every argument but the round has
-    a leading replica axis (the data as `data_axes` says: the images are shared), and so does
-    every output. One jitted call trains R chunks, each on its replica's rows."""
-    call = jax.vmap(self._chunk_call(g, train_chunk),
-                    in_axes=(0, 0, 0, data_axes, 0, 0, 0, None, 0))
-    return jax.jit(call, donate_argnums=(0, 1, 2))
-
-  def _chunk_call(self, g, train_chunk):
-    members, place = jnp.asarray(g.members), self.placement
-
-    def call(group_params, client_state, server, data_, seen, slots, active, round_index,
-             root_key):
-      """Trains one chunk. slots [P] index the group (g.rows = dummy), active [P] bool."""
-      safe = jnp.minimum(slots, g.size - 1)
-      cids = members[safe]
+    def call(group_params, client_state, server, inputs):
+      """Trains one chunk of one seed. inputs.slots [P] index the group (g.rows = dummy)."""
+      safe = jnp.minimum(inputs.slots, g.size - 1)
       new_params, new_state, server, stats = train_chunk(
-          _take(group_params, safe), _take(client_state, cids), cids, active, server, data_,
-          seen, round_index, root_key)
+          _take(group_params, safe), _take(client_state, inputs.ids), server, inputs)
       # Dummies scatter out of range, so their writes are dropped.
       put = lambda tree, new, dest: jax.tree.map(
           lambda a, b: a.at[dest].set(b, mode='drop'), tree, new)
-      group_params = put(group_params, new_params, jnp.where(active, slots, g.rows))
-      client_state = put(client_state, new_state, jnp.where(active, cids, self.client_rows))
-      return (place.constrain(group_params, True), place.constrain(client_state, True),
-              place.constrain(server, False), stats)
+      group_params = put(group_params, new_params, jnp.where(inputs.active, inputs.slots, g.rows))
+      client_state = put(client_state, new_state,
+                         jnp.where(inputs.active, inputs.ids, self.client_rows))
+      return group_params, client_state, server, stats
+    return self._jit_chunk_call(call)
 
-    return call
-
-  def train(self, params, client_state, server, chunks, calls, consts):
+  def train(self, params, client_state, server, chunks, calls, inputs):
     chunk_stats = []
-    for gi, slots, active in chunks:
-      params[gi], client_state, server, stats = calls[gi](
-          params[gi], client_state, server, consts[0], consts[1], jnp.asarray(slots, jnp.int32),
-          jnp.asarray(active), *consts[2:])
-      chunk_stats.append((gi, slots, active, stats))
+    for c in chunks:
+      params[c.group], client_state, server, stats = calls[c.group](
+          params[c.group], client_state, server, _chunk_inputs(inputs, c))
+      chunk_stats.append(stats)
     return client_state, server, chunk_stats
 
   def eval_call(self, g, evaluate_rows):
     members = jnp.asarray(g.members)
-    return jax.jit(lambda group_params, slots, valid, server, data_: evaluate_rows(
-        _take(group_params, slots), members[slots], valid, server, data_))
+    return jax.jit(lambda group_params, i, slots, valid, server, data_: evaluate_rows(
+        jax.tree.map(lambda a: a[i, slots], group_params), members[slots], valid,
+        jax.tree.map(lambda a: a[i], server), data_))
 
-  def evaluate(self, params, jobs, calls, server, data):
-    return [(gi, slots, calls[gi](params[gi], jnp.asarray(slots, jnp.int32),
+  def evaluate(self, params, seed_index, jobs, calls, server, data):
+    i = jnp.asarray(seed_index, jnp.int32)
+    return [(gi, slots, calls[gi](params[gi], i, jnp.asarray(slots, jnp.int32),
                                   jnp.asarray(np.arange(len(slots)) < n), server, data))
             for gi, slots, n in jobs]
 
 
 class _RowStore(Store):
-  """A store of tables of rows off the device (`HostRows`, `DiskRows`): the host reads each
-  chunk's rows and puts them on the device, the jitted call trains them (the same step as on
-  the device), and the host writes them back, reading the next chunk while this one trains."""
+  """A store of tables of rows off the device (`HostRows`, `DiskRows`), of one seed: the host
+  reads each chunk's rows and puts them on the device, the jitted call trains them (the same
+  step as on the device), and the host writes them back, reading the next chunk while this one
+  trains."""
   name = ''
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
+    if self.num_seeds != 1:
+      raise config_lib.ConfigError(
+          f"population_store={self.name!r} holds one seed's population; packed seeds need "
+          "population_store='device'.")
     if jax.process_count() > 1:
       raise config_lib.ConfigError(
           f'population_store={self.name!r} runs in one process; across {jax.process_count()} '
           "processes use population_store='device', which splits the population over the "
           "processes' devices (each holds its own shards), or run one process per machine.")
 
-  def saved(self, params, client_state):
+  def saved(self, params, client_state, seed_index):
     return tuple(t.saved() for t in params), client_state.saved()
 
   def train_call(self, g, train_chunk):
-    place = self.placement
+    # The host passes the chunk's rows in, and gets them back.
+    return self._jit_chunk_call(train_chunk)
 
-    def call(params, state, server, data_, seen, cids, active, round_index, root_key):
-      """Trains one chunk whose rows (params, state) the host passed in; returns them."""
-      params, state, server, stats = train_chunk(
-          params, state, cids, active, server, data_, seen, round_index, root_key)
-      return (place.constrain(params, True), place.constrain(state, True),
-              place.constrain(server, False), stats)
-    return jax.jit(call, donate_argnums=(0, 1, 2))
+  def train(self, params, client_state, server, chunks, calls, inputs):
+    def load(c):
+      g = self.groups[c.group]
+      safe = np.minimum(c.slots[0], g.size - 1)  # dummies run on a copy of a real row
+      rows = (params[c.group].read(safe), client_state.read(c.ids[0]))
+      return self.placement.to_device(jax.tree.map(lambda a: a[None], rows), stacked=True)
 
-  def train(self, params, client_state, server, chunks, calls, consts):
-    def load(gi, slots, active):
-      g = self.groups[gi]
-      safe = np.minimum(slots, g.size - 1)  # dummies run on a copy of a real row
-      cids = g.members[safe]
-      rows = self.placement.to_device((params[gi].read(safe), client_state.read(cids)))
-      return rows, jnp.asarray(cids, jnp.int32), jnp.asarray(active)
-
-    def write_back(gi, slots, active, new_params, new_state):
+    def write_back(c, new_params, new_state):
       new_params, new_state = jax.device_get((new_params, new_state))
-      params[gi].write(slots[active], _take(new_params, active))
-      client_state.write(self.groups[gi].members[slots[active]], _take(new_state, active))
+      active = c.active[0]
+      params[c.group].write(c.slots[0][active], _take(new_params, (0, active)))
+      client_state.write(c.ids[0][active], _take(new_state, (0, active)))
 
     chunk_stats, pending = [], None
-    loaded = load(*chunks[0]) if chunks else None
-    for i, (gi, slots, active) in enumerate(chunks):
-      (rows, cstate), cids, active_dev = loaded
-      new_params, new_state, server, stats = calls[gi](
-          rows, cstate, server, consts[0], consts[1], cids, active_dev, *consts[2:])
-      chunk_stats.append((gi, slots, active, stats))
+    loaded = load(chunks[0]) if chunks else None
+    for i, c in enumerate(chunks):
+      rows, cstate = loaded
+      new_params, new_state, server, stats = calls[c.group](
+          rows, cstate, server, _chunk_inputs(inputs, c))
+      chunk_stats.append(stats)
       if pending is not None:
         write_back(*pending)
-      loaded = load(*chunks[i + 1]) if i + 1 < len(chunks) else None
-      pending = (gi, slots, active, new_params, new_state)
+      loaded = load(chunks[i + 1]) if i + 1 < len(chunks) else None
+      pending = (c, new_params, new_state)
     if pending is not None:
       write_back(*pending)
     return client_state, server, chunk_stats
 
   def eval_call(self, g, evaluate_rows):
     members = jnp.asarray(g.members)
-    return jax.jit(lambda rows, slots, valid, server, data_: evaluate_rows(
-        rows, members[slots], valid, server, data_))
+    return jax.jit(lambda rows, i, slots, valid, server, data_: evaluate_rows(
+        rows, members[slots], valid, jax.tree.map(lambda a: a[i], server), data_))
 
-  def evaluate(self, params, jobs, calls, server, data):
+  def evaluate(self, params, seed_index, jobs, calls, server, data):
     """The next block is read while the device evaluates this one."""
     load = lambda gi, slots, n: self.placement.to_device(params[gi].read(slots))
+    i = jnp.asarray(seed_index, jnp.int32)
     results, loaded = [], load(*jobs[0]) if jobs else None
-    for i, (gi, slots, n) in enumerate(jobs):
-      r = calls[gi](loaded, jnp.asarray(slots, jnp.int32),
+    for j, (gi, slots, n) in enumerate(jobs):
+      r = calls[gi](loaded, i, jnp.asarray(slots, jnp.int32),
                     jnp.asarray(np.arange(len(slots)) < n), server, data)
-      loaded = load(*jobs[i + 1]) if i + 1 < len(jobs) else None
+      loaded = load(*jobs[j + 1]) if j + 1 < len(jobs) else None
       results.append((gi, slots, r))
     return results
 
@@ -442,12 +459,12 @@ class HostStore(_RowStore):
   name = 'host'
 
   def initial(self, fresh=True):
-    del fresh
-    params = tuple(self.init_group(g, np.arange(g.size)) for g in self.groups)
-    return self.live(*jax.device_get(
-        (params, self.init_client_state(np.arange(self.num_clients)))))
+    params = tuple(self.init_group(g, np.arange(g.size), 0) for g in self.groups)
+    return self.stacked([jax.device_get(
+        (params, self.init_client_state(np.arange(self.num_clients), 0)))])
 
-  def live(self, params, client_state):
+  def stacked(self, saved):
+    (params, client_state), = saved
     return tuple(HostRows(p) for p in params), HostRows(client_state)
 
 
@@ -488,11 +505,13 @@ class DiskStore(_RowStore):
       init_fn = _in_powers_of_two(init_fn)
       row = jax.eval_shape(lambda: jax.tree.map(lambda a: a[0], init_fn(np.zeros(1, int))))
       return DiskRows(os.path.join(self.directory, name), row, num_rows, init_fn)
-    return (tuple(table(g.family, g.size, functools.partial(self.init_group, g))
+    return (tuple(table(g.family, g.size, functools.partial(self.init_group, g, seed_index=0))
                   for g in self.groups),
-            table('client_state', self.num_clients, self.init_client_state))
+            table('client_state', self.num_clients,
+                  functools.partial(self.init_client_state, seed_index=0)))
 
-  def live(self, params, client_state):
+  def stacked(self, saved):
+    (params, client_state), = saved
     tables, state_table = self._tables()
     for table, saved in zip((*tables, state_table), (*params, client_state)):
       table.restore(saved['slot_of'])

@@ -1,9 +1,12 @@
-"""The run's state between rounds, and what a round reports: typed pytrees.
+"""The run's state between rounds, what a round reports, and what a chunk's call takes: typed
+pytrees.
 
-`RunState` is what a checkpoint saves (as a plain dict, `to_saved`/`from_saved`, the layout
-checkpoints have always had). `RoundInfo` is what `Simulator.run_round` tells the run loop about
-the round. Both are flax.struct dataclasses: a reader sees their fields, and jit, orbax and
-`jax.tree` see pytrees.
+`RunState` holds every seed of a run on a leading seed axis; one seed's slice is what its
+checkpoint saves (as a plain dict, `to_saved`/`from_saved`, the layout checkpoints have always
+had). `RoundInfo` is what `Simulator.run_round` tells the run loop about one seed's round.
+`ChunkInputs` is what the jitted call of a chunk takes besides its rows and the server state.
+All are flax.struct dataclasses: a reader sees their fields, and jit, orbax and `jax.tree` see
+pytrees.
 """
 from __future__ import annotations
 
@@ -13,7 +16,36 @@ from typing import Any
 import numpy as np
 from flax import struct
 
+from fedssa_jax import client
+
 PyTree = Any
+
+
+@struct.dataclass
+class Costs:
+  """A run's cumulative costs: floats (arrays [R] over the seeds, or one seed's)."""
+  up_floats: Any          # floats the clients sent
+  down_floats: Any        # ... received
+  client_flops: Any       # client FLOPs
+
+  @classmethod
+  def zeros(cls, num_seeds: int) -> Costs:
+    return cls(*(np.zeros(num_seeds) for _ in range(3)))
+
+  @classmethod
+  def stack(cls, costs: list[Costs]) -> Costs:
+    return cls(*(np.array([getattr(c, f) for c in costs], np.float64) for f in FIELDS))
+
+  def add(self, infos: list[RoundInfo]) -> Costs:
+    """The costs after a round whose seeds' reports are `infos`."""
+    return Costs(*(getattr(self, f) + np.array([getattr(i, f) for i in infos])
+                   for f in FIELDS))
+
+  def of(self, seed_index: int) -> Costs:
+    return Costs(*(float(getattr(self, f)[seed_index]) for f in FIELDS))
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Costs))
 
 
 @struct.dataclass
@@ -22,15 +54,17 @@ class RunState:
   params: tuple       # per family group: the members' stacked models, or the store's table
   client_state: Any   # every client's method state (e.g. FedKD's W_h), or the store's table
   server: Any         # the method's server state
-  costs: dict         # cumulative 'up_floats', 'down_floats', 'client_flops'
+  costs: Costs        # cumulative costs
 
   def to_saved(self) -> dict:
-    """The dict a checkpoint holds (its keys are the fields)."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    """The dict a checkpoint holds (its keys are the fields; the costs a dict of floats)."""
+    saved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    saved['costs'] = {f: getattr(self.costs, f) for f in FIELDS}
+    return saved
 
   @classmethod
   def from_saved(cls, saved: dict) -> RunState:
-    return cls(**saved)
+    return cls(**{**saved, 'costs': Costs(**{f: float(saved['costs'][f]) for f in FIELDS})})
 
 
 @struct.dataclass
@@ -52,3 +86,22 @@ class RoundInfo:
   nonfinite_params: np.ndarray  # ... whether its parameters hold a NaN or inf after training
   header_norm_max: float        # over the participants' seen-class header rows, after training
   header_norm_mean: float
+
+
+@struct.dataclass
+class ChunkInputs:
+  """What a chunk's jitted call takes besides the rows it trains and the server state, for one
+  seed (the call vmaps them over the seeds as `SEED_AXES` says)."""
+  slots: Any               # [P] the chunk's rows of its group (g.rows: a dummy)
+  ids: Any                 # [P] their client ids
+  active: Any              # [P] False for dummies
+  seen: Any                # [N, C] every client's seen-class mask
+  data: client.DeviceData  # the images and the clients' training indices
+  round_index: Any         # the global round t (the same for every seed)
+  root_key: Any            # the seed's key
+
+
+SEED_AXES = ChunkInputs(
+    slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0,
+    data=client.DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
+                           test_n=None))  # the images are shared

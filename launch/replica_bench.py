@@ -3,7 +3,7 @@ the paper's grid projected from it.
 
 For each compute dtype, `engine.clients_per_call` and R in `--replicas`: R seeds (0..R-1) of the
 config on synthetic CIFAR-shaped data (the same work as the data set), packed into the same
-compiled calls (engine.Replicas; R = 1 is the plain `Simulator.run_round`). One round compiles,
+compiled calls (one Simulator of R seeds; R = 1 is a plain run). One round compiles,
 then `--rounds` rounds of training and server are timed; evaluation is timed apart, once. With
 `--processes`, the same R seeds also run as R processes side by side on the device (what
 `launch/sweep.py --parallel` does), each of its seed alone, starting their timed rounds together;
@@ -88,7 +88,7 @@ def timed_rounds(run_round, state, rounds: int, wait=None):
   start = time.time()
   for _ in range(rounds):
     state, infos = run_round(state)
-    for info in infos if isinstance(infos, list) else [infos]:
+    for info in infos:
       samples += float(info.train_samples.sum())
       flops += info.client_flops
   jax.block_until_ready(state)
@@ -97,25 +97,21 @@ def timed_rounds(run_round, state, rounds: int, wait=None):
 
 
 def packed_row(ds, dtype: str, per_call: int, r: int) -> dict:
-  sims = [engine.Simulator(c, ds, data.partition_from_config(c, ds))
-          for c in (row_config(dtype, per_call, s) for s in range(r))]
+  configs = [row_config(dtype, per_call, s) for s in range(r)]
+  sim = engine.Simulator(configs[0], ds, [data.partition_from_config(c, ds) for c in configs],
+                         seeds=range(r))
+  state, wall, _, _, samples, flops = timed_rounds(sim.run_round, sim.init_state(),
+                                                    FLAGS.rounds)
+  eval_s = {}
   if r == 1:
-    sim = sims[0]
-    state, wall, _, _, samples, flops = timed_rounds(sim.run_round, sim.init_state(),
-                                                      FLAGS.rounds)
     t0 = time.time()
     jax.block_until_ready(sim.evaluate(state).accuracy)
     t1 = time.time()  # again, not from the previous evaluation (which would reuse it)
     jax.block_until_ready(sim.evaluate(state).accuracy)
     eval_s = {'eval_first_s': t1 - t0, 'eval_s': time.time() - t1}
-  else:
-    pack = engine.Replicas(sims)
-    _, wall, _, _, samples, flops = timed_rounds(
-        pack.run_round, pack.stack([s.init_state() for s in sims]), FLAGS.rounds)
-    eval_s = {}
   return {'mode': 'packed', 'seconds_per_round': wall / FLAGS.rounds,
           'images_per_s': samples / wall, 'flops_per_s': flops / wall,
-          'clients_per_call': [g.clients_per_call for g in sims[0].groups], **eval_s}
+          'clients_per_call': [g.clients_per_call for g in sim.groups], **eval_s}
 
 
 def processes_row(dtype: str, per_call: int, r: int) -> dict:

@@ -50,7 +50,7 @@ def time_method(c, ds):
   start, steady, ev = time.time(), [], None
   for r in range(1, FLAGS.rounds + 1):
     t0 = time.time()
-    state, info = sim.run_round(state)
+    state, (info,) = sim.run_round(state)
     jax.block_until_ready(state)
     t1 = time.time()
     steady += [t1 - t0] if r > 1 else []

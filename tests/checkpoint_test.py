@@ -209,7 +209,7 @@ def put_a_nan_after_round(monkeypatch, nan_round):
       client = int(cohort[-1])
       g, slot = sim.group_of[client], sim.slot_of[client]
       params = list(state.params)
-      params[g] = jax.tree.map(lambda p: p.at[slot].set(np.nan), params[g])
+      params[g] = jax.tree.map(lambda p: p.at[0, slot].set(np.nan), params[g])
       state = state.replace(params=tuple(params))
       print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
     return run_round(sim, state)

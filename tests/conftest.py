@@ -140,13 +140,13 @@ def rounds(sim, num_rounds, state=None):
   training loop does, from `state` (default: the initial state)."""
   state = sim.init_state() if state is None else state
   for _ in range(num_rounds):
-    state, info = sim.run_round(state)
+    state, (info,) = sim.run_round(state)
     yield state, info
 
 
 def params_of(sim, params, k):
   """Client k's parameters, as numpy arrays, out of a state's per-family stacks `params`."""
-  return jax.tree.map(lambda a: np.asarray(a[sim.slot_of[k]]), params[sim.group_of[k]])
+  return jax.tree.map(lambda a: np.asarray(a[0, sim.slot_of[k]]), params[sim.group_of[k]])
 
 
 def assert_floats_each_way(info, floats):
@@ -159,14 +159,14 @@ def assert_floats_each_way(info, floats):
 def capturing_round_infos(monkeypatch):
   """{(packed, seed): [RoundInfo of each round]}, filled as runs log their rounds (train's
   console line): packed is whether the run was a replica of packed seeds."""
-  from fedssa_jax import train  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import outputs  # pylint: disable=g-import-not-at-top
   infos = {}
-  log_round = train._log_round  # pylint: disable=protected-access
+  log_round = outputs.log_round
 
   def capture(config, rounds_done, record, info, round_times, prefix=''):
     infos.setdefault((bool(prefix), config.seed), []).append(info)  # a replica: 'seed S: '
     return log_round(config, rounds_done, record, info, round_times, prefix)
-  monkeypatch.setattr(train, '_log_round', capture)
+  monkeypatch.setattr(outputs, 'log_round', capture)
   return infos
 
 

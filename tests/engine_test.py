@@ -25,7 +25,7 @@ def run(config, ds):
   state = sim.init_state()
   infos, ev = [], None
   for _ in range(config.num_rounds):
-    state, info = sim.run_round(state)
+    state, (info,) = sim.run_round(state)
     ev = sim.evaluate(state, previous=ev)
     infos.append(info)
   return sim, state, infos, ev
@@ -106,28 +106,31 @@ def test_methods_reading_the_server_are_evaluated_whole(small_sim):
 def test_costs_match_hand_counts(runs):
   sim, state, infos, _ = runs[1]
   cfg = sim.config
-  up = sum(501 * sim.seen[i.cohort].sum() for i in infos)
-  assert state.costs['up_floats'] == up
+  up = sum(501 * sim.seen[0][i.cohort].sum() for i in infos)
+  costs = state.costs.of(0)
+  assert costs.up_floats == up
   # Every class has a global row from the start (the initial header): every round downloads
   # each participant's seen rows, round 0 included.
   for i in infos:
-    assert i.down_floats == 501 * sim.seen[i.cohort].sum() == i.up_floats
+    assert i.down_floats == 501 * sim.seen[0][i.cohort].sum() == i.up_floats
   fps = np.array([sim.flops_per_sample[sim.config.model.families[c % 2]]
                   for c in range(sim.num_clients)])  # client k has families[k % 2]
-  train_flops = sum((fps[i.cohort] * cfg.local_epochs * sim.train_n[i.cohort]).sum()
+  train_flops = sum((fps[i.cohort] * cfg.local_epochs * sim.train_n[0][i.cohort]).sum()
                     for i in infos)
-  fusion = state.costs['client_flops'] - train_flops
-  assert 0 < fusion <= 3 * 501 * sim.seen.sum() * ROUNDS
+  fusion = costs.client_flops - train_flops
+  assert 0 < fusion <= 3 * 501 * sim.seen[0].sum() * ROUNDS
   for i in infos:
-    np.testing.assert_array_equal(i.train_samples, cfg.local_epochs * sim.train_n[i.cohort])
+    np.testing.assert_array_equal(i.train_samples, cfg.local_epochs * sim.train_n[0][i.cohort])
 
 
 @pytest.mark.slow  # simulators compiled and run
 def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   sim, state, infos, ev = run(small_config('standalone'), small_ds)
+  state = sim.seed_state(state)
   assert state.server == {}
-  assert state.costs['up_floats'] == state.costs['down_floats'] == 0
+  assert state.costs.up_floats == state.costs.down_floats == 0
   fs_sim, fs_state, fs_infos, fs_ev = runs[1]
+  fs_state = fs_sim.seed_state(fs_state)
   # The same initial models and cohorts; FedSSA fuses the initial global header from round 0.
   jax.tree.map(np.testing.assert_array_equal, sim.init_state().params,
                fs_sim.init_state().params)
@@ -150,7 +153,7 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
   config = small_config()
   config.model.init_scope = scope
   sim = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
-  params = sim.init_state().params
+  params = sim.seed_state(sim.init_state()).params
   kernels = [np.asarray(p['conv1']['kernel']) for p in params]  # same shape in both families
   distinct = {k.tobytes() for group in kernels for k in group}
   if scope == 'client':
@@ -160,19 +163,20 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
     # The family's model is its own draw: the same whichever families the run has.
     config.model.families = ('cnn4',)
     sim4 = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
-    np.testing.assert_array_equal(sim4.init_state().params[0]['conv1']['kernel'][0],
+    np.testing.assert_array_equal(sim4.init_state().params[0]['conv1']['kernel'][0, 0],
                                   kernels[1][0])
 
 
 @pytest.mark.slow  # simulators compiled and run
 def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
   sim, state, infos, _ = runs[3]
+  state = sim.seed_state(state)
   norms = []
   for c in infos[-1].cohort:
     g, slot = sim.group_of[c], sim.slot_of[c]
     rows = np.concatenate([state.params[g]['fc3']['kernel'][slot].T,
                            state.params[g]['fc3']['bias'][slot][:, None]], axis=1)
-    norms += [np.linalg.norm(rows[s]) for s in np.flatnonzero(sim.seen[c])]
+    norms += [np.linalg.norm(rows[s]) for s in np.flatnonzero(sim.seen[0][c])]
   assert infos[-1].header_norm_max == pytest.approx(max(norms), rel=1e-5)
   assert infos[-1].header_norm_mean == pytest.approx(np.mean(norms), rel=1e-5)
 
@@ -188,12 +192,13 @@ def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
 @pytest.mark.slow  # simulators compiled and run
 def test_evaluation_equals_plain_per_client_loop(runs, small_ds):
   sim, state, _, ev = runs[3]
+  state, data_ = sim.seed_state(state), sim.seed_data[0]
   images = np.asarray(jax.numpy.asarray(small_ds.images, np.float32) / 255.0)
   images = (images - np.array(small_ds.mean)) / np.array(small_ds.std)
   for c in range(sim.num_clients):
     g, slot = sim.group_of[c], sim.slot_of[c]
     params = jax.tree_util.tree_map(lambda p: p[slot], state.params[g])
-    idx = sim.data.test_idx[c, :sim.data.test_n[c]]
+    idx = data_.test_idx[c, :data_.test_n[c]]
     logits, _ = sim.groups[g].eval_model.apply({'params': params}, images[np.asarray(idx)])
     correct = np.argmax(logits, -1) == small_ds.labels[np.asarray(idx)]
     assert ev.count[c] == len(idx)

@@ -1,4 +1,4 @@
-"""The blow-up guard (train.check_blowup): it stops a run whose finite loss diverges, naming the
+"""The blow-up guard (guards.check_blowup): it stops a run whose finite loss diverges, naming the
 round, the statistic and the clients, and leaves healthy runs alone. (main_every_method_test.py
 runs every method 3 rounds with the guard at its defaults.)"""
 import os
@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, train
+from fedssa_jax import config_lib, guards, train
 
 from conftest import load_file
 
@@ -49,7 +49,7 @@ def fake_round(loss_by_client: dict, round_=7):
 def test_growth_over_the_best_round_trips_and_names_the_clients():
   sim, state, info, ckpts = fake_round({3: 0.01, 8: 60.0})  # mean 30, 3000x the best
   with pytest.raises(train.DivergenceError) as e:
-    train.check_blowup(tiny(), sim, state, info, 0.01, ckpts)
+    guards.check_blowup(tiny(), sim, state, info, 0.01, ckpts)
   message = str(e.value)
   assert 'Training blew up in round 7: the mean train loss 30 is 3e+03 times the best' in message
   assert 'guard.loss_growth=1000' in message and 'clients (loss) past it: 8 (60)' in message
@@ -63,7 +63,7 @@ def test_growth_over_the_best_round_trips_and_names_the_clients():
     ({3: 1e6}, None, {'guard.max_train_loss': 0.0}),  # the first round has no best to grow on
 ])
 def test_healthy_or_unguarded_rounds_pass(losses, best, overrides):
-  train.check_blowup(tiny(**overrides), *fake_round(losses)[:3], best, fake_round(losses)[3])
+  guards.check_blowup(tiny(**overrides), *fake_round(losses)[:3], best, fake_round(losses)[3])
 
 
 def test_every_config_keeps_the_guard_on():

@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fedssa_jax import config_lib, main, train, workdir_lock
+from fedssa_jax import config_lib, main, outputs, workdir_lock
 
 from conftest import write_tiny_tfds_cifar10
 from validation_test import save_checkpoints
@@ -184,13 +184,13 @@ def locked(ctx):
 def after_round(n, action):
   """Calls `action()` once round `n` has logged its line."""
   def prepare(ctx):
-    log_round = train._log_round
+    log_round = outputs.log_round
 
     def patched(config, rounds_done, *args):
       log_round(config, rounds_done, *args)
       if rounds_done == n:
         action()
-    ctx.monkeypatch.setattr(train, '_log_round', patched)
+    ctx.monkeypatch.setattr(outputs, 'log_round', patched)
   return prepare
 
 

@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 from absl import flags
 
-from fedssa_jax import engine, methods, models
+from fedssa_jax import methods, models, schedule
 from fedssa_jax import main as main_lib
 
 from conftest import (assert_same_last_checkpoint, assert_same_records, assert_same_round_infos,
@@ -62,17 +62,18 @@ def untimed(d):
 
 
 def with_an_idle_chunk_per_group(monkeypatch):
-  """Replicas.aligned_chunks with one all-inactive chunk appended to every group (each
-  replica's rows at the padding slot), which must change nothing."""
-  aligned = engine.Replicas.aligned_chunks
+  """schedule.aligned_chunks with one all-inactive chunk appended to every group (each seed's
+  rows at the padding slot), which must change nothing."""
+  aligned = schedule.aligned_chunks
 
-  def padded(self, chunk_lists):
-    out = aligned(self, chunk_lists)
-    for gi, g in enumerate(self.groups):
+  def padded(groups, chunk_lists):
+    out = aligned(groups, chunk_lists)
+    r = len(chunk_lists)
+    for gi, g in enumerate(groups):
       p = g.clients_per_call
-      out.append((gi, np.full((self.num, p), g.rows), np.zeros((self.num, p), bool)))
+      out.append((gi, np.full((r, p), g.rows), np.zeros((r, p), bool)))
     return out
-  monkeypatch.setattr(engine.Replicas, 'aligned_chunks', padded)
+  monkeypatch.setattr(schedule, 'aligned_chunks', padded)
 
 
 @pytest.fixture(scope='module', params=sorted(methods.METHODS))
@@ -110,7 +111,7 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
   method, alone, *_ = method_runs
   config, records, summary = outputs(alone)
   assert config['config']['method'] == method and summary['method'] == method
-  # Three rounds with the blow-up guard at its defaults (train.check_blowup), untripped.
+  # Three rounds with the blow-up guard at its defaults (guards.check_blowup), untripped.
   assert [r['round'] for r in records] == [1, 2, 3]
   for r in records:
     assert 0 <= r['mean_accuracy'] <= 1 and np.isfinite(r['train_loss'])

@@ -136,11 +136,11 @@ def test_engine_smoke(small_sim):
   nc = sim.num_classes
   for info in (info0, info1):
     assert np.isfinite(info.train_loss)
-    np.testing.assert_array_equal(info.client_up_floats, nc * sim.seen[info.cohort].sum(1))
+    np.testing.assert_array_equal(info.client_up_floats, nc * sim.seen[0][info.cohort].sum(1))
   assert not info0.client_down_floats.any()
   # Round 1: rows of the client's seen classes held by another round-0 participant.
   p0 = info0.cohort
   for k, got in zip(info1.cohort, info1.client_down_floats):
-    holders = sim.seen[p0].sum(0) - (sim.seen[k] if k in p0 else 0)
-    assert got == nc * (sim.seen[k] & (holders > 0)).sum()
+    holders = sim.seen[0][p0].sum(0) - (sim.seen[0][k] if k in p0 else 0)
+    assert got == nc * (sim.seen[0][k] & (holders > 0)).sum()
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

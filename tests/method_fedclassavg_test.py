@@ -195,6 +195,6 @@ def test_one_round_through_the_engine(small_sim):
     assert_floats_each_way(info, 501 * sim.num_classes)  # 5,010 each way
     np.testing.assert_allclose(info.client_flops_per_client,
                                sim.client_flops_per_sample[info.cohort]
-                               * sim.train_n[info.cohort])
+                               * sim.train_n[0][info.cohort])
   ev = sim.evaluate(state)
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

@@ -156,13 +156,13 @@ def test_engine_smoke(small_sim):
   ev = sim.evaluate(state)
   for info in (info0, info1):
     assert np.isfinite(info.train_loss)
-    np.testing.assert_array_equal(info.client_up_floats, D * sim.seen[info.cohort].sum(1))
+    np.testing.assert_array_equal(info.client_up_floats, D * sim.seen[0][info.cohort].sum(1))
   assert not info0.client_down_floats.any()
-  avail = sim.seen[info0.cohort].any(0)  # held by a round-0 participant
+  avail = sim.seen[0][info0.cohort].any(0)  # held by a round-0 participant
   np.testing.assert_array_equal(info1.client_down_floats,
-                                D * (sim.seen[info1.cohort] & avail).sum(1))
-  np.testing.assert_array_equal(np.asarray(state.server['avail']),
-                                sim.seen[info1.cohort].any(0))
+                                D * (sim.seen[0][info1.cohort] & avail).sum(1))
+  np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server['avail']),
+                                sim.seen[0][info1.cohort].any(0))
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()
   assert 'prototype_accuracy' in ev.metrics and np.all((0 <= ev.metrics['prototype_accuracy'])
                                                & (ev.metrics['prototype_accuracy'] <= 1))

@@ -123,13 +123,13 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   as plain loops: theta^0 from the server key, each sampled client fusing its seen rows, training
   alone, uploading its seen rows, and per-class means over every owner that has uploaded."""
   sim = small_sim('fedssa', **{'fedssa.fusion': fusion})
-  n, s, seen = sim.num_clients, sim.num_classes, sim.seen
+  n, s, seen = sim.num_clients, sim.num_classes, sim.seen[0]
   state = sim.init_state()
   params = [params_of(sim, state.params, k) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
-  glob = np.array(models.init_header(jax.random.fold_in(sim.root_key, engine.STREAM_SERVER), s))
-  g = sim.groups[0]
+  glob = np.array(models.init_header(jax.random.fold_in(sim.root_keys[0], engine.STREAM_SERVER), s))
+  g, data_ = sim.groups[0], sim.seed_data[0]
   train = jax.jit(functools.partial(client.local_train, apply_fn=g.model.apply,
                                     cfg=sim.train_cfg, method=sim.method))
   uploads = {}
@@ -144,9 +144,9 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
         rows[c] = mu * rows[c] + (glob[c] if fusion == 'reference' else (1 - mu) * glob[c])
         down += 501
       key = jax.random.fold_in(
-          jax.random.fold_in(jax.random.fold_in(sim.root_key, engine.STREAM_TRAIN), t), k)
+          jax.random.fold_in(jax.random.fold_in(sim.root_keys[0], engine.STREAM_TRAIN), t), k)
       trained, _, _ = train({'model': models.with_header_rows(params[k], rows)}, (), key,
-                            sim.data.train_idx[k], sim.data.train_n[k], sim.data)
+                            data_.train_idx[k], data_.train_n[k], data_)
       params[k] = jax.tree.map(np.asarray, trained['model'])
       uploads[k] = np.asarray(models.header_rows(params[k]))
     for c in range(s):
@@ -154,7 +154,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
       if owners:
         glob[c] = np.mean(owners, axis=0)
     assert info.down_floats == down and info.up_floats == 501 * seen[cohort].sum()
-    np.testing.assert_allclose(np.asarray(state.server['global']), glob, rtol=2e-4,
+    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server['global']), glob, rtol=2e-4,
                                atol=2e-5)
     for k in cohort:
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),

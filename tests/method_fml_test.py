@@ -143,12 +143,13 @@ def test_engine_round_trip(small_sim):
   for fam, fps in sim.flops_per_sample.items():
     assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5'))
   state = sim.init_state()
-  meme0 = jax.tree_util.tree_map(np.asarray, state.server['meme'])
+  meme0 = jax.tree_util.tree_map(np.asarray, sim.seed_state(state).server['meme'])
   for state, info in rounds(sim, c.num_rounds, state):
     assert np.isfinite(info.train_loss)
     assert_floats_each_way(info, p5)
-  assert state.costs['up_floats'] == state.costs['down_floats'] == 2 * 2 * p5
-  old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(state.server['meme'])
+  assert state.costs.up_floats[0] == state.costs.down_floats[0] == 2 * 2 * p5
+  meme = sim.seed_state(state).server['meme']
+  old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(meme)
   assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved
   ev = sim.evaluate(state)
   assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN

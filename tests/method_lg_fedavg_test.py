@@ -174,9 +174,9 @@ def test_one_round_through_the_engine(small_sim):
     for k in info.cohort:
       p = params_of(sim, state.params, k)
       rows.append(np.asarray(models.header_rows(p), np.float64))
-      weights.append(sim.train_n[k])
+      weights.append(sim.train_n[0][k])
     want = np.tensordot(weights, rows, axes=1) / np.sum(weights)
-    np.testing.assert_allclose(np.asarray(state.server['global']), want, rtol=1e-4,
+    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server['global']), want, rtol=1e-4,
                                atol=1e-6)
   ev = sim.evaluate(state)
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

@@ -51,7 +51,7 @@ def run(workdir, rounds, signal_round=None):
   process can call it."""
   import jax  # pylint: disable=g-import-not-at-top
   import conftest  # pylint: disable=g-import-not-at-top  (full float32 matmuls, the data set)
-  from fedssa_jax import evaluation, train  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import console, evaluation, outputs, train  # pylint: disable=g-import-not-at-top
 
   config = run_config(rounds)
   workdir = os.path.abspath(str(workdir))
@@ -72,7 +72,7 @@ def run(workdir, rounds, signal_round=None):
     return real_savez(path, **arrays)
 
   captured = {}
-  real_record = train._record  # pylint: disable=protected-access
+  real_record = outputs.record
 
   def capturing_record(sim, state, info, ev):
     captured['sharding'] = [str(jax.tree.leaves(p)[0].sharding.spec)
@@ -83,22 +83,22 @@ def run(workdir, rounds, signal_round=None):
       os.kill(os.getpid(), signal.SIGTERM)  # as a preempted task gets it
     return real_record(sim, state, info, ev)
 
-  previous_open = vars(train).get('open')  # none: train.py uses the builtin
-  train.open = tracking_open
+  writers = (train, outputs)  # the modules that write the outputs (with the builtin open)
+  for module in writers:
+    module.open = tracking_open
   evaluation.np.savez_compressed = tracking_savez
-  train._record = capturing_record  # pylint: disable=protected-access
+  outputs.record = capturing_record
   try:
-    train.train_and_evaluate(config, workdir, conftest.synthetic_dataset())
+    with console.StopRequests() as stop:  # as main installs them
+      train.train_and_evaluate(config, workdir, conftest.synthetic_dataset(), stop=stop)
     preempted = False
   except train.Preempted:
     preempted = True
   finally:
-    if previous_open is None:
-      del train.open
-    else:
-      train.open = previous_open
+    for module in writers:
+      del module.open
     evaluation.np.savez_compressed = real_savez
-    train._record = real_record  # pylint: disable=protected-access
+    outputs.record = real_record
   return {
       'process_index': jax.process_index(), 'process_count': jax.process_count(),
       'local_devices': jax.local_device_count(), 'devices': jax.device_count(),

@@ -147,7 +147,7 @@ def test_two_processes_span_one_mesh(runs):
     assert status == 0 and not r['preempted']
     assert r['process_count'] == PROCESSES and r['local_devices'] == DEVICES_PER_PROCESS
     assert r['devices'] == r['mesh_devices'] == PROCESSES * DEVICES_PER_PROCESS
-    assert r['sharding'] == ["P('clients',)"] * FAMILIES
+    assert r['sharding'] == ["P(None, 'clients')"] * FAMILIES  # the seed axis, then clients
   assert runs['one'][1][0][1]['mesh_devices'] == 1
 
 

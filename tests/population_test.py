@@ -63,10 +63,10 @@ def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tm
   real = engine.Simulator.run_round
 
   def crash_after_round_3(self, state):
-    state, info = real(self, state)
+    state, infos = real(self, state)
     if state.round == 3:
       raise KeyboardInterrupt('simulated crash')
-    return state, info
+    return state, infos
 
   monkeypatch.setattr(engine.Simulator, 'run_round', crash_after_round_3)
   with pytest.raises(KeyboardInterrupt):

@@ -92,7 +92,7 @@ def test_methods_extra_models_take_the_compute_dtype(method, attr):
 def run(sim):
   state, infos = sim.init_state(), []
   for _ in range(sim.config.num_rounds):
-    state, info = sim.run_round(state)
+    state, (info,) = sim.run_round(state)
     infos.append(info)
   return state, infos, sim.evaluate(state)
 

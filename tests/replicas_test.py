@@ -1,5 +1,5 @@
-"""Packed seeds (engine.Replicas, train.train_replicas): replica r of a packed run equals the run
-of its seed alone, with each replica's own partition (padded index rows); chunk lists of
+"""Packed seeds (engine.Simulator's seed axis, train.train_replicas): replica r of a packed run
+equals the run of its seed alone, with each replica's own partition (padded index rows); chunk lists of
 replicas with different cohorts are aligned with all-inactive chunks; a stopped packed run
 resumes to the same records; what is not supported is refused by name. Every method packed
 against its seed alone: tests/main_every_method_test.py."""
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_same_last_checkpoint, assert_same_records, assert_same_round_infos
 from conftest import capturing_round_infos
-from fedssa_jax import client, config_lib, data, engine, main, train
+from fedssa_jax import client, config_lib, data, engine, guards, main, schedule, train
 
 SEEDS = (0, 3)
 ROUNDS = 2
@@ -36,11 +36,10 @@ def test_aligned_chunks_pad_a_replica_with_fewer_chunks_of_a_group():
   # Two groups of 2 clients per call (padding slot 9); replica 0 has two chunks of group 0 and
   # none of group 1, replica 1 one of each. Each replica keeps its own chunks in order.
   groups = [types.SimpleNamespace(clients_per_call=2, rows=9)] * 2
-  fake = types.SimpleNamespace(groups=groups)
   c = lambda gi, slots, active: (gi, np.asarray(slots), np.asarray(active))
   lists = [[c(0, [0, 1], [1, 1]), c(0, [2, 9], [1, 0])],
            [c(0, [3, 9], [1, 0]), c(1, [4, 5], [1, 1])]]
-  out = engine.Replicas.aligned_chunks(fake, lists)
+  out = schedule.aligned_chunks(groups, lists)
   assert [gi for gi, *_ in out] == [0, 0, 1]
   np.testing.assert_array_equal(out[0][1], [[0, 1], [3, 9]])
   np.testing.assert_array_equal(out[1][1], [[2, 9], [9, 9]])  # replica 1: an idle chunk
@@ -76,9 +75,9 @@ def capturing_evaluations(monkeypatch):
   evals, phase = {}, ['']
   evaluate = engine.Simulator.evaluate
 
-  def capture(sim, state, previous=None):
-    ev = evaluate(sim, state, previous)
-    evals.setdefault((phase[0], sim.config.seed), []).append(ev)
+  def capture(sim, state, previous=None, seed_index=0):
+    ev = evaluate(sim, state, previous, seed_index)
+    evals.setdefault((phase[0], sim.seeds[seed_index]), []).append(ev)
     return ev
   monkeypatch.setattr(engine.Simulator, 'evaluate', capture)
   return evals, phase
@@ -121,16 +120,10 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
 
   # A stop request (SIGTERM) after round 1: every replica checkpoints, then Preempted.
   stopped = [str(tmp_path / 'stopped' / f'seed{s}') for s in seeds]
-  enter = train._StopRequests.__enter__
-
-  def stop_at_once(self):
-    enter(self)
-    self.signal_name = 'SIGTERM'
-    return self
-  monkeypatch.setattr(train._StopRequests, '__enter__', stop_at_once)
+  asked = types.SimpleNamespace(signal_name='SIGTERM')  # as console.StopRequests after one
   with pytest.raises(train.Preempted, match='stopped after round 1'):
-    train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)
-  monkeypatch.setattr(train._StopRequests, '__enter__', enter)
+    train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds,
+                         stop=asked)
   for w in stopped:
     assert os.listdir(os.path.join(w, 'checkpoints')) == ['1']
   train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)
@@ -138,18 +131,18 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
     assert records(a) == records(b)
 
   # A replica that diverges fails alone: the other finishes, and the error names it.
-  real_check = train.check_finite
+  real_check = guards.check_finite
 
   def diverge(sim, state, info, ckpts):
     if sim.config.seed == seeds[1]:
       raise train.DivergenceError('a divergence for the test')
     real_check(sim, state, info, ckpts)
-  monkeypatch.setattr(train, 'check_finite', diverge)
+  monkeypatch.setattr(guards, 'check_finite', diverge)
   failing = [str(tmp_path / 'failing' / f'seed{s}') for s in seeds]
   with pytest.raises(train.DivergenceError,
                      match=f'1 of the 2 packed seeds diverged.*Seed {seeds[1]} '):
     train.train_replicas(train.replica_configs(base, seeds), failing, dataset=small_ds)
-  monkeypatch.setattr(train, 'check_finite', real_check)
+  monkeypatch.setattr(guards, 'check_finite', real_check)
   assert records(failing[0]) == records(whole[0])
   assert os.path.exists(os.path.join(failing[0], 'summary.json'))
   assert not os.path.exists(os.path.join(failing[1], 'summary.json'))
@@ -168,9 +161,9 @@ def test_row_stores_are_refused(tmp_path, store):
 
 
 def test_refusals_of_replicas_that_cannot_pack(tmp_path):
-  fake = lambda c: types.SimpleNamespace(config=c)
   with pytest.raises(config_lib.ConfigError, match='differ only in their seed'):
-    engine.Replicas([fake(tiny_config(0)), fake(tiny_config(1, local_epochs=2))])
+    train.train_replicas([tiny_config(0), tiny_config(1, local_epochs=2)],
+                         [str(tmp_path / 'a'), str(tmp_path / 'b')])
   with pytest.raises(config_lib.ConfigError, match='must differ'):
     train.train_replicas([tiny_config(1), tiny_config(1)],
                          [str(tmp_path / 'a'), str(tmp_path / 'b')])

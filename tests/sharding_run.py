@@ -38,14 +38,14 @@ def make_config(method, rounds, families, mesh_devices, store='device', seed=0):
 
 def sharding_facts(sim, state):
   """How the state is placed: per group, the spec and device count of its parameters' sharding
-  and the rows of each addressable shard."""
+  and the rows of each addressable shard (the client axis, after the seed axis)."""
   facts = []
   for g, params in zip(sim.groups, state.params):
     leaf = jax.tree.leaves(params)[0]
     s = leaf.sharding
-    facts.append({'rows': leaf.shape[0], 'size': g.size, 'clients_per_call': g.clients_per_call,
+    facts.append({'rows': leaf.shape[1], 'size': g.size, 'clients_per_call': g.clients_per_call,
                   'spec': str(getattr(s, 'spec', None)), 'devices': len(s.device_set),
-                  'shard_rows': sorted({sh.data.shape[0] for sh in leaf.addressable_shards})})
+                  'shard_rows': sorted({sh.data.shape[1] for sh in leaf.addressable_shards})})
   return facts
 
 
@@ -82,10 +82,10 @@ def one_run(config, ds):
   }
 
 
-def summary(sim, state, infos, ev):
-  """What replicas_on_the_mesh compares of a run: its records, and its state's sums (the keys
-  of one_run's that it shares)."""
-  host = sim.saved(state)
+def summary(sim, state, infos, ev, seed_index=0):
+  """What replicas_on_the_mesh compares of a run (of one of its seeds): its records, and its
+  state's sums (the keys of one_run's that it shares)."""
+  host = sim.saved(state, seed_index)
   return {'cohorts': [i.cohort.tolist() for i in infos],
           'train_loss': [i.train_loss for i in infos],
           'up_floats': [i.up_floats for i in infos],
@@ -95,8 +95,8 @@ def summary(sim, state, infos, ev):
 
 
 def replicas_on_the_mesh(ds, rounds, families, seed0_alone, seeds=(0, 11)):
-  """FedSSA seeds packed (engine.Replicas) on the mesh of all devices, and each alone on it. The
-  packed state goes through its replicas' checkpoint form (saved, then live and stacked again)
+  """FedSSA seeds packed (one Simulator of both seeds) on the mesh of all devices, and each
+  alone on it. The packed state goes through its replicas' checkpoint form (saved, then live and stacked again)
   after round 1, as a resume does. `seed0_alone`: (config, one_run's result) of the FedSSA run
   of seeds[0] alone on the mesh, already run (its config must be the replicas'); the others run
   alone here. Seed 11's partition has seed 0's index-row widths (52 training, 22 test samples),
@@ -105,23 +105,21 @@ def replicas_on_the_mesh(ds, rounds, families, seed0_alone, seeds=(0, 11)):
   configs = [make_config('fedssa', rounds, families, 0, seed=seed) for seed in seeds]
   config0, result0 = seed0_alone
   assert configs[0].to_dict() == config0.to_dict(), 'seed 0 alone must be the packed config'
-  sims = [engine.Simulator(c, ds, data.partition_from_config(c, ds)) for c in configs]
-  pack = engine.Replicas(sims)
-  state = pack.stack([s.init_state() for s in sims])
+  sim = engine.Simulator(configs[0], ds, [data.partition_from_config(c, ds) for c in configs],
+                         seeds=seeds)
+  state = sim.init_state()
   infos, evs = [[] for _ in seeds], [None] * len(seeds)
   for t in range(rounds):
-    state, round_infos = pack.run_round(state)
-    for r, sim in enumerate(sims):
-      evs[r] = sim.evaluate(pack.replica(state, r), previous=evs[r])
+    state, round_infos = sim.run_round(state)
+    for r in range(len(seeds)):
+      evs[r] = sim.evaluate(state, previous=evs[r], seed_index=r)
       infos[r].append(round_infos[r])
     if t == 0:
-      state = pack.stack([sim.live(sim.saved(pack.replica(state, r)))
-                          for r, sim in enumerate(sims)])
+      state = sim.stacked([sim.saved(state, r) for r in range(len(seeds))])
   leaf = jax.tree.leaves(state.params[0])[0]
   out = {'stacked': {'shape': list(leaf.shape), 'spec': str(leaf.sharding.spec),
                      'shard_shapes': sorted({sh.data.shape[:2] for sh in leaf.addressable_shards})},
-         'packed': [summary(sim, pack.replica(state, r), infos[r], evs[r])
-                    for r, sim in enumerate(sims)]}
+         'packed': [summary(sim, state, infos[r], evs[r], r) for r in range(len(seeds))]}
   alone0 = {k: result0[k] for k in out['packed'][0]}
   out['alone'] = [alone0] + [summary(*engine_test.run(c, ds)) for c in configs[1:]]
   return out
@@ -159,11 +157,11 @@ def resume_across_meshes(run1, run8):
   with tempfile.TemporaryDirectory() as d:
     ckpts = checkpoint.Checkpointer(d)
     ckpts.save(sim1.saved(state1), {}, {})
-    restored = sim8.live(ckpts.restore_latest(template=sim8.saved(state8)).state)
+    restored = sim8.stacked([ckpts.restore_latest(template=sim8.saved(state8)).state])
     ckpts.close()
   facts = sharding_facts(sim8, restored)
-  _, info1 = sim1.run_round(state1)
-  _, info8 = sim8.run_round(restored)
+  _, (info1,) = sim1.run_round(state1)
+  _, (info8,) = sim8.run_round(restored)
   return {'sharding': facts, 'cohorts': [info1.cohort.tolist(), info8.cohort.tolist()],
           'train_loss': [info1.train_loss, info8.train_loss],
           'up_floats': [info1.up_floats, info8.up_floats]}

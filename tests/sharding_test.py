@@ -69,7 +69,7 @@ def test_eight_devices_shard_the_client_axis(results, method):
     assert a['devices'] == 1 and a['rows'] == a['size'] == size  # unsharded, unpadded
     # Sharded along the clients axis, padded to a multiple of the devices; chunks of 8.
     assert b == {'rows': rows, 'size': size, 'clients_per_call': per_call,
-                 'spec': "P('clients',)", 'devices': DEVICES, 'shard_rows': [per_device]}
+                 'spec': "P(None, 'clients')", 'devices': DEVICES, 'shard_rows': [per_device]}
 
 
 def test_a_one_device_checkpoint_resumes_on_eight(results):
@@ -91,8 +91,8 @@ def test_the_host_store_on_eight_devices_gives_the_device_store_metrics(results)
 
 
 def test_packed_seeds_on_the_mesh_equal_their_runs_alone(results):
-  """engine.Replicas under the mesh: each replica's client axis sharded as alone (the replica
-  axis not), and each replica's records and state those of its seed alone on the mesh, through a
+  """Two seeds of one Simulator under the mesh: each seed's client axis sharded as alone (the
+  seed axis not), and each seed's records and state those of its seed alone on the mesh, through a
   checkpoint round trip after round 1. Seed 0 alone is the FedSSA run on the mesh above."""
   rep = results['replicas']
   assert rep['stacked'] == {'shape': [2, 16, 16], 'spec': "P(None, 'clients')",
