@@ -1,16 +1,23 @@
-"""The command line's console: a quiet one by default, every library's logs with --verbose.
+"""The command line's edge: its console, and what it installs process-wide for a run.
 
 Quiet, the console shows this package's INFO lines (what runs, one line per round, the summary)
 and WARNING or worse from anyone, bar the known chatter below. Verbose, it shows every INFO line
 of every library, with levels, times and sources, as absl would. Log files (metrics.jsonl,
 events, summary.json) do not depend on either.
+
+Everything here that changes the process (the root logger's handlers, signal handlers, file
+descriptor 2) is done only by the command lines
+(main.py, compare.py) and undone when their block ends: a library call of train.py changes none
+of it, and its logs go wherever the caller's logging setup sends them.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 VERBOSE_ENV = 'FEDSSA_VERBOSE'
@@ -70,6 +77,49 @@ class _QuietFormatter(logging.Formatter):
     if record.levelno >= logging.WARNING:
       message = f'{record.levelname}: {message}'
     return message
+
+
+class StopRequests:
+  """Within the block, SIGTERM and SIGINT ask a run to stop after the current round: the first
+  sets `signal_name` (e.g. 'SIGTERM'), which train.train_and_evaluate(..., stop=...) reads
+  after each round.
+
+  A second signal acts as it would have without this block (SIGINT: KeyboardInterrupt; SIGTERM:
+  terminate), for a user who does not want to wait. Outside the main thread (where Python
+  cannot install signal handlers) the block installs nothing and no stop is ever asked.
+  """
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # signal.signal's requirement
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signal_name is not None:
+      signal.signal(signum, self._previous[signum] or signal.SIG_DFL)
+      signal.raise_signal(signum)
+      return
+    self.signal_name = signal.Signals(signum).name
+    logging.warning('%s: finishing this round, then writing a checkpoint and exiting. Send it '
+                    'again to stop at once, without a checkpoint.', self.signal_name)
+
+
+class _NoStop:
+  """A stop request that is never made: what a run gets when its caller passes none."""
+  signal_name = None
+
+
+NO_STOP = _NoStop()
 
 
 @contextlib.contextmanager

@@ -15,9 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
@@ -30,7 +28,7 @@ try:
 except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
   metric_writers = periodic_actions = None
 
-from fedssa_jax import checkpoint, config_lib, data, distributed, engine, workdir_lock
+from fedssa_jax import checkpoint, config_lib, console, data, distributed, engine, workdir_lock
 
 
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
@@ -78,19 +76,23 @@ def _dump(obj) -> str:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       dataset: data.Dataset | None = None) -> dict:
+                       dataset: data.Dataset | None = None, stop=None) -> dict:
   """Runs `config` and writes its outputs to `workdir`. Returns the summary dict.
+
+  `stop` (e.g. a console.StopRequests block's object; None: never) is read after each round:
+  once its `signal_name` is set, the run checkpoints and raises Preempted. This function
+  installs no signal handlers, log handlers or hooks of its own.
 
   Resumes from the newest checkpoint in `workdir` if there is one. Holds the workdir's lock
   throughout. Raises ConfigError, data.DataError or checkpoint.CheckpointError for input that
   cannot work, workdir_lock.WorkdirLocked if another process runs in `workdir`, Preempted if
-  SIGTERM or SIGINT stopped the run (after checkpointing), DivergenceError on a NaN, inf or a
+  `stop` asked the run to stop (after checkpointing), DivergenceError on a NaN, inf or a
   blown-up loss, and checkpoint.CheckpointWriteError when a checkpoint cannot be written.
   """
   config_lib.validate(config)
   check_workdir_writable(workdir)
   with _workdir_lock(workdir), config_lib.matmul_precision(config):
-    return _train_and_evaluate(config, workdir, dataset)
+    return _train_and_evaluate(config, workdir, dataset, stop)
 
 
 def replica_configs(config: ml_collections.ConfigDict, seeds) -> list:
@@ -104,18 +106,19 @@ def replica_configs(config: ml_collections.ConfigDict, seeds) -> list:
 
 
 def train_replicas(configs: list, workdirs: list[str],
-                   dataset: data.Dataset | None = None) -> list[dict]:
+                   dataset: data.Dataset | None = None, stop=None) -> list[dict]:
   """Runs of one config that differ only in their seed, packed into the same compiled calls
   (engine.Replicas), each writing what it would write alone (config.json, metrics.jsonl,
   summary.json, checkpoints) into its own workdir. Returns their summaries.
 
   Each workdir resumes from its newest checkpoint; they must be at the same round. A replica
   that diverges stops writing (its last good checkpoint is kept) while the others go on, and
-  DivergenceError names it at the end. One config is the plain run (train_and_evaluate)."""
+  DivergenceError names it at the end. `stop` as in train_and_evaluate. One config is the plain
+  run (train_and_evaluate)."""
   if len(configs) != len(workdirs):
     raise ValueError('train_replicas: one workdir per config.')
   if len(configs) == 1:
-    return [train_and_evaluate(configs[0], workdirs[0], dataset)]
+    return [train_and_evaluate(configs[0], workdirs[0], dataset, stop)]
   for config in configs:
     config_lib.validate(config)
   if len({os.path.realpath(w) for w in workdirs}) != len(workdirs):
@@ -131,7 +134,7 @@ def train_replicas(configs: list, workdirs: list[str],
     for workdir in workdirs:
       stack.enter_context(_workdir_lock(workdir))
     stack.enter_context(config_lib.matmul_precision(configs[0]))
-    return _train_runs(configs, workdirs, dataset)
+    return _train_runs(configs, workdirs, dataset, stop)
 
 
 @contextlib.contextmanager
@@ -227,38 +230,6 @@ def _rewrite_metrics(path: str, history: list[dict]) -> None:
 # Preemption and divergence
 # ----------------------------------------------------------------------------------------------
 
-class _StopRequests:
-  """Within the block, SIGTERM and SIGINT ask the run to stop after the current round.
-
-  A second signal acts as it would have without this block (SIGINT: KeyboardInterrupt; SIGTERM:
-  terminate), for a user who does not want to wait.
-  """
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.signal_name = None
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():  # signal.signal's requirement
-      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-    return self
-
-  def __exit__(self, *exc):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.signal_name is not None:
-      signal.signal(signum, self._previous[signum] or signal.SIG_DFL)
-      signal.raise_signal(signum)
-      return
-    self.signal_name = signal.Signals(signum).name
-    logging.warning('%s: finishing this round, then writing a checkpoint and exiting. Send it '
-                    'again to stop at once, without a checkpoint.', self.signal_name)
-
-
 def check_finite(sim: engine.Simulator, state, info, ckpts: checkpoint.Checkpointer) -> None:
   """Raises DivergenceError naming the round, clients and families with a NaN or inf."""
   problems = {}  # client id -> what is not finite
@@ -340,11 +311,11 @@ class _Run:
   prefix: str = ''  # of its console lines ('seed 3: ' in a packed run)
 
 
-def _train_and_evaluate(config, workdir, dataset):
-  return _train_runs([config], [workdir], dataset)[0]
+def _train_and_evaluate(config, workdir, dataset, stop=None):
+  return _train_runs([config], [workdir], dataset, stop)[0]
 
 
-def _train_runs(configs, workdirs, dataset) -> list[dict]:
+def _train_runs(configs, workdirs, dataset, stop=None) -> list[dict]:
   """The runs of `configs`, one alone, or several packed (engine.Replicas). Returns their
   summaries; raises DivergenceError, after the others finished, if a packed replica diverged."""
   process_start = time.time()
@@ -375,7 +346,7 @@ def _train_runs(configs, workdirs, dataset) -> list[dict]:
             '. Resume each alone (one command per --workdir, without --seeds), or start the '
             'pack in a new --workdir.')
       pack = engine.Replicas([r.sim for r in runs])
-    _run_rounds(runs, pack)
+    _run_rounds(runs, pack, stop)
     for run in runs:
       if run.failed is None and run.config.save_representations:
         # computed by every process, written by process 0
@@ -466,7 +437,7 @@ def _start_or_resume(config, workdir, dataset, ckpts: checkpoint.Checkpointer):
   return sim, state, progress, meta
 
 
-def _run_rounds(runs: list[_Run], pack: engine.Replicas | None = None) -> None:
+def _run_rounds(runs: list[_Run], pack: engine.Replicas | None = None, stop=None) -> None:
   """Rounds until num_rounds, with evaluation, metrics, checkpoints and the stop requests, of
   one run (`pack` None: its Simulator's rounds) or of packed replicas (`pack`: their rounds
   together; each replica evaluates, records and checkpoints as it would alone). Leaves each
@@ -493,7 +464,7 @@ def _run_rounds(runs: list[_Run], pack: engine.Replicas | None = None) -> None:
     for run in runs:  # the stacked state holds them now (each gets its own back each round)
       run.state = None
 
-  with _StopRequests() as stop:
+  with contextlib.nullcontext(stop or console.NO_STOP) as stop:
     while state.round < config.num_rounds:
       t0 = time.time()
       if pack is None:

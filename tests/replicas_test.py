@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_same_last_checkpoint, assert_same_records, assert_same_round_infos
 from conftest import capturing_round_infos
-from fedssa_jax import client, config_lib, data, engine, main, train
+from fedssa_jax import client, config_lib, console, data, engine, main, train
 
 SEEDS = (0, 3)
 ROUNDS = 2
@@ -121,16 +121,11 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
 
   # A stop request (SIGTERM) after round 1: every replica checkpoints, then Preempted.
   stopped = [str(tmp_path / 'stopped' / f'seed{s}') for s in seeds]
-  enter = train._StopRequests.__enter__
-
-  def stop_at_once(self):
-    enter(self)
-    self.signal_name = 'SIGTERM'
-    return self
-  monkeypatch.setattr(train._StopRequests, '__enter__', stop_at_once)
+  stop = console.StopRequests()
+  stop.signal_name = 'SIGTERM'  # what its handler sets on a first SIGTERM
   with pytest.raises(train.Preempted, match='stopped after round 1'):
-    train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)
-  monkeypatch.setattr(train._StopRequests, '__enter__', enter)
+    train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds,
+                         stop=stop)
   for w in stopped:
     assert os.listdir(os.path.join(w, 'checkpoints')) == ['1']
   train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)
