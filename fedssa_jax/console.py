@@ -5,8 +5,8 @@ and WARNING or worse from anyone, bar the known chatter below. Verbose, it shows
 of every library, with levels, times and sources, as absl would. Log files (metrics.jsonl,
 events, summary.json) do not depend on either.
 
-Everything here that changes the process (the root logger's handlers, signal handlers, file
-descriptor 2) is done only by the command lines
+Everything here that changes the process (the root logger's handlers, sys.unraisablehook, the
+asyncio logger's filters, signal handlers, file descriptor 2) is done only by the command lines
 (main.py, compare.py) and undone when their block ends: a library call of train.py changes none
 of it, and its logs go wherever the caller's logging setup sends them.
 """
@@ -79,6 +79,38 @@ class _QuietFormatter(logging.Formatter):
     return message
 
 
+class _NotFromAbandonedReads(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith('Future exception was never retrieved')
+
+
+@contextlib.contextmanager
+def abandoned_reads_silenced():
+  """Within the block, the aftermath of a skipped unreadable checkpoint stays off the console.
+
+  A restore that fails on one array returns while orbax's reads of the step's other arrays are
+  in flight. As they finish, tensorstore calls back into the asyncio loop that orbax has closed
+  by then ("RuntimeError: Event loop is closed", through sys.unraisablehook, one traceback per
+  array), and asyncio logs their failures ("Future exception was never retrieved").
+  checkpoint.Checkpointer's warning says all of that once, so both are dropped here; other
+  unraisable exceptions and asyncio logs still get through. The hook and the filter before the
+  block come back after it."""
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == 'Event loop is closed'):
+      previous(unraisable)
+  asyncio_logger, drop = logging.getLogger('asyncio'), _NotFromAbandonedReads()
+  sys.unraisablehook = hook
+  asyncio_logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    asyncio_logger.removeFilter(drop)
+    sys.unraisablehook = previous
+
+
 class StopRequests:
   """Within the block, SIGTERM and SIGINT ask a run to stop after the current round: the first
   sets `signal_name` (e.g. 'SIGTERM'), which train.train_and_evaluate(..., stop=...) reads
@@ -125,7 +157,8 @@ NO_STOP = _NoStop()
 @contextlib.contextmanager
 def configured(verbose: bool):
   """Within the block, all logging (Python's, and absl's, which feeds it) goes to stderr,
-  filtered unless `verbose`; the logging setup before it comes back after it."""
+  filtered unless `verbose`, and a skipped checkpoint's abandoned reads stay quiet
+  (`abandoned_reads_silenced`); the setup before it comes back after it."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   root = logging.getLogger()
   saved = root.handlers[:], root.level, absl_logging.get_verbosity()
@@ -141,7 +174,8 @@ def configured(verbose: bool):
   absl_logging.set_verbosity(absl_logging.INFO)
   logging.captureWarnings(True)  # warnings.warn(...) through the same filter
   try:
-    yield
+    with abandoned_reads_silenced():
+      yield
   finally:
     logging.captureWarnings(False)
     root.handlers, _, _ = saved
