@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 import jax
@@ -173,35 +172,6 @@ def _orbax_logs_dropped():
     absl_logger.removeFilter(drop)
 
 
-class _NotFromAbandonedReads(logging.Filter):
-  def filter(self, record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith('Future exception was never retrieved')
-
-
-_abandoned_reads_silenced = False
-
-
-def _silence_abandoned_reads() -> None:
-  """A restore that fails on one array returns while orbax's reads of the step's other arrays
-  are in flight. As they finish, tensorstore calls back into the asyncio loop that orbax has
-  closed by then ("RuntimeError: Event loop is closed", through sys.unraisablehook, one
-  traceback per array), and asyncio logs their failures ("Future exception was never retrieved").
-  `_skip`'s warning says all of that once: from the first skipped checkpoint on, both are dropped
-  (other unraisable exceptions and asyncio logs still get through)."""
-  global _abandoned_reads_silenced
-  if _abandoned_reads_silenced:
-    return
-  _abandoned_reads_silenced = True
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == 'Event loop is closed'):
-      previous(unraisable)
-  sys.unraisablehook = hook
-  logging.getLogger('asyncio').addFilter(_NotFromAbandonedReads())
-
-
 class Checkpointer:
   """Saves and restores a run's checkpoints in one folder; skips unreadable ones with a warning.
 
@@ -212,6 +182,11 @@ class Checkpointer:
   order: orbax's manager synchronises them, the saved state is a host copy that is identical on
   every process (`distributed.fetch`), and orbax has only process 0 write it and the JSON items.
   The directory must then be on a filesystem every process sees at the same path.
+
+  Skipping an unreadable checkpoint leaves orbax's reads of its other arrays in flight, and
+  their failures may print afterwards ("Event loop is closed" tracebacks); this class installs
+  nothing process-wide against them. The command lines drop them
+  (console.abandoned_reads_silenced), which a library caller may use too.
   """
 
   def __init__(self, directory: str, keep: int = 3):
@@ -231,7 +206,6 @@ class Checkpointer:
     return [s for s in reversed(self.steps()) if s not in self._unreadable]
 
   def _skip(self, step: int, error: Exception) -> None:
-    _silence_abandoned_reads()
     self._unreadable.add(step)
     earlier = [s for s in self._candidates() if s < step]
     then = (f'falling back to the previous one (round {earlier[0]})' if earlier

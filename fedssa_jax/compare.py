@@ -8,9 +8,21 @@ Every method runs with the same data, partition, models, seed and evaluation, ea
 `workdir/<method>/` (the usual run outputs). A method whose summary.json exists is not run again
 (pass --rerun to force), so an interrupted comparison continues where it stopped. The table goes
 to `workdir/comparison.md` and the console.
+
+The console is main's (fedssa_jax/console.py): quiet unless --verbose or FEDSSA_VERBOSE=1.
+SIGTERM or SIGINT stop the method being run after its current round and its checkpoint, with
+exit status 75 (train.EXIT_PREEMPTED); the same command then resumes it and runs the rest.
 """
 from __future__ import annotations
 
+import sys
+
+from fedssa_jax import console
+
+if __name__ == '__main__' and not console.verbose_requested(sys.argv):
+  console.import_tensorflow_quietly()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import os
 
@@ -53,8 +65,9 @@ def markdown_table(summaries: dict[str, dict], target: float) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def run_comparison(config, workdir: str, method_names, rerun: bool = False) -> str:
-  """Runs each method (unless done) and returns the markdown table, also written to disk."""
+def run_comparison(config, workdir: str, method_names, rerun: bool = False, stop=None) -> str:
+  """Runs each method (unless done) and returns the markdown table, also written to disk.
+  `stop` as in train.train_and_evaluate (None: never asked)."""
   for m in method_names:
     methods.get_method(m)  # fail before any compute on a typo
   config_lib.validate(config)
@@ -70,7 +83,7 @@ def run_comparison(config, workdir: str, method_names, rerun: bool = False) -> s
       c = config.copy_and_resolve_references()
       c.method = m
       logging.info('=== %s ===', m)
-      train.train_and_evaluate(c, run_dir, dataset=ds)
+      train.train_and_evaluate(c, run_dir, dataset=ds, stop=stop)
     with open(path) as f:
       summaries[m] = json.load(f)
   text = markdown_table(summaries, config.target_accuracy)
@@ -79,21 +92,36 @@ def run_comparison(config, workdir: str, method_names, rerun: bool = False) -> s
   return text
 
 
-FLAGS = flags.FLAGS
+def define_flags(flag_values: flags.FlagValues) -> None:
+  config_flags.DEFINE_config_file('config', None, 'Config file, with an optional :variant.',
+                                  lock_config=True, flag_values=flag_values)
+  flags.DEFINE_string('workdir', None, 'Folder for the runs and comparison.md.',
+                      flag_values=flag_values)
+  flags.DEFINE_list('methods', ['fedssa', 'standalone'], 'Methods to compare, in table order.',
+                    flag_values=flag_values)
+  flags.DEFINE_bool('rerun', False, 'Run methods again even if their summary.json exists.',
+                    flag_values=flag_values)
+  flags.DEFINE_bool('verbose', False, 'Every library\'s logs (also FEDSSA_VERBOSE=1).',
+                    flag_values=flag_values)
+  flags.mark_flags_as_required(['config', 'workdir'], flag_values=flag_values)
 
 
-def main(argv):
+def main(argv, flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """The command line, once absl has parsed `flag_values`: main's console (quiet unless
+  --verbose or FEDSSA_VERBOSE=1) and stop requests around the comparison."""
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.set_verbosity(logging.INFO)
-  print(run_comparison(FLAGS.config, FLAGS.workdir, FLAGS.methods, FLAGS.rerun))
+  f = flag_values
+  with console.configured(f.verbose or console.verbose_requested(sys.argv)):
+    try:
+      with console.StopRequests() as stop:
+        text = run_comparison(f.config, f.workdir, f.methods, f.rerun, stop)
+    except train.Preempted as e:
+      logging.warning('%s', e)
+      sys.exit(train.EXIT_PREEMPTED)
+  print(text, flush=True)
 
 
 if __name__ == '__main__':
-  config_flags.DEFINE_config_file('config', None, 'Config file, with an optional :variant.',
-                                  lock_config=True)
-  flags.DEFINE_string('workdir', None, 'Folder for the runs and comparison.md.')
-  flags.DEFINE_list('methods', ['fedssa', 'standalone'], 'Methods to compare, in table order.')
-  flags.DEFINE_bool('rerun', False, 'Run methods again even if their summary.json exists.')
-  flags.mark_flags_as_required(['config', 'workdir'])
+  define_flags(flags.FLAGS)
   app.run(main)

@@ -35,6 +35,8 @@ TRAIN_IMAGES = {'cifar10': 50_000, 'cifar100': 50_000}
 
 
 def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
+  """Every config field with its default for `dataset`; the variants (apply_variant) and
+  --config.* overrides change them from here."""
   if dataset not in DATASET_DEFAULTS:
     raise ValueError(f'Unknown dataset {dataset!r}; choose one of {sorted(DATASET_DEFAULTS)}.')
   d = DATASET_DEFAULTS[dataset]
@@ -62,67 +64,88 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.checkpoint_keep = 3               # how many of the latest checkpoints to keep
   c.save_representations = False      # at the end, every client's test representations
                                       # -> workdir/representations.npz (t-SNE, report)
-
-  c.model = ml_collections.ConfigDict()
-  c.model.families = models.FAMILY_NAMES  # client k gets families[k % len(families)]
-  c.model.conv_impl = 'auto'          # 'auto' (band on CPU, xla elsewhere), 'band', 'im2col', 'xla'
-  # Initial models: 'family' (one model per family from the run's seed, which every client of
-  # the family starts from, in every method: what the official code does) or 'client' (each
-  # client draws its own).
-  c.model.init_scope = 'family'
-
-  c.partition = ml_collections.ConfigDict()
-  c.partition.kind = 'pathological'   # 'pathological' or 'dirichlet'
-  c.partition.classes_per_client = d['classes_per_client']  # k (pathological)
-  c.partition.dirichlet_gamma = 0.5   # gamma (dirichlet)
-  c.partition.dirichlet_min_train = 10  # redraw while a client has fewer training samples
-  c.partition.dirichlet_min_test = 1  # ... or fewer test samples (0: clients without test
-                                      # data are allowed, and left out of every accuracy mean)
-  c.partition.scheme = 'reference'    # 'reference' (40k/10k/test pools) or 'paper' (8:1:1)
-  c.partition.seed = -1               # partition seed; -1 = use `seed`
-
-  c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = 'sgd'            # 'sgd' (every method's default) or 'adam' (torch Adam)
-  c.optimizer.lr = 0.005
-  c.optimizer.momentum = 0.9
-  c.optimizer.weight_decay = 5e-5     # L2 added to the gradient (torch SGD)
-  c.optimizer.clip_norm = 50.0        # global gradient-norm clip, per model; 0 = no clip
-  c.optimizer.adam_b1 = 0.9           # Adam's betas (FedClassAvg's official code: 0.5, 0.999)
-  c.optimizer.adam_b2 = 0.999
-
+  c.model = _model_config()
+  c.partition = _partition_config(d['classes_per_client'])
+  c.optimizer = _optimizer_config()
   c.augment = True                    # flip + RandomErasing + pad-4 crop, on device
-
-  # The blow-up guard (train.check_blowup): stops a run whose round train loss is finite but
-  # diverging. 0 turns a test off. docs/operations.md ("The blow-up guard") justifies the defaults.
-  c.guard = ml_collections.ConfigDict()
-  c.guard.max_train_loss = 1e3        # a round's mean train loss above this stops the run
-  c.guard.loss_growth = 1e3           # ... or above this factor times the best round so far
-
+  c.guard = _guard_config()
   # Each method's hyperparameters, c.<its config_section>: their defaults, with a comment on
   # each, and their checks are in its module (fedssa_jax/methods/).
   for method in methods.METHODS.values():
     if method.config_section is not None:
       c[method.config_section] = method.default_config()
-
   c.eval_batch_size = 512             # also the batch of the reference's per-batch metric
-  c.engine = ml_collections.ConfigDict()
-  c.engine.clients_per_call = 0       # clients vmapped per training call; 0 = auto by backend
-  c.engine.eval_clients_per_call = 0  # clients vmapped per evaluation step; 0 = auto
+  c.engine = _engine_config()
+  return c
+
+
+def _model_config() -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()
+  m.families = models.FAMILY_NAMES    # client k gets families[k % len(families)]
+  m.conv_impl = 'auto'                # 'auto' (band on CPU, xla elsewhere), 'band', 'im2col', 'xla'
+  # Initial models: 'family' (one model per family from the run's seed, which every client of
+  # the family starts from, in every method: what the official code does) or 'client' (each
+  # client draws its own).
+  m.init_scope = 'family'
+  return m
+
+
+def _partition_config(classes_per_client: int) -> ml_collections.ConfigDict:
+  p = ml_collections.ConfigDict()
+  p.kind = 'pathological'             # 'pathological' or 'dirichlet'
+  p.classes_per_client = classes_per_client  # k (pathological)
+  p.dirichlet_gamma = 0.5             # gamma (dirichlet)
+  p.dirichlet_min_train = 10          # redraw while a client has fewer training samples
+  p.dirichlet_min_test = 1            # ... or fewer test samples (0: clients without test
+                                      # data are allowed, and left out of every accuracy mean)
+  p.scheme = 'reference'              # 'reference' (40k/10k/test pools) or 'paper' (8:1:1)
+  p.seed = -1                         # partition seed; -1 = use `seed`
+  return p
+
+
+def _optimizer_config() -> ml_collections.ConfigDict:
+  o = ml_collections.ConfigDict()
+  o.name = 'sgd'                      # 'sgd' (every method's default) or 'adam' (torch Adam)
+  o.lr = 0.005
+  o.momentum = 0.9
+  o.weight_decay = 5e-5               # L2 added to the gradient (torch SGD)
+  o.clip_norm = 50.0                  # global gradient-norm clip, per model; 0 = no clip
+  o.adam_b1 = 0.9                     # Adam's betas (FedClassAvg's official code: 0.5, 0.999)
+  o.adam_b2 = 0.999
+  return o
+
+
+def _guard_config() -> ml_collections.ConfigDict:
+  """The blow-up guard (train.check_blowup): stops a run whose round train loss is finite but
+  diverging. 0 turns a test off. docs/operations.md ("The blow-up guard") justifies the
+  defaults."""
+  g = ml_collections.ConfigDict()
+  g.max_train_loss = 1e3              # a round's mean train loss above this stops the run
+  g.loss_growth = 1e3                 # ... or above this factor times the best round so far
+  return g
+
+
+def _engine_config() -> ml_collections.ConfigDict:
+  """How the simulator computes: batching, precision and device placement (checkpoint.py's
+  MUTABLE_ON_RESUME says which of them may change on resume)."""
+  e = ml_collections.ConfigDict()
+  e.clients_per_call = 0              # clients vmapped per training call; 0 = auto by backend
+  e.eval_clients_per_call = 0         # clients vmapped per evaluation step; 0 = auto
   # Rows per forward/backward pass of a step (gradients summed over passes, so a partial batch
   # pads less): 0 = auto (64 on the CPU, where small passes run as fast; the whole batch on
   # accelerators); the batch size turns it off. Must divide batch_size.
-  c.engine.micro_batch = 0
+  e.micro_batch = 0
   # float32 matmul/conv precision: 'default' is the backend's (TF32 on recent NVIDIA GPUs),
   # 'highest' is full float32 everywhere, for numbers comparable across backends.
-  c.engine.matmul_precision = 'default'
+  e.matmul_precision = 'default'
   # Mixed precision: 'float32', or 'bfloat16' to run the models' forward and backward in
   # bfloat16 (for GPUs/TPUs). Parameters, optimizer state, gradients, losses and the server's
   # aggregation stay float32 either way (fedssa_jax/models.py).
-  c.engine.compute_dtype = 'float32'
+  e.compute_dtype = 'float32'
   # Devices of the `clients` mesh axis, over which each group's client axis is sharded:
   # 0 = every local device, 1 = one device (no sharding), n = the first n local devices.
-  c.engine.mesh_devices = 0
-  return c
+  e.mesh_devices = 0
+  return e
 
 
 # FedSSA's fusion in the homo variant, chosen from measured runs at configs/cifar10.py:homo
@@ -200,119 +223,155 @@ class ConfigError(ValueError):
   """A config value that cannot work, with the fix in its message."""
 
 
+def _need(ok, msg) -> None:
+  if not ok:
+    raise ConfigError(msg)
+
+
+def _one_of(field, value, choices) -> None:
+  _need(value in choices, f'Unknown {field} {value!r}; choose one of {sorted(choices)}.')
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Cheap checks that run before any data is loaded or any compile starts.
 
-  Each failure is a ConfigError that names the field and says how to fix it.
+  Each failure is a ConfigError that names the field and says how to fix it. The checks run
+  section by section, in this order, and the first failure is raised.
   """
-  def need(ok, msg):
-    if not ok:
-      raise ConfigError(msg)
+  _check_names_and_numbers(c)
+  _check_run(c)
+  _check_partition(c)
+  _check_precision(c)
+  _check_optimizer(c)
+  _check_guard(c)
+  _check_engine_batching(c)
+  _check_method_sections(c)
 
-  def one_of(field, value, choices):
-    need(value in choices, f'Unknown {field} {value!r}; choose one of {sorted(choices)}.')
 
-  one_of('dataset', c.dataset, DATASET_DEFAULTS)
-  one_of('method', c.method, methods.METHODS)
+def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
+  """The data set, the method, every float field finite, and the model families."""
+  _one_of('dataset', c.dataset, DATASET_DEFAULTS)
+  _one_of('method', c.method, methods.METHODS)
   for field, value in _numbers(c.to_dict()):
-    need(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
-         f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
-  need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+    _need(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
+          f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
+  _need(len(c.model.families) >= 1, 'model.families must name at least one family.')
   for f in c.model.families:
-    need(f in models.FAMILY_NAMES,
-         f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
-  one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
-  one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
+    _need(f in models.FAMILY_NAMES,
+          f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
+  _one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
+  _one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
 
+
+def _check_run(c: ml_collections.ConfigDict) -> None:
+  """The top-level fields: clients and participation, rounds, seeds, batches, evaluation,
+  population store, target and checkpoints."""
   n = c.num_clients
-  need(n >= 1, f'num_clients must be >= 1, got {n}.')
-  need(0 < c.participation <= 1,
-       f'participation must be in (0, 1], got {c.participation}. It is the fraction C of the '
-       'clients sampled per round.')
-  need(int(math.floor(c.participation * n)) >= 1,
-       f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
-       f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
+  _need(n >= 1, f'num_clients must be >= 1, got {n}.')
+  _need(0 < c.participation <= 1,
+        f'participation must be in (0, 1], got {c.participation}. It is the fraction C of the '
+        'clients sampled per round.')
+  _need(int(math.floor(c.participation * n)) >= 1,
+        f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
+        f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
   train_images = TRAIN_IMAGES[c.dataset]
-  need(n <= train_images,
-       f'num_clients={n} is more than the {train_images:,} training images of {c.dataset}, and '
-       f'every client needs at least one training sample. Set num_clients to at most '
-       f'{train_images:,} (the cross-device variant xdevice uses 10,000).')
-  need(c.num_rounds >= 1, f'num_rounds must be >= 1, got {c.num_rounds}.')
-  need(c.local_epochs >= 1,
-       f'local_epochs must be >= 1, got {c.local_epochs}: with no local training a round '
-       'changes nothing.')
-  need(0 <= c.seed < 2**63, f'seed must be in [0, 2**63), got {c.seed}.')
-  need(-1 <= c.partition.seed < 2**63,
-       f'partition.seed must be in [0, 2**63), or -1 to use `seed`; got {c.partition.seed}.')
-  need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
-  need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
-  need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
-  need(c.eval_clients >= 0,
-       f'eval_clients must be 0 (all clients) or a count of clients to evaluate, got '
-       f'{c.eval_clients}.')
-  need(c.eval_clients <= n,
-       f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
-       f'most {n}, or to 0 to evaluate all of them.')
-  one_of('population_store', c.population_store, ('device', 'host', 'disk'))
-  need(0 < c.target_accuracy <= 1,
-       f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
-       'a fraction (0.8 is 80%).')
-  need(c.checkpoint_every >= 1, f'checkpoint_every must be >= 1, got {c.checkpoint_every}.')
-  need(c.checkpoint_keep >= 1, f'checkpoint_keep must be >= 1, got {c.checkpoint_keep}.')
+  _need(n <= train_images,
+        f'num_clients={n} is more than the {train_images:,} training images of {c.dataset}, '
+        f'and every client needs at least one training sample. Set num_clients to at most '
+        f'{train_images:,} (the cross-device variant xdevice uses 10,000).')
+  _need(c.num_rounds >= 1, f'num_rounds must be >= 1, got {c.num_rounds}.')
+  _need(c.local_epochs >= 1,
+        f'local_epochs must be >= 1, got {c.local_epochs}: with no local training a round '
+        'changes nothing.')
+  _need(0 <= c.seed < 2**63, f'seed must be in [0, 2**63), got {c.seed}.')
+  _need(-1 <= c.partition.seed < 2**63,
+        f'partition.seed must be in [0, 2**63), or -1 to use `seed`; got {c.partition.seed}.')
+  _need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
+  _need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
+  _need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
+  _need(c.eval_clients >= 0,
+        f'eval_clients must be 0 (all clients) or a count of clients to evaluate, got '
+        f'{c.eval_clients}.')
+  _need(c.eval_clients <= n,
+        f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
+        f'most {n}, or to 0 to evaluate all of them.')
+  _one_of('population_store', c.population_store, ('device', 'host', 'disk'))
+  _need(0 < c.target_accuracy <= 1,
+        f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
+        'a fraction (0.8 is 80%).')
+  _need(c.checkpoint_every >= 1, f'checkpoint_every must be >= 1, got {c.checkpoint_every}.')
+  _need(c.checkpoint_keep >= 1, f'checkpoint_keep must be >= 1, got {c.checkpoint_keep}.')
 
-  p = c.partition
-  one_of('partition.kind', p.kind, ('pathological', 'dirichlet'))
-  one_of('partition.scheme', p.scheme, ('reference', 'paper'))
+
+def _check_partition(c: ml_collections.ConfigDict) -> None:
+  p, n = c.partition, c.num_clients
+  _one_of('partition.kind', p.kind, ('pathological', 'dirichlet'))
+  _one_of('partition.scheme', p.scheme, ('reference', 'paper'))
   num_classes = DATASET_DEFAULTS[c.dataset]['num_classes']
   if p.kind == 'pathological':
     k = p.classes_per_client
-    need(1 <= k <= num_classes,
-         f'partition.classes_per_client={k} must be in [1, {num_classes}]: {c.dataset} has '
-         f'{num_classes} classes.')
+    _need(1 <= k <= num_classes,
+          f'partition.classes_per_client={k} must be in [1, {num_classes}]: {c.dataset} has '
+          f'{num_classes} classes.')
     # Every class has k*N/S holders (data.pathological_shares).
-    need((k * n) % num_classes == 0,
-         f'The pathological partition needs k*N/S holders per class to be a whole number: '
-         f'partition.classes_per_client={k}, num_clients={n}, S={num_classes} classes gives '
-         f'{k * n / num_classes:g}. Set num_clients to a multiple of '
-         f'{num_classes // math.gcd(k, num_classes)}, or change partition.classes_per_client.')
+    _need((k * n) % num_classes == 0,
+          f'The pathological partition needs k*N/S holders per class to be a whole number: '
+          f'partition.classes_per_client={k}, num_clients={n}, S={num_classes} classes gives '
+          f'{k * n / num_classes:g}. Set num_clients to a multiple of '
+          f'{num_classes // math.gcd(k, num_classes)}, or change partition.classes_per_client.')
   else:
-    need(p.dirichlet_gamma > 0,
-         f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma} (smaller is more '
-         'skewed; 0.1 to 1 are usual).')
-    need(p.dirichlet_min_train >= 0,
-         f'partition.dirichlet_min_train must be >= 0, got {p.dirichlet_min_train}.')
-    need(p.dirichlet_min_test >= 0,
-         f'partition.dirichlet_min_test must be >= 0, got {p.dirichlet_min_test}.')
+    _need(p.dirichlet_gamma > 0,
+          f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma} (smaller is more '
+          'skewed; 0.1 to 1 are usual).')
+    _need(p.dirichlet_min_train >= 0,
+          f'partition.dirichlet_min_train must be >= 0, got {p.dirichlet_min_train}.')
+    _need(p.dirichlet_min_test >= 0,
+          f'partition.dirichlet_min_test must be >= 0, got {p.dirichlet_min_test}.')
 
-  need(c.engine.matmul_precision in ('default', 'high', 'highest'),
-       f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
-       f'{c.engine.matmul_precision!r}.')
-  one_of('engine.compute_dtype', c.engine.compute_dtype, models.COMPUTE_DTYPES)
-  one_of('optimizer.name', c.optimizer.name, ('sgd', 'adam'))
+
+def _check_precision(c: ml_collections.ConfigDict) -> None:
+  _need(c.engine.matmul_precision in ('default', 'high', 'highest'),
+        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
+        f'{c.engine.matmul_precision!r}.')
+  _one_of('engine.compute_dtype', c.engine.compute_dtype, models.COMPUTE_DTYPES)
+
+
+def _check_optimizer(c: ml_collections.ConfigDict) -> None:
   o = c.optimizer
-  need(o.lr > 0, f'optimizer.lr must be > 0, got {o.lr} (the default is 0.005).')
-  need(0 <= o.momentum < 1,
-       f'optimizer.momentum must be in [0, 1), got {o.momentum} (0 is plain SGD; the default '
-       'is 0.9).')
-  need(o.weight_decay >= 0, f'optimizer.weight_decay must be >= 0, got {o.weight_decay}.')
-  need(o.clip_norm >= 0,
-       f'optimizer.clip_norm must be > 0, or 0 to turn clipping off; got {o.clip_norm}.')
+  _one_of('optimizer.name', o.name, ('sgd', 'adam'))
+  _need(o.lr > 0, f'optimizer.lr must be > 0, got {o.lr} (the default is 0.005).')
+  _need(0 <= o.momentum < 1,
+        f'optimizer.momentum must be in [0, 1), got {o.momentum} (0 is plain SGD; the default '
+        'is 0.9).')
+  _need(o.weight_decay >= 0, f'optimizer.weight_decay must be >= 0, got {o.weight_decay}.')
+  _need(o.clip_norm >= 0,
+        f'optimizer.clip_norm must be > 0, or 0 to turn clipping off; got {o.clip_norm}.')
   for b in ('adam_b1', 'adam_b2'):
-    need(0 <= o[b] < 1, f'optimizer.{b} must be in [0, 1), got {o[b]}.')
+    _need(0 <= o[b] < 1, f'optimizer.{b} must be in [0, 1), got {o[b]}.')
+
+
+def _check_guard(c: ml_collections.ConfigDict) -> None:
   for field in ('max_train_loss', 'loss_growth'):
-    need(c.guard[field] >= 0,
-         f'guard.{field} must be >= 0 (0 turns that test off), got {c.guard[field]}.')
-  need(c.guard.loss_growth == 0 or c.guard.loss_growth > 1,
-       f'guard.loss_growth={c.guard.loss_growth} would stop a run whose loss merely stays '
-       'level: set it above 1 (the default is 1000), or to 0 to turn that test off.')
-  need(c.engine.mesh_devices >= 0,
-       f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
-       'device count.')
+    _need(c.guard[field] >= 0,
+          f'guard.{field} must be >= 0 (0 turns that test off), got {c.guard[field]}.')
+  _need(c.guard.loss_growth == 0 or c.guard.loss_growth > 1,
+        f'guard.loss_growth={c.guard.loss_growth} would stop a run whose loss merely stays '
+        'level: set it above 1 (the default is 1000), or to 0 to turn that test off.')
+
+
+def _check_engine_batching(c: ml_collections.ConfigDict) -> None:
+  _need(c.engine.mesh_devices >= 0,
+        f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
+        'device count.')
   mb = c.engine.micro_batch
-  need(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
-       f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')
-  # The methods' hyperparameters, by each method's own checks: every method's section, not only
-  # the configured method's, as every other field is checked whether or not the run reads it.
+  _need(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
+        f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')
+
+
+def _check_method_sections(c: ml_collections.ConfigDict) -> None:
+  """The methods' hyperparameters, by each method's own checks: every method's section, not
+  only the configured method's, as every other field is checked whether or not the run reads
+  it."""
   for method in methods.METHODS.values():
     if method.config_section is not None:
       try:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-# Normalisation of the reference code (spec §3).
+# Normalisation of the reference code (docs/algorithm.md §2).
 NORMALIZATION = {
     'cifar10': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
     'cifar100': ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
@@ -254,7 +254,7 @@ def synthetic_cifar(num_classes: int = 10, num_train: int = 50_000,
 # --------------------------------------------------------------------------------------------
 
 def make_pools(ds: Dataset, scheme: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
-  """Global index pools that the partition's class shares are applied to (spec §3).
+  """Global index pools that the partition's class shares are applied to (docs/algorithm.md §2).
 
   - 'reference': TFDS train is split 40k/10k (4:1) into train and val at random; the official
     test set is the test pool.
@@ -276,7 +276,7 @@ def make_pools(ds: Dataset, scheme: str, rng: np.random.Generator) -> dict[str, 
 
 def pathological_shares(num_clients: int, num_classes: int, k: int,
                         rng: np.random.Generator) -> np.ndarray:
-  """[N, S] class shares of the reference's pathological partition (spec §3).
+  """[N, S] class shares of the reference's pathological partition (docs/algorithm.md §2).
 
   Every class has k*N/S holders. Clients pick classes one at a time, each pick uniform among the
   classes (not yet picked by this client) with the most holder slots left. Each holder's weight
@@ -356,7 +356,7 @@ def partition(ds: Dataset, num_clients: int, kind: str, *, classes_per_client: i
               dirichlet_gamma: float = 0.5, dirichlet_min_train: int = 10,
               dirichlet_min_test: int = 1, scheme: str = 'reference', seed: int = 0,
               max_redraws: int = 1000) -> ClientData:
-  """Builds every client's train/val/test index sets (spec §3)."""
+  """Builds every client's train/val/test index sets (docs/algorithm.md §2)."""
   if num_clients < 1:
     raise DataError(f'num_clients must be >= 1, got {num_clients}.')
   rng = np.random.default_rng(seed)

@@ -5,7 +5,8 @@
 
 Rerunning a command with the same --workdir resumes the run from its newest checkpoint; while a
 run is going, its workdir is locked (fedssa_jax/workdir_lock.py). SIGTERM or SIGINT stop a run
-after the current round and its checkpoint, with exit status 75 (train.EXIT_PREEMPTED).
+after the current round and its checkpoint, with exit status 75 (train.EXIT_PREEMPTED): the
+handlers are this command's (console.StopRequests), installed around the training call only.
 
 A user's error (a config, data, workdir or checkpoint that cannot work, a diverged run) prints as
 one paragraph that says what to do, without a traceback; --verbose (or FEDSSA_VERBOSE=1) shows
@@ -90,7 +91,8 @@ def run(flag_values: flags.FlagValues):
       raise config_lib.ConfigError('--seed_workdirs goes with --seeds (one workdir per seed).')
     logging.info('Running %s on %s (%s), outputs in %s', config.method, config.dataset,
                  flag_values['config'].config_filename, flag_values.workdir)
-    return train.train_and_evaluate(config, flag_values.workdir)
+    with console.StopRequests() as stop:
+      return train.train_and_evaluate(config, flag_values.workdir, stop=stop)
   seeds = seeds_of(flag_values.seeds)
   workdirs = ([replica_workdir(flag_values.workdir, s) for s in seeds]
               if flag_values.seed_workdirs is None else list(flag_values.seed_workdirs))
@@ -101,7 +103,8 @@ def run(flag_values: flags.FlagValues):
   logging.info('Running %s on %s (%s), seeds %s packed, outputs in %s', config.method,
                config.dataset, flag_values['config'].config_filename,
                ','.join(map(str, seeds)), ', '.join(workdirs))
-  return train.train_replicas(train.replica_configs(config, seeds), workdirs)
+  with console.StopRequests() as stop:
+    return train.train_replicas(train.replica_configs(config, seeds), workdirs, stop=stop)
 
 
 def seeds_of(values: list[str]) -> list[int]:

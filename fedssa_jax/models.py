@@ -11,7 +11,8 @@ Three formulations compute the same function from the same parameters:
 - ``conv_impl='xla'``: ``lax.conv_general_dilated`` + ``reduce_window`` max-pool. Fast on GPU/TPU
   (cuDNN), slow on XLA:CPU.
 - ``conv_impl='im2col'``: patches from 25 static slices and one matmul, max-pool as reshape + max.
-  About 10x faster on XLA:CPU (shared/notes/cpu-performance.md).
+  About 10x faster on XLA:CPU (docs/benchmarks.md, "CPU kernels and evaluation reuse", has
+  the current CPU figures).
 - ``conv_impl='band'``: each output row is cut into tiles of a few columns, and a tile is one
   matmul of its 5 input rows against a banded matrix made from the kernel (`banded_conv`). It
   multiplies some zeros, but its matmuls are wider than im2col's skinny [.., 75] @ [75, 16] and
@@ -67,7 +68,8 @@ def get_family(name: str) -> Family:
 
 
 def torch_uniform_init(fan_in: int):
-  """PyTorch's default Conv2d/Linear init: U(-1/sqrt(fan_in), +1/sqrt(fan_in)) (spec §2)."""
+  """PyTorch's default Conv2d/Linear init: U(-1/sqrt(fan_in), +1/sqrt(fan_in))
+  (docs/algorithm.md §1)."""
   bound = 1.0 / math.sqrt(fan_in)
 
   def init(key, shape, dtype=jnp.float32):
@@ -217,14 +219,15 @@ def param_count(params) -> int:
 
 
 def forward_macs(family_name: str, num_classes: int) -> int:
-  """Analytic multiply-accumulates of one forward pass of one 32x32 sample (spec §2 table)."""
+  """Analytic multiply-accumulates of one forward pass of one 32x32 sample (docs/algorithm.md
+  §1, its table)."""
   f = get_family(family_name)
   conv1 = 28 * 28 * 16 * (3 * 25)
   conv2 = 10 * 10 * f.c2 * (16 * 25)
   return conv1 + conv2 + f.c2 * 25 * f.fc1 + f.fc1 * REPR_DIM + REPR_DIM * num_classes
 
 
-# --- The header (spec §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
+# --- The header (docs/algorithm.md §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
 
 HEADER_ROW = REPR_DIM + 1  # 501 numbers per class row
 

@@ -49,7 +49,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   Resumes from the newest checkpoint in `workdir` if there is one. Holds the workdir's lock
   throughout. `stop`, if given, is asked after every round whether a stop was requested (its
   `signal_name` set, e.g. console.StopRequests, which main installs); the run then checkpoints
-  and raises Preempted. Raises ConfigError, data.DataError or checkpoint.CheckpointError for
+  and raises Preempted; the function installs no signal handlers, log handlers or hooks of its
+  own. Raises ConfigError, data.DataError or checkpoint.CheckpointError for
   input that cannot work, workdir_lock.WorkdirLocked if another process runs in `workdir`,
   DivergenceError on a NaN, inf or a blown-up loss, and checkpoint.CheckpointWriteError when a
   checkpoint cannot be written.

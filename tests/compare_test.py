@@ -1,13 +1,19 @@
 """fedssa_jax.compare: the table's cells from hand-made summaries, and run_comparison's runs,
-reuse of finished runs, --rerun and early failure on a typo."""
+reuse of finished runs, --rerun and early failure on a typo; a real comparison through its
+command line, with main's quiet console."""
 import json
 import os
+import re
+import sys
 
+from absl import flags
 import pytest
 
-from fedssa_jax import compare, config_lib, data, train
+from fedssa_jax import compare, config_lib, console, data, train
 
 from conftest import synthetic_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def summary(method, final, best, best_round, clients, to_target, up, down, rounds, wall):
@@ -57,9 +63,10 @@ def fake_runs(monkeypatch):
     calls['load'] += 1
     return ('dataset', name)
 
-  def train_and_evaluate(config, workdir, dataset=None):
+  def train_and_evaluate(config, workdir, dataset=None, stop=None):
     assert dataset == ('dataset', 'cifar10')
     calls['runs'].append((config.method, workdir))
+    calls.setdefault('stops', []).append(stop)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, 'summary.json'), 'w') as f:
       json.dump(SUMMARIES[config.method], f)
@@ -74,7 +81,8 @@ def test_run_comparison_runs_each_method_once_and_writes_the_table(tmp_path, fak
   workdir = str(tmp_path / 'cmp')
   text = compare.run_comparison(config, workdir, ['fedssa', 'standalone'])
   assert fake_runs == {'load': 1, 'runs': [('fedssa', os.path.join(workdir, 'fedssa')),
-                                           ('standalone', os.path.join(workdir, 'standalone'))]}
+                                           ('standalone', os.path.join(workdir, 'standalone'))],
+                       'stops': [None, None]}  # a library call: no stop requests
   assert config.method == 'fedssa'  # each run has its own copy of the config
   assert text == compare.markdown_table(SUMMARIES, config.target_accuracy)
   assert open(os.path.join(workdir, 'comparison.md')).read() == text
@@ -83,8 +91,10 @@ def test_run_comparison_runs_each_method_once_and_writes_the_table(tmp_path, fak
       compare.markdown_table({k: SUMMARIES[k] for k in ('standalone', 'fedssa')},
                              config.target_accuracy))
   assert fake_runs['load'] == 1 and len(fake_runs['runs']) == 2
-  compare.run_comparison(config, workdir, ['standalone'], rerun=True)
+  stop = console.StopRequests()  # passed on to the run, as the command line does
+  compare.run_comparison(config, workdir, ['standalone'], rerun=True, stop=stop)
   assert fake_runs['load'] == 2 and fake_runs['runs'][-1][0] == 'standalone'
+  assert fake_runs['stops'][-1] is stop
 
 
 def test_a_misspelled_method_fails_before_any_run(tmp_path, fake_runs):
@@ -96,13 +106,28 @@ def test_a_misspelled_method_fails_before_any_run(tmp_path, fake_runs):
 
 
 @pytest.mark.slow  # two whole runs, compiled
-def test_a_real_comparison_tabulates_the_runs_summaries(tmp_path, monkeypatch):
+def test_a_real_comparison_tabulates_the_runs_summaries(tmp_path, monkeypatch, capfd):
+  """Through the command line (compare.main after absl's parsing), whose console is main's:
+  this package's lines only, none of orbax's INFO dumps or absl's prefixed lines."""
   ds = synthetic_dataset()
   monkeypatch.setattr(data, 'load_dataset', lambda *args: ds)
   config = config_lib.build('cifar10', 'hetero,tiny')
   config.model.families, config.num_rounds = ('cnn5',), 1
   workdir = str(tmp_path / 'cmp')
-  text = compare.run_comparison(config, workdir, ['standalone', 'fedssa'])
+  argv = ['fedssa_jax.compare', f'--config={ROOT}/configs/tiny.py', f'--workdir={workdir}',
+          '--methods=standalone,fedssa', '--config.model.families=("cnn5",)',
+          '--config.num_rounds=1']
+  monkeypatch.setattr(sys, 'argv', argv)  # config_flags reads the --config.* overrides there
+  flag_values = flags.FlagValues()
+  compare.define_flags(flag_values)
+  compare.main(flag_values(argv), flag_values)
+  out, err = capfd.readouterr()
+  text = open(os.path.join(workdir, 'comparison.md')).read()
+  assert text in out
+  lines = err.splitlines()
+  assert '=== fedssa ===' in lines and any(l.startswith('round 1/1: mean acc') for l in lines)
+  absl_prefixed = re.compile(r'^[IWEF]\d{4} ')  # absl's 'I0101 12:00:00.000 ...' lines
+  assert not [l for l in lines if 'orbax' in l.lower() or absl_prefixed.match(l)], err
   summaries = {}
   for m in ('standalone', 'fedssa'):
     with open(os.path.join(workdir, m, 'summary.json')) as f:

@@ -1,7 +1,11 @@
 """End to end: `python -m fedssa_jax.main` flags, TFDS loading (mock data), the output files."""
 import glob
 import json
+import logging
 import os
+import signal
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -10,7 +14,7 @@ from absl import flags
 
 from ml_collections import config_flags
 
-from fedssa_jax import train
+from fedssa_jax import console, train
 
 from conftest import REPO as ROOT, load_file
 
@@ -33,7 +37,7 @@ def test_config_file_variants_and_overrides(monkeypatch):
 
 
 @pytest.mark.slow  # a whole run, compiled
-def test_end_to_end_on_tfds_mock_data_writes_documented_outputs(tmp_path):
+def test_end_to_end_on_tfds_mock_data_writes_documented_outputs(tmp_path, monkeypatch):
   dataset = 'cifar100'
   workdir = str(tmp_path / 'run')
   c = load_config_module('tiny').get_config(dataset)
@@ -41,8 +45,23 @@ def test_end_to_end_on_tfds_mock_data_writes_documented_outputs(tmp_path):
   c.num_clients, c.participation, c.num_rounds = 10, 0.5, 2
   c.batch_size, c.target_accuracy = 32, 0.01
   c.engine.matmul_precision = 'highest'
+  # A library call changes nothing process-wide: signal handlers, hooks and logging stay the
+  # caller's (the command lines install theirs, console.py).
+  process_wide = lambda: (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT),
+                          sys.unraisablehook, logging.getLogger().handlers[:],
+                          logging.getLogger('asyncio').filters[:],
+                          logging.getLogger('absl').filters[:])
+  before = process_wide()
+  seen = []
+  real_rounds = train._run_rounds
+
+  def run_rounds(*args, **kwargs):
+    seen.append(process_wide())
+    return real_rounds(*args, **kwargs)
+  monkeypatch.setattr(train, '_run_rounds', run_rounds)
   with tfds.testing.mock_data(num_examples=300):
     train.train_and_evaluate(c, workdir)
+  assert seen == [before] and process_wide() == before
 
   config = json.load(open(os.path.join(workdir, 'config.json')))
   assert config['config']['dataset'] == dataset and config['config']['num_clients'] == 10
@@ -84,3 +103,31 @@ def test_bad_config_values_are_rejected_before_compute():
     c.update_from_flattened_dict({field: value})
     with pytest.raises(config_lib.ConfigError, match=needle):
       config_lib.validate(c)
+
+
+def test_stop_requests_ask_once_then_act_as_without():
+  """console.StopRequests: the first signal only asks (signal_name), the second acts as it
+  would without the block (SIGINT: KeyboardInterrupt); the handlers come back after it, and
+  outside the main thread nothing is installed."""
+  previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with console.StopRequests() as stop:
+    assert stop.signal_name is None
+    signal.raise_signal(signal.SIGTERM)
+    assert stop.signal_name == 'SIGTERM'
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == previous
+  with pytest.raises(KeyboardInterrupt):
+    with console.StopRequests() as stop:
+      signal.raise_signal(signal.SIGINT)
+      assert stop.signal_name == 'SIGINT'
+      signal.raise_signal(signal.SIGINT)
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == previous
+  installed = []
+
+  def in_a_thread():
+    with console.StopRequests() as s:
+      installed.append((s._previous, signal.getsignal(signal.SIGINT)))
+  t = threading.Thread(target=in_a_thread)
+  t.start()
+  t.join()
+  assert installed == [({}, previous[0])]
+  assert console.NO_STOP.signal_name is None

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_same_last_checkpoint, assert_same_records, assert_same_round_infos
 from conftest import capturing_round_infos
-from fedssa_jax import client, config_lib, data, engine, guards, main, schedule, train
+from fedssa_jax import client, config_lib, console, data, engine, guards, main, schedule, train
 
 SEEDS = (0, 3)
 ROUNDS = 2
@@ -120,10 +120,11 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
 
   # A stop request (SIGTERM) after round 1: every replica checkpoints, then Preempted.
   stopped = [str(tmp_path / 'stopped' / f'seed{s}') for s in seeds]
-  asked = types.SimpleNamespace(signal_name='SIGTERM')  # as console.StopRequests after one
+  stop = console.StopRequests()
+  stop.signal_name = 'SIGTERM'  # what its handler sets on a first SIGTERM
   with pytest.raises(train.Preempted, match='stopped after round 1'):
     train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds,
-                         stop=asked)
+                         stop=stop)
   for w in stopped:
     assert os.listdir(os.path.join(w, 'checkpoints')) == ['1']
   train.train_replicas(train.replica_configs(base, seeds), stopped, dataset=small_ds)

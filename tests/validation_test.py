@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import logging
 import os
+import sys
 import time
 from typing import Callable
 
@@ -11,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import checkpoint, config_lib, data, train
+from fedssa_jax import checkpoint, config_lib, console, data, train
 
 from conftest import synthetic_dataset
 
@@ -257,7 +258,9 @@ def test_existing_configs_stay_valid():
 
 def test_a_fallback_prints_no_tracebacks_of_abandoned_reads(tmp_path, capfd, caplog):
   """A state of many arrays whose data file is cut: orbax fails on one array while its reads of
-  the others are in flight, which end in a closed event loop (checkpoint._silence_abandoned_reads)."""
+  the others are in flight, which end in a closed event loop. The command lines' block
+  (console.abandoned_reads_silenced, which console.configured enters) keeps them off the
+  console; the checkpoint code itself changes neither sys.unraisablehook nor asyncio's logger."""
   def state(r):
     rng = np.random.default_rng(r)
     return {'round': r, 'params': ({f'w{i}': rng.normal(size=(4, 25_000)).astype(np.float32)
@@ -269,12 +272,17 @@ def test_a_fallback_prints_no_tracebacks_of_abandoned_reads(tmp_path, capfd, cap
   files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / '2') for f in fs]
   largest = max(files, key=os.path.getsize)
   os.truncate(largest, os.path.getsize(largest) // 2)
-  with caplog.at_level(logging.INFO):
+  asyncio_logger = logging.getLogger('asyncio')
+  hook_before, filters_before = sys.unraisablehook, asyncio_logger.filters[:]
+  with caplog.at_level(logging.INFO), console.abandoned_reads_silenced():
+    hook_within, filters_within = sys.unraisablehook, asyncio_logger.filters[:]
     ckpts = checkpoint.Checkpointer(str(tmp_path))
     assert ckpts.restore_latest(state(0)).step == 1
     ckpts.close()
     time.sleep(1)  # the abandoned reads finish
     gc.collect()   # ... and their futures are collected
+    assert sys.unraisablehook is hook_within and asyncio_logger.filters == filters_within
+  assert sys.unraisablehook is hook_before and asyncio_logger.filters == filters_before
   out, err = capfd.readouterr()
   assert 'Event loop is closed' not in out + err + caplog.text
   assert 'Future exception was never retrieved' not in caplog.text
