@@ -135,11 +135,11 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
   real_check = guards.check_finite
 
   def diverge(sim, state, info, ckpts):
-    if sim.config.seed == seeds[1]:
+    if ckpts.directory == os.path.join(failing[1], 'checkpoints'):  # the second seed's
       raise train.DivergenceError('a divergence for the test')
     real_check(sim, state, info, ckpts)
-  monkeypatch.setattr(guards, 'check_finite', diverge)
   failing = [str(tmp_path / 'failing' / f'seed{s}') for s in seeds]
+  monkeypatch.setattr(guards, 'check_finite', diverge)
   with pytest.raises(train.DivergenceError,
                      match=f'1 of the 2 packed seeds diverged.*Seed {seeds[1]} '):
     train.train_replicas(train.replica_configs(base, seeds), failing, dataset=small_ds)
