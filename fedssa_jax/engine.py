@@ -40,6 +40,8 @@ PyTree = Any
 # family's shared one ('family', keyed by the family's index in models.FAMILY_NAMES).
 (STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL,
  STREAM_FAMILY_INIT) = range(7)
+# The server's key of each round's aggregation (aggregate_key).
+STREAM_AGGREGATE = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,12 @@ def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray 
     return None
   rng = np.random.default_rng([seed, STREAM_EVAL])
   return np.sort(rng.choice(candidates, size=eval_clients, replace=False))
+
+
+def aggregate_key(root_key: jax.Array, round_index) -> jax.Array:
+  """The key Method.server_aggregate gets in round t: fold_in(fold_in(root, STREAM_AGGREGATE),
+  t)."""
+  return jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
 
 
 @jax.jit
@@ -131,15 +139,17 @@ def local_round(params, state, cids, active, server, data_: client.DeviceData, s
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   client.local_train for the family's model."""
-  down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
-      params, state, server, cids, seen[cids], round_index)
+  n = jnp.where(active, data_.train_n[cids], 0)
+  # Each client's view; the round is the same for all (unbatched: in_axes None).
+  view = methods.ClientView(id=cids, seen=seen[cids], num_samples=n, round=round_index)
+  view_axes = methods.ClientView(id=0, seen=0, num_samples=0, round=None)
+  down = jax.vmap(method.download, in_axes=(0, 0, None, view_axes))(params, state, server, view)
   round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_TRAIN), round_index)
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(cids)
-  n = jnp.where(active, data_.train_n[cids], 0)
   trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
       {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[cids], n, data_)
-  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
-      trainable, acc, down.ctx, state, seen[cids], n, round_index)
+  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
+      trainable, acc, down.ctx, state, view)
   stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
            'extra_flops': down.flops + up.flops}
   return up.params, up.state, up.payload, stats
@@ -212,8 +222,10 @@ class Simulator:
         self._init_group, self._init_client_state,
         directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
     self._train_calls = [self.store.train_call(g, self._train_chunk_fn(g)) for g in self.groups]
-    self._aggregate = jax.jit(lambda *a: self.placement.constrain(
-        self.method.server_aggregate(*a), sharded=False), donate_argnums=0)
+    # (server, participants, round, root key) -> methods.Aggregated, with the round's key.
+    self._aggregate = jax.jit(lambda server, participants, t, root_key: self.placement.constrain(
+        self.method.server_aggregate(server, participants, t, aggregate_key(root_key, t)),
+        sharded=False), donate_argnums=0)
     # Replicated on the mesh, as every later round's server is (an init_server that ignores
     # its inputs would otherwise leave it on one device, and round 1 would compile again).
     self._init_server = jax.jit(lambda key, seen: self.placement.constrain(
@@ -238,9 +250,11 @@ class Simulator:
     self.phase('train', params, server)
     participants = np.zeros(self.num_clients, bool)
     participants[cohort] = True
-    server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32))
+    agg = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32),
+                          self.root_key)
+    server = agg.server
     self.phase('aggregate', server)
-    info = self._round_info(cohort, chunk_stats)
+    info = self._round_info(cohort, chunk_stats, agg.flops, agg.metrics)
     new_costs = dict(state.costs)
     new_costs['up_floats'] += info.up_floats
     new_costs['down_floats'] += info.down_floats
@@ -284,10 +298,13 @@ class Simulator:
     return functools.partial(train_chunk, method=self.method,
                              local=self.placement.per_device(local, num_sharded=4))
 
-  def _round_info(self, cohort: np.ndarray, chunk_stats) -> RoundInfo:
-    """The round's per-client stats and counts: one host transfer for the whole round."""
+  def _round_info(self, cohort: np.ndarray, chunk_stats, server_flops,
+                  server_metrics: dict) -> RoundInfo:
+    """The round's per-client stats and counts, and the server's FLOPs and diagnostics
+    (methods.Aggregated): one host transfer for the whole round."""
     per_client = {}
-    all_stats = self.fetch([stats for *_, stats in chunk_stats])
+    all_stats, (server_flops, server_metrics) = self.fetch(
+        ([stats for *_, stats in chunk_stats], (server_flops, server_metrics)))
     for (gi, slots, active, _), stats in zip(chunk_stats, all_stats):
       cids = self.groups[gi].members[slots[active]]
       for k, v in stats.items():
@@ -307,7 +324,9 @@ class Simulator:
         client_flops_per_client=flops,
         nonfinite_params=c['nonfinite'].astype(bool),
         header_norm_max=float(c['header_norm_max'].max()),
-        header_norm_mean=float(c['header_norm_sum'].sum() / max(c['header_rows'].sum(), 1)))
+        header_norm_mean=float(c['header_norm_sum'].sum() / max(c['header_rows'].sum(), 1)),
+        server_flops=float(server_flops),
+        server_metrics={k: float(v) for k, v in server_metrics.items()})
 
   # ------------------------------------------------------------------------------------------
   # Evaluation (evaluation.py)
@@ -480,9 +499,10 @@ class Replicas:
     self.root_keys = stack([s.root_key for s in sims])
     self._train_calls = [s0.store.packed_train_call(g, s0._train_chunk_fn(g), data_axes)
                          for g in self.groups]
-    self._aggregate = jax.jit(lambda *a: place.constrain(
-        jax.vmap(s0.method.server_aggregate, in_axes=(0, 0, None))(*a), sharded=False),
-                              donate_argnums=0)
+    # Each replica's server rule with its own round key (from its own root key).
+    self._aggregate = jax.jit(lambda server, participants, t, root_keys: place.constrain(
+        jax.vmap(lambda s, p, k: s0.method.server_aggregate(s, p, t, aggregate_key(k, t)))(
+            server, participants, root_keys), sharded=False), donate_argnums=0)
     # Stacking the replicas' trees, and slicing one out, placed as above.
     self._stack = jax.jit(lambda trees, sharded: place.constrain(
         jax.tree.map(lambda *a: jnp.stack(a), *trees), sharded, stacked=True), static_argnums=1)
@@ -542,13 +562,17 @@ class Replicas:
     participants = np.zeros((self.num, self.sims[0].num_clients), bool)
     for r, c in enumerate(cohorts):
       participants[r, c] = True
-    server = self._aggregate(server, jnp.asarray(participants), t_dev)
-    all_stats = self.placement.fetch(chunk_stats)  # one transfer for the round
+    agg = self._aggregate(server, jnp.asarray(participants), t_dev, self.root_keys)
+    server = agg.server
+    # One transfer for the round.
+    all_stats, server_flops, server_metrics = self.placement.fetch(
+        (chunk_stats, agg.flops, agg.metrics))
     infos, costs = [], []
     for r, sim in enumerate(self.sims):
       mine = [(gi, slots[r], active[r], {k: v[r] for k, v in stats.items()})
               for (gi, slots, active), stats in zip(chunks, all_stats)]
-      info = sim._round_info(cohorts[r], mine)
+      info = sim._round_info(cohorts[r], mine, server_flops[r],
+                             {k: v[r] for k, v in server_metrics.items()})
       c = dict(state.costs[r])
       c['up_floats'] += info.up_floats
       c['down_floats'] += info.down_floats
