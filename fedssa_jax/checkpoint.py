@@ -56,6 +56,11 @@ ROUNDING_FIELDS = ('engine.clients_per_call', 'engine.eval_clients_per_call',
 
 ITEMS = ('state', 'progress', 'meta')
 
+# The layout of the saved state, in the `meta` item. 1 (absent from older checkpoints): each
+# method's server state a dict of string keys. 2: a flax.struct dataclass per method, with named
+# fields (docs/algorithm.md §9). A checkpoint of another layout is refused.
+STATE_FORMAT = 2
+
 
 class CheckpointError(RuntimeError):
   """No checkpoint in a workdir can be read, with what to do about it."""
@@ -93,15 +98,24 @@ def config_fields(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
 def run_meta(config: ml_collections.ConfigDict, partition_fingerprint: str) -> dict:
   """The `meta` item of a run's checkpoints: what a resume must agree with."""
   return {'config': config.to_dict(), 'partition_fingerprint': partition_fingerprint,
-          'backend': jax.default_backend(), 'jax_version': jax.__version__}
+          'backend': jax.default_backend(), 'jax_version': jax.__version__,
+          'state_format': STATE_FORMAT}
 
 
 def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: str) -> None:
   """Raises a ConfigError naming every config field, outside MUTABLE_ON_RESUME, that differs.
 
   Logs a warning when the rest of the run may differ from an uninterrupted one in float
-  rounding: another backend or JAX version, or other engine batching.
+  rounding: another backend or JAX version, or other engine batching. A checkpoint whose state
+  layout (STATE_FORMAT) is not this code's is refused first.
   """
+  layout = saved_meta.get('state_format', 1)
+  if layout != STATE_FORMAT:
+    raise config_lib.ConfigError(
+        f'Cannot resume the run in {where}: its checkpoints hold the run\'s state in layout '
+        f'{layout}, and this code reads layout {STATE_FORMAT} (since layout 2 each method\'s '
+        'server state is a typed dataclass, not a dict). Finish the run with the code that '
+        'started it, or use a new --workdir for a new run.')
   saved, now = config_fields(saved_meta['config']), config_fields(config)
   # A field added to the config after the checkpoint was written is fine at the value that
   # gives the behaviour the run had: its default, or config_lib.VALUE_BEFORE_FIELD's.
@@ -128,12 +142,33 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
                     'up to float rounding.', where, ', '.join(rounding))
 
 
+def _path_name(path) -> str:
+  """A leaf's path as 'a/b/0': the same for a dataclass field, a dict key or a list index of that
+  name, so that a state restored without a template (in dicts and lists) has the digest of the
+  one saved (with the methods' server dataclasses)."""
+  names = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      names.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      names.append(k.name)
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      names.append(str(k.idx))
+    else:
+      names.append(str(k))
+  return '/'.join(names)
+
+
 def state_digest(state) -> str:
-  """A SHA-256 of every leaf (path, dtype, shape, bytes) of a pytree, for restore checks."""
+  """A SHA-256 of every leaf (path, dtype, shape, bytes) of a pytree, for restore checks; the
+  leaves in the order of their paths' names (a dataclass keeps its fields' order, a dict sorts
+  its keys)."""
   h = hashlib.sha256()
-  for path, leaf in jax.tree_util.tree_leaves_with_path(distributed.fetch(state)):
+  leaves = [(_path_name(path), leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(distributed.fetch(state))]
+  for name, leaf in sorted(leaves, key=lambda item: item[0]):
     a = np.ascontiguousarray(leaf)  # Python numbers too: an int is int64, a float float64
-    h.update(f'{jax.tree_util.keystr(path)} {a.dtype}{a.shape}'.encode())
+    h.update(f'{name} {a.dtype}{a.shape}'.encode())
     h.update(a.tobytes())
   return h.hexdigest()
 

@@ -95,6 +95,42 @@ def epoch_order(key, n, padded_len):
   return jnp.argsort(jnp.where(jnp.arange(padded_len) < n, r, 2.0))
 
 
+def batch_grads(method, apply_fn: Callable, ctx: PyTree, trainable: dict, views, y, valid, *,
+                micro_batch: int):
+  """`method.loss` on one batch: the batch-mean loss, #correct, accumulator update and gradient.
+
+  With `micro_batch` m below the batch size, the loss and gradient are summed over passes of m
+  rows, weighted by their valid samples, and divided by the batch's (only for a loss that is a
+  mean of per-sample terms, Method.per_sample_loss); only passes holding valid samples run."""
+  b, m = y.shape[0], micro_batch
+  zero = jnp.zeros((), jnp.float32)
+  loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
+  if m >= b:
+    (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        trainable, views, y, valid)
+    return loss, correct, acc_update, grads
+
+  def one_pass(j, sums):  # rows [j m, (j + 1) m): sums of per-sample losses and gradients
+    part = lambda a: jax.lax.dynamic_slice_in_dim(a, j * m, m)
+    v = part(valid)
+    w = v.sum()
+    (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        trainable, tuple(map(part, views)), part(y), v)
+    loss_sum, correct_sum, acc_sum, grad_sum = sums
+    return (loss_sum + loss * w, correct_sum + correct,
+            jax.tree_util.tree_map(jnp.add, acc_sum, acc_update),
+            jax.tree_util.tree_map(lambda s, g: s + g * w, grad_sum, grads))
+
+  count = valid.sum()
+  zeros = (zero, jnp.zeros((), jnp.int32), method.init_acc(),
+           jax.tree_util.tree_map(jnp.zeros_like, trainable))
+  loss_sum, correct, acc_update, grad_sum = jax.lax.fori_loop(
+      0, (count + m - 1) // m, one_pass, zeros)
+  denom = jnp.maximum(count, 1)
+  return (loss_sum / denom, correct, acc_update,
+          jax.tree_util.tree_map(lambda g: g / denom, grad_sum))
+
+
 def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
                 n: jax.Array, data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
                 method) -> tuple[dict, PyTree, dict]:
@@ -116,34 +152,6 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   if b % m:
     raise ValueError(f'engine.micro_batch={m} must divide batch_size={b}.')
 
-  def batch_grads(trainable, views, y, valid):
-    """The batch-mean loss, #correct, accumulator update and gradient."""
-    loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
-    if m >= b:
-      (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-          trainable, views, y, valid)
-      return loss, correct, acc_update, grads
-
-    def one_pass(j, sums):  # rows [j m, (j + 1) m): sums of per-sample losses and gradients
-      part = lambda a: jax.lax.dynamic_slice_in_dim(a, j * m, m)
-      v = part(valid)
-      w = v.sum()
-      (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-          trainable, tuple(map(part, views)), part(y), v)
-      loss_sum, correct_sum, acc_sum, grad_sum = sums
-      return (loss_sum + loss * w, correct_sum + correct,
-              jax.tree_util.tree_map(jnp.add, acc_sum, acc_update),
-              jax.tree_util.tree_map(lambda s, g: s + g * w, grad_sum, grads))
-
-    count = valid.sum()
-    zeros = (zero, jnp.zeros((), jnp.int32), method.init_acc(),
-             jax.tree_util.tree_map(jnp.zeros_like, trainable))
-    loss_sum, correct, acc_update, grad_sum = jax.lax.fori_loop(
-        0, (count + m - 1) // m, one_pass, zeros)
-    denom = jnp.maximum(count, 1)
-    return (loss_sum / denom, correct, acc_update,
-            jax.tree_util.tree_map(lambda g: g / denom, grad_sum))
-
   def grad_step(step, carry, order, aug_key):
     trainable, opt_state, acc, stats = carry
     pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
@@ -155,7 +163,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
         augment.augment_batch(step_key if v == 0 else jax.random.fold_in(step_key, v), x)
         if cfg.augment else x for v in range(method.num_views))
     y = data.labels[idx]
-    loss, correct, acc_update, grads = batch_grads(trainable, views, y, valid)
+    loss, correct, acc_update, grads = batch_grads(method, apply_fn, ctx, trainable, views,
+                                                   y, valid, micro_batch=m)
     new_trainable, new_opt_state = {}, {}
     for part in trainable:  # one optimizer per model
       updates, new_opt_state[part] = tx.update(grads[part], opt_state[part], trainable[part])

@@ -35,8 +35,9 @@ import numpy as np
 from fedssa_jax import client, config_lib, costs, data, evaluation, methods, models, population
 from fedssa_jax import schedule
 from fedssa_jax.placement import REPLICATED, SHARDED, Placement, over_replicas
-from fedssa_jax.schedule import (STREAM_CLIENT_STATE, STREAM_FAMILY_INIT, STREAM_INIT,  # noqa
-                                 STREAM_SERVER, STREAM_TRAIN, cohort_size, sample_cohort)
+from fedssa_jax.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
+                                 STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_TRAIN,
+                                 cohort_size, sample_cohort)
 from fedssa_jax.state import ChunkInputs, Costs, RoundInfo, RunState
 
 PyTree = Any
@@ -79,18 +80,18 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   client.local_train for the family's model."""
-  ids, data_ = inputs.ids, inputs.data
-  seen = inputs.seen[ids]
-  down = jax.vmap(method.download, in_axes=(0, 0, None, 0, 0, None))(
-      params, state, server, ids, seen, inputs.round_index)
-  round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_TRAIN),
-                                 inputs.round_index)
-  keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
+  ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
+  # Each client's view; the round is the same for all (unbatched).
+  view = methods.ClientView(id=ids, seen=inputs.seen[ids], num_samples=n, round=t)
+  view_axes = methods.ClientView(id=0, seen=0, num_samples=0, round=None)
+  down = jax.vmap(method.download, in_axes=(0, 0, None, view_axes))(params, state, server, view)
+  round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_TRAIN), t)
+  keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
   trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
       {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[ids], n, data_)
-  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, 0, 0, None))(
-      trainable, acc, down.ctx, state, seen, n, inputs.round_index)
+  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
+      trainable, acc, down.ctx, state, view)
   stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
            'extra_flops': down.flops + up.flops}
   return up.params, up.state, up.payload, stats
@@ -228,12 +229,16 @@ class Simulator:
     participants = np.zeros((self.num_seeds, self.num_clients), bool)
     for i, c in enumerate(cohorts):
       participants[i, c] = True
-    server = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32),
-                             self.root_keys)
+    agg = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32),
+                          self.root_keys)
+    server = agg.server
     self.phase('aggregate', server)
-    all_stats = self.fetch(chunk_stats)  # one transfer for the round
+    # One transfer for the round: the chunks' statistics, the server's FLOPs and diagnostics.
+    all_stats, server_flops, server_metrics = self.fetch((chunk_stats, agg.flops, agg.metrics))
     infos = [self._round_info(cohorts[i], chunks, [{k: v[i] for k, v in s.items()}
                                                    for s in all_stats], i)
+             .replace(server_flops=float(server_flops[i]),
+                      server_metrics={k: float(v[i]) for k, v in server_metrics.items()})
              for i in range(self.num_seeds)]
     self.phase('host')
     return RunState(round=t + 1, params=tuple(params), client_state=client_state,
@@ -267,10 +272,10 @@ class Simulator:
     return functools.partial(train_chunk, method=self.method,
                              local=self.placement.per_device(local, LOCAL_SPECS))
 
-  def _aggregate_seed(self, server, participants, round_index, root_key):
+  def _aggregate_seed(self, server, participants, round_index, root_key) -> methods.Aggregated:
     """One seed's server rule, with its key of the round (STREAM_AGGREGATE)."""
-    del root_key  # no method draws server randomness yet
-    return self.method.server_aggregate(server, participants, round_index)
+    key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
+    return self.method.server_aggregate(server, participants, round_index, key)
 
   def _round_info(self, cohort: np.ndarray, chunks, chunk_stats, i: int) -> RoundInfo:
     """Seed i's round: per-client stats and counts, from the fetched stats of every chunk."""
@@ -295,7 +300,8 @@ class Simulator:
         client_flops_per_client=flops,
         nonfinite_params=s['nonfinite'].astype(bool),
         header_norm_max=float(s['header_norm_max'].max()),
-        header_norm_mean=float(s['header_norm_sum'].sum() / max(s['header_rows'].sum(), 1)))
+        header_norm_mean=float(s['header_norm_sum'].sum() / max(s['header_rows'].sum(), 1)),
+        server_flops=0.0, server_metrics={})  # the server's: run_round fills them in
 
   # ------------------------------------------------------------------------------------------
   # Evaluation (evaluation.py)

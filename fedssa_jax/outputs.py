@@ -30,7 +30,7 @@ METRICS_FIELDS = (
     'train_loss', 'train_accuracy', 'header_norm_max', 'header_norm_mean', 'participants',
     'up_floats', 'down_floats', 'client_flops',
     'cum_up_floats', 'cum_down_floats', 'cum_floats', 'cum_client_flops', 'method_metrics',
-    'round_seconds', 'elapsed_seconds')
+    'server_flops', 'server_metrics', 'round_seconds', 'elapsed_seconds')
 SUMMARY_FIELDS = (
     'method', 'dataset', 'rounds', 'final_mean_accuracy', 'best_mean_accuracy', 'best_round',
     'final_client_accuracy', 'target_accuracy', 'to_target', 'cum_up_floats',
@@ -203,6 +203,9 @@ def record(sim, state, info, ev) -> dict:
       # A method's further test metrics (e.g. FedProto's nearest-prototype accuracy).
       'method_metrics': {name: float(ev.metrics[name][evaluated].mean())
                          for name in sim.method.eval_metrics},
+      # The server's FLOPs and scalar diagnostics of the round (methods.Aggregated).
+      'server_flops': info.server_flops,
+      'server_metrics': dict(info.server_metrics),
   }
 
 
@@ -221,6 +224,7 @@ def write_record(metrics_path, writer, record) -> None:
     f.write(dump(record) + '\n')
   scalars = {k: v for k, v in record.items() if isinstance(v, float)}
   scalars.update(record['method_metrics'])
+  scalars.update({f'server_{k}': v for k, v in record['server_metrics'].items()})
   scalars['accuracy_q25'], scalars['accuracy_median'], scalars['accuracy_q75'] = (
       np.quantile(record['client_accuracy'], [0.25, 0.5, 0.75]).tolist())
   writer.write_scalars(record['round'], scalars)

@@ -53,7 +53,7 @@ class RunState:
   round: int          # rounds done
   params: tuple       # per family group: the members' stacked models, or the store's table
   client_state: Any   # every client's method state (e.g. FedKD's W_h), or the store's table
-  server: Any         # the method's server state
+  server: Any         # the method's server state (a flax.struct dataclass of the method's)
   costs: Costs        # cumulative costs
 
   def to_saved(self) -> dict:
@@ -86,6 +86,8 @@ class RoundInfo:
   nonfinite_params: np.ndarray  # ... whether its parameters hold a NaN or inf after training
   header_norm_max: float        # over the participants' seen-class header rows, after training
   header_norm_mean: float
+  server_flops: float           # FLOPs the server spent this round (methods.Aggregated)
+  server_metrics: dict          # the server's scalar diagnostics of the round, by name
 
 
 @struct.dataclass

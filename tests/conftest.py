@@ -269,6 +269,24 @@ def clients_loss(method, model, params, ctx, x, y, valid):
           params, ctx, jnp.asarray(x), jnp.asarray(y), jnp.asarray(valid))
 
 
+def client_view(client_id=0, seen=(), num_samples=0, round_index=0):
+  """One client's methods.ClientView, as the engine builds it (int32 scalars, a [C] bool mask)."""
+  from fedssa_jax import methods  # pylint: disable=g-import-not-at-top
+  return methods.ClientView(id=jnp.asarray(client_id, jnp.int32), seen=jnp.asarray(seen, bool),
+                            num_samples=jnp.asarray(num_samples, jnp.int32),
+                            round=jnp.asarray(round_index, jnp.int32))
+
+
+def aggregate(method, server, participants, round_index, jit=False):
+  """method.server_aggregate's new server state (`jit`: run jitted), with a fixed key (which no
+  method draws from), checking that it reports no server FLOPs or diagnostics (no method spends
+  any today)."""
+  fn = jax.jit(method.server_aggregate) if jit else method.server_aggregate
+  agg = fn(server, jnp.asarray(participants), round_index, jax.random.PRNGKey(0))
+  assert float(agg.flops) == 0 and agg.metrics == {}
+  return agg.server
+
+
 def two_rounds_of_uploads(method, server, payload):
   """The server side of two rounds of 5 clients: client 3 uploads in round 0; clients 0, 1 and 2
   in round 1, in two chunks, the first padded with a dummy (client 4's slot).
@@ -279,11 +297,11 @@ def two_rounds_of_uploads(method, server, payload):
     return method.server_receive(server, jnp.asarray(ids), payload(np.asarray(ids)),
                                  jnp.asarray(active))
   server = receive(server, [3], [True])
-  server = method.server_aggregate(server, jnp.asarray(np.arange(n) == 3), 0)
+  server = aggregate(method, server, np.arange(n) == 3, 0)
   server = receive(server, [0, 1, 4], [True, True, False])
   server = receive(server, [2], [True])
   participants = np.isin(np.arange(n), [0, 1, 2])
-  return method.server_aggregate(server, jnp.asarray(participants), 1), participants
+  return aggregate(method, server, participants, 1), participants
 
 
 # Seeds of the tests' random choices, printed at the end of the session so that a failure can be

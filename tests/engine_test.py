@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, data, engine, evaluation
+from fedssa_jax.methods import base
 
 ROUNDS = 3
 
@@ -127,7 +128,7 @@ def test_costs_match_hand_counts(runs):
 def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   sim, state, infos, ev = run(small_config('standalone'), small_ds)
   state = sim.seed_state(state)
-  assert state.server == {}
+  assert state.server == base.NoServer() and not jax.tree.leaves(state.server)
   assert state.costs.up_floats == state.costs.down_floats == 0
   fs_sim, fs_state, fs_infos, fs_ev = runs[1]
   fs_state = fs_sim.seed_state(fs_state)

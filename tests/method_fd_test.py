@@ -8,7 +8,7 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import base, fd
 
-from conftest import (clients_loss, init_clients, log_softmax, padded_batches, rounds,
+from conftest import (client_view, clients_loss, init_clients, log_softmax, padded_batches, rounds,
                       two_rounds_of_uploads)
 
 C = 4
@@ -59,7 +59,7 @@ def test_upload_means_and_floats():
   seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]], bool)
   counts = np.where(seen, rng.integers(1, 9, size=seen.shape), 0).astype(np.float32)
   sums = rng.normal(size=(3, C, C)).astype(np.float32) * counts[:, :, None]
-  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, s, 5, 1))(
+  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, client_view(0, s, 5, 1)))(
       {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}, jnp.asarray(seen))
   for i in range(3):
     assert int(up.floats[i]) == C * seen[i].sum()
@@ -101,8 +101,8 @@ def test_server_rule_equals_loop(exclude_own):
                    [0, 0, 1, 1],    # uploads in round 0 only (class 3 then goes stale)
                    [1, 0, 0, 1]], bool)  # never participates
   server = method.init_server(None, jnp.asarray(seen))
-  down = jax.vmap(method.download, in_axes=(None, None, None, 0, 0, None))(
-      {}, {}, server, jnp.arange(n), jnp.asarray(seen), 0)
+  down = jax.vmap(lambda k, s: method.download({}, {}, server, client_view(k, s, 0, 0)))(
+      jnp.arange(n), jnp.asarray(seen))
   assert not np.asarray(down.ctx['has']).any() and not np.asarray(down.floats).any()  # round 0
 
   rng = np.random.default_rng(2)
@@ -111,8 +111,8 @@ def test_server_rule_equals_loop(exclude_own):
       method, server, lambda ids: {'logits': jnp.asarray(uploads[ids]),
                                    'has': jnp.asarray(seen[ids])})
 
-  down = jax.vmap(method.download, in_axes=(None, None, None, 0, 0, None))(
-      {}, {}, server, jnp.arange(n), jnp.asarray(seen), 2)
+  down = jax.vmap(lambda k, s: method.download({}, {}, server, client_view(k, s, 0, 2)))(
+      jnp.arange(n), jnp.asarray(seen))
   for k in range(n):
     for c in range(C):
       holders = [j for j in range(n) if participants[j] and seen[j, c]]

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import fedclassavg
+from fedssa_jax import methods
+from fedssa_jax.methods import base, fedclassavg
 
-from conftest import assert_floats_each_way, ce_loop, rounds, stack_trees
+from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, rounds,
+                      stack_trees)
 
 C = 4
 VARIANTS = {'standard': (True, 0.07, 0.07), 'official': (False, 100.0, 0.07),
@@ -148,11 +150,12 @@ def test_exchange_and_server_rule_equal_loop(weighting):
   method = make_method(weighting=weighting, n=6)
   server = method.init_server(jax.random.PRNGKey(0), jnp.ones((6, C), bool))
   params = models.init_params(models.make_model('cnn5', C, 'im2col'), jax.random.PRNGKey(1))
-  down = method.download(params, {}, server, 0, jnp.array([1, 0, 1, 0], bool), 0)
-  np.testing.assert_array_equal(np.asarray(down.ctx), np.asarray(server['global']))
+  down = method.download(params, {}, server, client_view(0, jnp.array([1, 0, 1, 0], bool)))
+  np.testing.assert_array_equal(np.asarray(down.ctx), np.asarray(server.global_header))
   np.testing.assert_array_equal(np.asarray(models.header_rows(down.params)),
-                                np.asarray(server['global']))
-  up = method.upload({'model': down.params}, {}, down.ctx, {}, jnp.ones(C, bool), 17, 0)
+                                np.asarray(server.global_header))
+  up = method.upload({'model': down.params}, {}, down.ctx, {},
+                     client_view(0, jnp.ones(C, bool), 17, 0))
   assert int(down.floats) == int(up.floats) == 501 * C
   assert float(up.payload['weight']) == (17.0 if weighting == 'samples' else 1.0)
   assert method.eval_params(params, server, 0) is params  # the post-training local model
@@ -168,9 +171,24 @@ def test_exchange_and_server_rule_equal_loop(weighting):
                                    jnp.asarray(active))
     uploads += [(r, wk) for r, wk, a in zip(rows.astype(np.float64), w, active) if a]
   participants = np.isin(np.arange(6), [1, 4, 2])
-  server = method.server_aggregate(server, jnp.asarray(participants), 0)
+  server = aggregate(method, server, participants, 0)
   want = sum(wk * r for r, wk in uploads) / sum(wk for _, wk in uploads)
-  np.testing.assert_allclose(np.asarray(server['global']), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(server.global_header), want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_method_declares_per_sample_loss():
+  """per_sample_loss has no default: a method that does not say whether its loss couples a
+  batch's samples is refused when built, naming the attribute; SupCon's FedClassAvg says False."""
+  assert not hasattr(base.Method, 'per_sample_loss')
+  for cls in methods.METHODS.values():
+    assert isinstance(cls.per_sample_loss, bool), cls.name
+  assert make_method().per_sample_loss is False
+
+  class Undeclared(base.Method):
+    name = 'undeclared'
+  with pytest.raises(TypeError, match='Undeclared must set the class attribute '
+                                      'per_sample_loss = True or False.*micro-batch'):
+    Undeclared(config_lib.base_config('cifar10'), 3, C)
 
 
 def test_invalid_config_raises():

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import fedkd
+from fedssa_jax.methods import base, fedkd
 
-from conftest import log_softmax, random_params, stack_trees
+from conftest import aggregate, client_view, log_softmax, random_params, stack_trees
 
 C = 4
 
@@ -161,9 +161,9 @@ def test_server_rule_equals_loop():
   method = make_method(num_clients=n)
   rng = np.random.default_rng(2)
   theta = small_tree(rng)
-  server = {'theta': theta, 'inbox_sum': jax.tree_util.tree_map(np.zeros_like, theta),
-            'inbox_count': jnp.int32(0), 'held': jnp.asarray([0, 2, 1, 0, 2], jnp.int32),
-            'last_floats': jnp.int32(7), 'last_rebuild': jnp.float32(0)}
+  server = fedkd.FedKDServer(
+      theta=theta, inbox=base.Inbox.empty(theta), held=jnp.asarray([0, 2, 1, 0, 2], jnp.int32),
+      last_floats=jnp.int32(7), last_rebuild=jnp.float32(0))
   received = []
   for ids, active in (([0, 3, 0], [True, True, False]), ([4], [True])):
     up = small_tree(rng, (len(ids),))
@@ -174,22 +174,22 @@ def test_server_rule_equals_loop():
     received += [jax.tree_util.tree_map(lambda a: a[j], up) for j in range(len(ids)) if active[j]]
   participants = np.zeros(n, bool)
   participants[[0, 3, 4]] = True
-  server = jax.jit(method.server_aggregate)(server, jnp.asarray(participants), t)
+  server = aggregate(method, server, participants, t, jit=True)
 
   energy_t = 0.95 + 0.03 * (t + 1) / 10
   want_floats = 0
   received = [jax.tree_util.tree_leaves(r) for r in received]
   for li, (old, got) in enumerate(zip(jax.tree_util.tree_leaves(theta),
-                                      jax.tree_util.tree_leaves(server['theta']))):
+                                      jax.tree_util.tree_leaves(server.theta))):
     mean = sum(r[li].astype(np.float64) for r in received) / len(received)
     rebuilt, f, _ = numpy_compress(mean, energy_t)
     want_floats += f
     np.testing.assert_allclose(np.asarray(got), old + rebuilt, rtol=1e-4, atol=1e-5)
   assert want_floats < 30 * 12 + 12 + 150 * 3  # the fc kernel went compressed
-  assert int(server['last_floats']) == want_floats
-  np.testing.assert_array_equal(np.asarray(server['held']), [3, 2, 1, 3, 3])
-  assert int(server['inbox_count']) == 0
-  assert all(not np.asarray(l).any() for l in jax.tree_util.tree_leaves(server['inbox_sum']))
+  assert int(server.last_floats) == want_floats
+  np.testing.assert_array_equal(np.asarray(server.held), [3, 2, 1, 3, 3])
+  assert int(server.inbox.weight) == 0 and server.inbox.weight.dtype == jnp.int32
+  assert all(not np.asarray(l).any() for l in jax.tree_util.tree_leaves(server.inbox.sum))
 
 
 @pytest.mark.slow  # SVDs and charges, op by op: many small programs
@@ -199,8 +199,8 @@ def test_download_charges_and_upload():
   p5 = method.mentee_floats
   rng = np.random.default_rng(3)
   theta = random_params(method.mentee_model, 0)
-  server = {'theta': theta, 'inbox_sum': theta, 'inbox_count': jnp.int32(0),
-            'held': None, 'last_floats': jnp.int32(12_345), 'last_rebuild': jnp.float32(1e6)}
+  server = fedkd.FedKDServer(theta=theta, inbox=base.Inbox(theta, jnp.int32(0)), held=None,
+                             last_floats=jnp.int32(12_345), last_rebuild=jnp.float32(1e6))
   state = jax.vmap(method.init_client_state)(jax.random.split(jax.random.PRNGKey(0), n))
   w = np.asarray(state['w_h'])
   assert w.shape == (n, 500, 500) and np.abs(w).max() <= 500 ** -0.5 and w.std() > 0.02
@@ -211,9 +211,10 @@ def test_download_charges_and_upload():
   # Delta_bar_2; the others hold older thetas and are charged P_5 dense.
   for t, held, want in ((0, [0] * n, [0] * n), (1, [0] * n, [12_345] * n),
                         (3, [0, 2, 1, 0, 2], [p5, 12_345, p5, p5, 12_345])):
-    server['held'] = jnp.asarray(held, jnp.int32)
+    server = server.replace(held=jnp.asarray(held, jnp.int32))
     for k in range(n):
-      down = method.download(params, {'w_h': state['w_h'][k]}, server, k, seen, t)
+      down = method.download(params, {'w_h': state['w_h'][k]}, server,
+                             client_view(k, seen, 0, t))
       assert int(down.floats) == want[k] and down.floats.dtype == jnp.int32, (t, k)
       assert float(down.flops) == (1e6 + p5 if want[k] == 12_345 else 0.0)
       np.testing.assert_array_equal(np.asarray(down.aux['w_h']), w[k])
@@ -222,7 +223,8 @@ def test_download_charges_and_upload():
   mentee = jax.tree_util.tree_map(lambda a: a + 0.01 * jnp.asarray(
       rng.normal(size=a.shape), jnp.float32), theta)
   trainable = {'model': params, 'mentee': mentee, 'w_h': state['w_h'][4] + 1.0}
-  up = method.upload(trainable, {}, theta, {'w_h': state['w_h'][4]}, seen, 9, 3)
+  up = method.upload(trainable, {}, theta, {'w_h': state['w_h'][4]},
+                     client_view(4, seen, 9, 3))
   want_payload, want_floats = fedkd.compress_update(
       jax.tree_util.tree_map(jnp.subtract, mentee, theta), method.threshold(3))[:2]
   assert int(up.floats) == int(want_floats) and 1048 + C < int(up.floats) <= p5
@@ -244,7 +246,7 @@ def test_engine_round_trip(small_sim):
   held = np.zeros(c.num_clients, int)
   charged = set()
   for t in range(c.num_rounds):
-    last = int(sim.seed_state(state).server['last_floats'])
+    last = int(sim.seed_state(state).server.last_floats)
     state, (info,) = sim.run_round(state)
     assert np.isfinite(info.train_loss)
     want_down = [0 if t == 0 else last if held[k] == t - 1 else p5 for k in info.cohort]
@@ -253,9 +255,10 @@ def test_engine_round_trip(small_sim):
     up = info.client_up_floats
     assert np.all((up > 1048 + 10) & (up <= p5))
     held[info.cohort] = t
-    np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server['held']), held)
+    np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server.held), held)
   assert charged == {'zero', 'delta', 'dense'}
-  assert 0 < int(sim.seed_state(state).server['last_floats']) <= p5
-  assert np.asarray(sim.seed_state(state).client_state['w_h']).shape == (c.num_clients, 500, 500)
+  last = sim.seed_state(state)
+  assert 0 < int(last.server.last_floats) <= p5
+  assert np.asarray(last.client_state['w_h']).shape == (c.num_clients, 500, 500)
   ev = sim.evaluate(state)
   assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN

@@ -8,7 +8,7 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import fedproto
 
-from conftest import (clients_loss, init_clients, log_softmax, padded_batches, rounds,
+from conftest import (client_view, clients_loss, init_clients, log_softmax, padded_batches, rounds,
                       two_rounds_of_uploads)
 
 C, D = 4, models.REPR_DIM
@@ -63,7 +63,7 @@ def test_upload_prototypes_counts_and_floats():
   n_kc = np.where(seen, rng.integers(1, 9, size=seen.shape), 0)
   counts = (epochs * n_kc).astype(np.float32)  # E epochs over every sample
   sums = rng.normal(size=(3, C, D)).astype(np.float32) * counts[:, :, None]
-  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, s, 5, 1))(
+  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, client_view(0, s, 5, 1)))(
       {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}, jnp.asarray(seen))
   for i in range(3):
     assert int(up.floats[i]) == D * seen[i].sum()
@@ -100,13 +100,13 @@ def test_server_rule_and_download_floats_equal_loop(weighting):
     if holders:
       w = n_kc[holders, c] if weighting == 'samples' else np.ones(len(holders))
       want = (w[:, None] * protos[holders, c]).sum(0) / w.sum()
-      np.testing.assert_allclose(np.asarray(server['protos'][c]), want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(server['avail']), want_avail)
+      np.testing.assert_allclose(np.asarray(server.protos[c]), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(server.avail), want_avail)
   assert not want_avail[3]  # no memory: client 3's round-0 prototype is gone
 
   for inf, m in methods_.items():
-    down = jax.vmap(m.download, in_axes=(None, None, None, 0, 0, None))(
-        {}, {}, server, jnp.arange(n), jnp.asarray(seen), 2)
+    down = jax.vmap(lambda k, s: m.download({}, {}, server, client_view(k, s, 0, 2)))(
+        jnp.arange(n), jnp.asarray(seen))
     for k in range(n):
       rows = (seen[k] & want_avail).sum() if inf == 'classifier' else want_avail.sum()
       assert int(down.floats[k]) == D * rows
@@ -124,7 +124,8 @@ def test_nearest_prototype_accuracy_equals_loop():
   valid = np.ones((k, b), bool)
   valid[1, -3:] = False
   for avail in (np.array([1, 0, 1, 1], bool), np.zeros(C, bool)):
-    server = {'protos': jnp.asarray(protos), 'avail': jnp.asarray(avail)}
+    server = method.init_server(None, None).replace(protos=jnp.asarray(protos),
+                                                    avail=jnp.asarray(avail))
     got = jax.vmap(lambda r, y, v: method.eval_extra(server, 0, None, r, y, v))(
         jnp.asarray(rep), jnp.asarray(y), jnp.asarray(valid))['prototype_accuracy']
     for i in range(k):
@@ -161,7 +162,7 @@ def test_engine_smoke(small_sim):
   avail = sim.seen[0][info0.cohort].any(0)  # held by a round-0 participant
   np.testing.assert_array_equal(info1.client_down_floats,
                                 D * (sim.seen[0][info1.cohort] & avail).sum(1))
-  np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server['avail']),
+  np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server.avail),
                                 sim.seen[0][info1.cohort].any(0))
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()
   assert 'prototype_accuracy' in ev.metrics and np.all((0 <= ev.metrics['prototype_accuracy'])

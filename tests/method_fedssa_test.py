@@ -11,7 +11,7 @@ import pytest
 from fedssa_jax import client, config_lib, engine, models
 from fedssa_jax.methods import fedssa
 
-from conftest import params_of, rounds
+from conftest import aggregate, client_view, params_of, rounds
 
 
 def test_mu_schedule_hand_computed():
@@ -55,8 +55,8 @@ def test_server_round_equals_per_class_loop(scope):
   method = make_method(scope, n, s)
   server = method.init_server(jax.random.PRNGKey(0), jnp.asarray(seen))
   prev_global = rng.normal(size=(s, 501)).astype(np.float32)
-  server['global'] = jnp.asarray(prev_global)
-  server['avail'] = jnp.asarray([True, False, True, True, True])
+  server = server.replace(global_rows=jnp.asarray(prev_global),
+                          avail=jnp.asarray([True, False, True, True, True]))
   # Round A: clients 0, 1, 2 upload; round B: clients 3, 4 upload (5 never does). A chunk
   # padded with a dummy (active False) must change nothing.
   table = np.zeros((n, s, 501), np.float32)
@@ -70,7 +70,7 @@ def test_server_round_equals_per_class_loop(scope):
         table[i], uploaded[i] = u, True
   participants = np.zeros(n, bool)
   participants[[3, 4]] = True
-  server = method.server_aggregate(server, jnp.asarray(participants), 0)
+  server = aggregate(method, server, participants, 0)
 
   owners = uploaded if scope == 'all_owners' else participants
   want = prev_global.copy()
@@ -80,23 +80,23 @@ def test_server_round_equals_per_class_loop(scope):
     if rows:
       want[c] = np.mean(rows, axis=0)
       want_avail[c] = True
-  np.testing.assert_allclose(np.asarray(server['global']), want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(server['avail']), want_avail)
-  np.testing.assert_array_equal(np.asarray(server['uploaded']), uploaded)
+  np.testing.assert_allclose(np.asarray(server.global_rows), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(server.avail), want_avail)
+  np.testing.assert_array_equal(np.asarray(server.uploaded), uploaded)
 
 
 def test_comm_and_fusion_counts():
   method = make_method('all_owners', 3, 4)
   seen = jnp.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 0, 1]], bool)
   server = method.init_server(jax.random.PRNGKey(0), seen)
-  server['avail'] = jnp.array([True, False, True, True])
+  server = server.replace(avail=jnp.array([True, False, True, True]))
   model = models.make_model('cnn5', 4)
   params = models.init_params(model, jax.random.PRNGKey(1))
   for k, (want_down, want_up) in enumerate([(1, 2), (2, 3), (2, 2)]):
-    down = method.download(params, {}, server, k, seen[k], 0)
+    down = method.download(params, {}, server, client_view(k, seen[k], 0, 0))
     assert int(down.floats) == 501 * want_down
     assert float(down.flops) == 3 * 501 * want_down  # convex fusion: 3 ops per element
-    up = method.upload({'model': down.params}, {}, (), {}, seen[k], 5, 0)
+    up = method.upload({'model': down.params}, {}, (), {}, client_view(k, seen[k], 5, 0))
     assert int(up.floats) == 501 * want_up
 
 
@@ -110,10 +110,10 @@ def test_initial_global_header_is_a_client_header_draw_from_the_server_key(initi
   if initial_header:
     fc3 = models.Dense(10).init(key, jnp.zeros((1, 500)))['params']  # a client's fc3 init
     want = np.concatenate([fc3['kernel'].T, fc3['bias'][:, None]], axis=1)
-    np.testing.assert_array_equal(np.asarray(server['global']), want)
-    assert np.abs(want).max() <= 1 / math.sqrt(500) and np.asarray(server['avail']).all()
+    np.testing.assert_array_equal(np.asarray(server.global_rows), want)
+    assert np.abs(want).max() <= 1 / math.sqrt(500) and np.asarray(server.avail).all()
   else:
-    assert not np.asarray(server['global']).any() and not np.asarray(server['avail']).any()
+    assert not np.asarray(server.global_rows).any() and not np.asarray(server.avail).any()
 
 
 @pytest.mark.slow  # a simulator compiled and run
@@ -154,8 +154,8 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
       if owners:
         glob[c] = np.mean(owners, axis=0)
     assert info.down_floats == down and info.up_floats == 501 * seen[cohort].sum()
-    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server['global']), glob, rtol=2e-4,
-                               atol=2e-5)
+    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server.global_rows), glob,
+                               rtol=2e-4, atol=2e-5)
     for k in cohort:
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
                    params_of(sim, state.params, k), params[k])

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import fml
+from fedssa_jax.methods import base, fml
 
-from conftest import assert_floats_each_way, log_softmax, random_params, rounds, stack_trees
+from conftest import (aggregate, assert_floats_each_way, client_view, log_softmax,
+                      random_params, rounds, stack_trees)
 
 C = 4
 
@@ -27,14 +28,15 @@ def test_p5_counted_from_params_and_floats_each_way():
   assert method.meme_floats == p5
   server_shapes = jax.eval_shape(method.init_server, jax.random.PRNGKey(1),
                                  jnp.ones((5, C), bool))
-  assert models.param_count(server_shapes['meme']) == p5
+  assert models.param_count(server_shapes.meme) == p5
   params = random_params(models.make_model('cnn4', C, 'im2col'), 0)
   meme = random_params(method.meme_model, 1)
-  server = {'meme': meme, 'inbox_sum': meme, 'inbox_count': jnp.int32(0)}
-  down = method.download(params, {}, server, 2, jnp.ones(C, bool), 0)
+  server = fml.FMLServer(meme=meme, inbox=base.Inbox(meme, jnp.int32(0)))
+  down = method.download(params, {}, server, client_view(2, jnp.ones(C, bool), 0, 0))
   assert int(down.floats) == p5 and down.floats.dtype == jnp.int32
   assert down.aux['meme'] is meme and down.params is params
-  up = method.upload({'model': params, **down.aux}, {}, (), {}, jnp.ones(C, bool), 7, 0)
+  up = method.upload({'model': params, **down.aux}, {}, (), {},
+                     client_view(2, jnp.ones(C, bool), 7, 0))
   assert int(up.floats) == p5 and up.floats.dtype == jnp.int32
   assert up.payload is meme and up.params is params and up.state == {}
 
@@ -102,9 +104,8 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
   n = 5
   method = make_method(num_clients=n)
   meme = random_params(method.meme_model, 0)
-  server = {'meme': meme, 'inbox_sum': jax.tree_util.tree_map(jnp.zeros_like, meme),
-            'inbox_count': jnp.int32(0)}
-  old = jax.tree_util.tree_map(np.asarray, server['meme'])
+  server = fml.FMLServer(meme=meme, inbox=base.Inbox.empty(meme))
+  old = jax.tree_util.tree_map(np.asarray, server.meme)
   rng = np.random.default_rng(1)
   leaves, treedef = jax.tree_util.tree_flatten(old)
 
@@ -121,16 +122,16 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
     received += [[u[j] for u in up] for j in range(len(ids)) if active[j]]
   participants = np.zeros(n, bool)
   participants[[0, 3, 4]] = True
-  server = jax.jit(method.server_aggregate)(server, jnp.asarray(participants), 0)
-  for li, got in enumerate(jax.tree_util.tree_leaves(server['meme'])):
+  server = aggregate(method, server, participants, 0, jit=True)
+  for li, got in enumerate(jax.tree_util.tree_leaves(server.meme)):
     want = sum(r[li].astype(np.float64) for r in received) / len(received)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-  assert int(server['inbox_count']) == 0
-  assert all(not np.asarray(l).any() for l in jax.tree_util.tree_leaves(server['inbox_sum']))
+  assert int(server.inbox.weight) == 0 and server.inbox.weight.dtype == jnp.int32
+  assert all(not np.asarray(l).any() for l in jax.tree_util.tree_leaves(server.inbox.sum))
   # A round without participants keeps the meme.
-  again = method.server_aggregate(server, jnp.zeros(n, bool), 1)
-  for a, b in zip(jax.tree_util.tree_leaves(again['meme']),
-                  jax.tree_util.tree_leaves(server['meme'])):
+  again = aggregate(method, server, np.zeros(n, bool), 1)
+  for a, b in zip(jax.tree_util.tree_leaves(again.meme),
+                  jax.tree_util.tree_leaves(server.meme)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -143,12 +144,12 @@ def test_engine_round_trip(small_sim):
   for fam, fps in sim.flops_per_sample.items():
     assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5'))
   state = sim.init_state()
-  meme0 = jax.tree_util.tree_map(np.asarray, sim.seed_state(state).server['meme'])
+  meme0 = jax.tree_util.tree_map(np.asarray, sim.seed_state(state).server.meme)
   for state, info in rounds(sim, c.num_rounds, state):
     assert np.isfinite(info.train_loss)
     assert_floats_each_way(info, p5)
   assert state.costs.up_floats[0] == state.costs.down_floats[0] == 2 * 2 * p5
-  meme = sim.seed_state(state).server['meme']
+  meme = sim.seed_state(state).server.meme
   old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(meme)
   assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved
   ev = sim.evaluate(state)

@@ -10,7 +10,8 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.methods import base, lg_fedavg
 
-from conftest import assert_floats_each_way, ce_loop, params_of, rounds, stack_trees
+from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, params_of,
+                      rounds, stack_trees)
 
 C = 4
 
@@ -33,12 +34,12 @@ def test_invalid_weighting_raises():
 def test_initial_global_header_is_a_client_header_init():
   method = make_method()
   server = method.init_server(jax.random.PRNGKey(3), jnp.ones((6, C), bool))
-  g = np.asarray(server['global'])
+  g = np.asarray(server.global_header)
   assert g.shape == (C, 501)
   bound = 1 / math.sqrt(500)  # PyTorch's Linear(500, C) init, weights and bias alike
   assert np.abs(g).max() <= bound and np.abs(g).max() > 0.9 * bound
   assert np.abs(g[:, -1]).max() > 0  # the bias is random too, not zero
-  again = method.init_server(jax.random.PRNGKey(3), jnp.ones((6, C), bool))['global']
+  again = method.init_server(jax.random.PRNGKey(3), jnp.ones((6, C), bool)).global_header
   np.testing.assert_array_equal(np.asarray(again), g)
   # The same draw as models.Dense(C), i.e. a client's fc3, from the same key.
   fc3 = models.Dense(C).init(jax.random.PRNGKey(3), jnp.zeros((1, 500)))['params']
@@ -49,27 +50,28 @@ def test_initial_global_header_is_a_client_header_init():
 def test_download_upload_over_vmapped_clients(weighting):
   method = make_method(weighting)
   server = method.init_server(jax.random.PRNGKey(0), jnp.ones((6, C), bool))
-  server['global'] = jax.random.normal(jax.random.PRNGKey(9), (C, 501))
+  server = server.replace(global_header=jax.random.normal(jax.random.PRNGKey(9), (C, 501)))
   params = [client_params(k) for k in range(3)]
   stacked = stack_trees(params)
   seen = jnp.array([[1, 0, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0]], bool)
-  down = jax.vmap(method.download, in_axes=(0, None, None, 0, 0, None))(
-      stacked, {}, server, jnp.arange(3), seen, 0)
+  down = jax.vmap(lambda p, k, s: method.download(p, {}, server, client_view(k, s, 0, 0)))(
+      stacked, jnp.arange(3), seen)
   n = jnp.array([7, 0, 12], jnp.int32)
-  up = jax.vmap(method.upload, in_axes=(0, None, None, None, 0, 0, None))(
-      {'model': down.params}, {}, down.ctx, {}, seen, n, 0)
+  up = jax.vmap(lambda t, k, s, nk: method.upload(t, {}, down.ctx, {},
+                                                  client_view(k, s, nk, 0)))(
+      {'model': down.params}, jnp.arange(3), seen, n)
   for k in range(3):
     got = jax.tree_util.tree_map(lambda a: a[k], down.params)
     # The whole header, unseen-class rows included, becomes the global header ...
     np.testing.assert_array_equal(np.asarray(models.header_rows(got)),
-                                  np.asarray(server['global']))
+                                  np.asarray(server.global_header))
     for name in ('conv1', 'conv2', 'fc1', 'fc2'):  # ... and the extractor is untouched.
       for leaf in ('kernel', 'bias'):
         np.testing.assert_array_equal(np.asarray(got[name][leaf]),
                                       np.asarray(params[k][name][leaf]))
     assert int(down.floats[k]) == 501 * C and int(up.floats[k]) == 501 * C  # 2,004 each way
     np.testing.assert_array_equal(np.asarray(up.payload['rows'][k]),
-                                  np.asarray(server['global']))
+                                  np.asarray(server.global_header))
     want_w = float(n[k]) if weighting == 'samples' else 1.0
     assert float(up.payload['weight'][k]) == want_w
   assert down.floats.dtype == jnp.int32 and up.floats.dtype == jnp.int32
@@ -83,18 +85,18 @@ def receive_and_aggregate(method, server, rng, n_clients):
     weight = rng.integers(1, 50, size=len(ids)).astype(np.float32)
     if method.weighting == 'uniform':
       weight = np.ones_like(weight)
-    before = np.asarray(server['global'])
+    before = np.asarray(server.global_header)
     server = method.server_receive(server, jnp.asarray(ids),
                                    {'rows': jnp.asarray(rows), 'weight': jnp.asarray(weight)},
                                    jnp.asarray(active))
     # Receiving must not change what later chunks of the round download.
-    np.testing.assert_array_equal(np.asarray(server['global']), before)
+    np.testing.assert_array_equal(np.asarray(server.global_header), before)
     for i, a, r, w in zip(ids, active, rows, weight):
       if a:
         uploads[i] = (r.astype(np.float64), float(w))
   participants = np.zeros(n_clients, bool)
   participants[list(uploads)] = True
-  server = method.server_aggregate(server, jnp.asarray(participants), 0)
+  server = aggregate(method, server, participants, 0)
   num = sum(w * r for r, w in uploads.values())
   den = sum(w for _, w in uploads.values())
   return server, num / den, uploads
@@ -107,45 +109,58 @@ def test_server_rule_equals_loop(weighting):
   rng = np.random.default_rng(0)
   server, want, uploads = receive_and_aggregate(method, server, rng, 6)
   assert sorted(uploads) == [0, 2, 3, 4]  # the dummy (client 5) is dropped
-  np.testing.assert_allclose(np.asarray(server['global']), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(server.global_header), want, rtol=1e-5, atol=1e-6)
   if weighting == 'uniform':
     np.testing.assert_allclose(want, np.mean([r for r, _ in uploads.values()], axis=0))
   # The inbox is emptied; a round without uploads keeps H_g.
-  assert float(server['inbox_weight']) == 0 and not np.asarray(server['inbox']).any()
-  again = method.server_aggregate(server, jnp.zeros(6, bool), 1)
-  np.testing.assert_array_equal(np.asarray(again['global']), np.asarray(server['global']))
+  assert float(server.inbox.weight) == 0 and not np.asarray(server.inbox.sum).any()
+  assert server.inbox.weighted and server.inbox.weight.dtype == jnp.float32
+  again = aggregate(method, server, np.zeros(6, bool), 1)
+  np.testing.assert_array_equal(np.asarray(again.global_header),
+                                np.asarray(server.global_header))
   # A second round averages only its own uploads.
   server, want2, _ = receive_and_aggregate(method, again, rng, 6)
-  np.testing.assert_allclose(np.asarray(server['global']), want2, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(server.global_header), want2, rtol=1e-5, atol=1e-6)
 
 
 def test_weighted_inbox_hand_computed():
-  """base.WEIGHTED, the LG-FedAvg and FedClassAvg inbox: a chunk's active uploads are summed,
-  each counting its float weight, under the keys and dtypes their checkpoints hold."""
-  server = base.WEIGHTED.empty(jnp.zeros((1, 2)))
-  assert set(server) == {'inbox', 'inbox_weight'} and server['inbox_weight'].dtype == jnp.float32
+  """A weighted base.Inbox, the LG-FedAvg and FedClassAvg inbox: a chunk's active uploads are
+  summed, each counting its float weight, under the fields and dtypes their checkpoints hold;
+  a counted one (FML's, FedKD's) counts each active upload 1, in int32."""
+  inbox = base.Inbox.empty(jnp.zeros((1, 2)), weighted=True)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(inbox)]
+  assert paths == ['.sum', '.weight'] and inbox.weight.dtype == jnp.float32 and inbox.weighted
   rows = jnp.asarray([[[1., 2.]], [[3., 4.]], [[100., 100.]]])
-  server = base.WEIGHTED.add(server, rows, jnp.asarray([True, True, False]),  # 3rd: padding
-                             jnp.asarray([1., 3., 7.]))
-  server = base.WEIGHTED.add(server, rows[:1], jnp.asarray([True]), jnp.asarray([4.]))
-  assert float(server['inbox_weight']) == 8.0
-  np.testing.assert_array_equal(np.asarray(server['inbox']), [[14., 22.]])
-  mean, any_ = base.WEIGHTED.mean(server)
+  inbox = inbox.add(rows, jnp.asarray([True, True, False]),  # 3rd: padding
+                    jnp.asarray([1., 3., 7.]))
+  inbox = inbox.add(rows[:1], jnp.asarray([True]), jnp.asarray([4.]))
+  assert float(inbox.weight) == 8.0
+  np.testing.assert_array_equal(np.asarray(inbox.sum), [[14., 22.]])
+  mean, any_ = inbox.mean()
   assert bool(any_)
   np.testing.assert_array_equal(np.asarray(mean), [[1.75, 2.75]])
+  cleared = inbox.cleared()
+  assert cleared.weighted and float(cleared.weight) == 0 and not np.asarray(cleared.sum).any()
+  counted = base.Inbox.empty(jnp.zeros((1, 2)))
+  assert not counted.weighted and counted.weight.dtype == jnp.int32
+  counted = counted.add(rows, jnp.asarray([True, True, False]))
+  assert int(counted.weight) == 2 and counted.weight.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(counted.sum), [[4., 6.]])
+  np.testing.assert_array_equal(np.asarray(counted.mean()[0]), [[2., 3.]])
 
 
 def test_eval_uses_local_extractor_with_global_header():
   method = make_method()
   model = models.make_model('cnn5', C, 'im2col')
   params = client_params(1)
-  server = {'global': jax.random.normal(jax.random.PRNGKey(2), (C, 501))}
+  server = method.init_server(jax.random.PRNGKey(0), None).replace(
+      global_header=jax.random.normal(jax.random.PRNGKey(2), (C, 501)))
   ev = method.eval_params(params, server, 0)
   x = jax.random.normal(jax.random.PRNGKey(4), (3, 32, 32, 3))
   logits, rep = model.apply({'params': ev}, x)
   _, rep_own = model.apply({'params': params}, x)
   np.testing.assert_allclose(np.asarray(rep), np.asarray(rep_own), rtol=1e-6)
-  g = np.asarray(server['global'], np.float64)
+  g = np.asarray(server.global_header, np.float64)
   want = np.asarray(rep, np.float64) @ g[:, :-1].T + g[:, -1]
   np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-5, atol=1e-5)
 
@@ -176,7 +191,7 @@ def test_one_round_through_the_engine(small_sim):
       rows.append(np.asarray(models.header_rows(p), np.float64))
       weights.append(sim.train_n[0][k])
     want = np.tensordot(weights, rows, axes=1) / np.sum(weights)
-    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server['global']), want, rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server.global_header), want,
+                               rtol=1e-4, atol=1e-6)
   ev = sim.evaluate(state)
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

@@ -249,6 +249,19 @@ def test_runs_from_before_the_initial_header_resume_only_at_their_behaviour(tmp_
       str(tmp_path))
 
 
+def test_checkpoints_of_another_state_layout_are_refused_naming_the_fix(tmp_path):
+  """A checkpoint from before the typed server states (no state_format) is refused before
+  anything loads, with what to do; one of this layout resumes."""
+  meta = checkpoint.run_meta(tiny(), '0' * 16)
+  assert meta['state_format'] == checkpoint.STATE_FORMAT == 2
+  checkpoint.check_resumable(meta, tiny(), str(tmp_path))
+  del meta['state_format']
+  with pytest.raises(config_lib.ConfigError) as e:
+    checkpoint.check_resumable(meta, tiny(), str(tmp_path))
+  assert 'layout 1, and this code reads layout 2' in str(e.value)
+  assert 'Finish the run with the code that started it, or use a new --workdir' in str(e.value)
+
+
 def test_existing_configs_stay_valid():
   for dataset in ('cifar10', 'cifar100'):
     for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):

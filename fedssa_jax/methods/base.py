@@ -1,24 +1,31 @@
-"""The interface every federated method implements, and that the engine drives.
+"""The interface every federated method implements, and that the engine drives
+(docs/algorithm.md §9, "Adding a method").
 
 A round, as the engine runs it (engine.py), for each sampled client k (vmapped within a chunk of
 one model family) and then once on the server:
 
-    d        = method.download(params_k, state_k, server, k, seen_k, t)     # Download
+    v        = ClientView(id=k, seen=S_k, num_samples=n_k, round=t)
+    d        = method.download(params_k, state_k, server, v)                  # Download
     trained  = local training of {'model': d.params, **d.aux} with method.loss(..., d.ctx, ...),
                summing the loss's per-step statistics into an accumulator (method.init_acc())
-    u        = method.upload(trained..., acc, d.ctx, state_k, seen_k, n_k, t)  # Upload
+    u        = method.upload(trained..., acc, d.ctx, state_k, v)              # Upload
     server   = method.server_receive(server, client_ids, u.payload, active)
     ...
-    server   = method.server_aggregate(server, participants, t)             # once per round
+    a        = method.server_aggregate(server, participants, t, key)          # Aggregated, once
+                                                                              # per round
 
 - `params_k` is the client's own model (its family's architecture, kept by the engine);
   `state_k` is any other per-client state the method keeps (the same shape for every client, so
   the engine stores it as one array over all N clients), e.g. FedKD's W_h.
+- `v` (ClientView) is what a client hook may know of its client; a hook reads only what it needs.
 - `d.aux` holds extra models trained jointly with the client's own (FML's meme, FedKD's
   mentee): every top-level entry of {'model': ..., **aux} gets its own optimizer state.
 - `d.ctx` holds constants of the round's loss (global logits, prototypes, the global header).
 - The floats each side sends are counted where the exchange happens (`Download.floats`,
-  `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`).
+  `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`), and the server's
+  FLOPs and diagnostics of the round (`Aggregated.flops`, `.metrics`).
+- The server state is a flax.struct dataclass of the method's own (one per method, with named
+  fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
 Everything runs under jit: the client hooks on one client (the engine vmaps them), the server
 hooks on the whole population. Server and client states are pytrees of arrays, so they can be
@@ -32,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import struct
 
 from fedssa_jax import client
 
@@ -56,6 +64,27 @@ class Upload(NamedTuple):
   payload: PyTree = {}    # what the server receives
   floats: jax.Array = ZERO_I  # floats sent
   flops: jax.Array = ZERO_F   # client FLOPs spent on the upload (e.g. FedKD's SVDs)
+
+
+class Aggregated(NamedTuple):
+  server: PyTree              # the server state after the round's rule
+  flops: jax.Array = ZERO_F   # server FLOPs spent this round
+  metrics: dict = {}          # scalar diagnostics of the round (e.g. a server-side loss)
+
+
+@struct.dataclass
+class ClientView:
+  """What a client hook knows of the client it runs for (the engine vmaps the hooks over a
+  chunk's clients, so each field is one client's)."""
+  id: jax.Array           # int32 client id
+  seen: jax.Array         # [C] bool: the classes the client holds (S_k)
+  num_samples: jax.Array  # int32 training samples this round (n_k; 0 for a padding dummy)
+  round: jax.Array        # int32 global round index t
+
+
+@struct.dataclass
+class NoServer:
+  """The server state of a method that keeps none (Standalone)."""
 
 
 def empty_class_sums(num_classes: int, dim: int) -> dict:
@@ -101,27 +130,33 @@ def masked_mean(uploads, mask, weights=None):
   return total_sum / jnp.where(total > 0, total, 1.0)[:, None], total > 0
 
 
-class Inbox(NamedTuple):
+@struct.dataclass
+class Inbox:
   """Where a server collects a round's whole uploads (FML's memes, FedKD's updates, the
   LG-FedAvg and FedClassAvg headers): summed in server_receive as chunks arrive, so no [N, ...]
-  table of whole models is kept, and divided once in server_aggregate.
+  table of whole models is kept, and divided once in server_aggregate. A field of the method's
+  server state.
 
-  Each upload counts 1 (an int32 count) or, `weighted`, its own float weight (e.g. n_k). The
-  two kinds keep their own state keys and their own sums (a masked sum, or a weighted
-  contraction): the keys are what checkpoints hold, and either sum is the arithmetic the
-  methods' results were made with. COUNTED and WEIGHTED are the two inboxes."""
-  sum_key: str      # the server-state key of the sum of uploads ...
-  weight_key: str   # ... and of the sum of their weights
-  weighted: bool
+  Each upload counts 1 (an int32 count; `weighted` False) or its own float weight (e.g. n_k;
+  `weighted` True). The two kinds keep their own sums (a masked sum, or a weighted contraction):
+  either is the arithmetic the methods' results were made with."""
+  sum: PyTree        # the sum of the round's uploads (a pytree shaped like one upload) ...
+  weight: jax.Array  # ... and of their weights (int32 count, or float32 total weight)
+  weighted: bool = struct.field(pytree_node=False, default=False)
 
-  def empty(self, like) -> dict:
+  @classmethod
+  def empty(cls, like, weighted: bool = False) -> Inbox:
     """An empty inbox for uploads shaped like `like` (a pytree)."""
-    return {self.sum_key: jax.tree_util.tree_map(jnp.zeros_like, like),
-            self.weight_key: jnp.zeros((), jnp.float32 if self.weighted else jnp.int32)}
+    return cls(jax.tree_util.tree_map(jnp.zeros_like, like),
+               jnp.zeros((), jnp.float32 if weighted else jnp.int32), weighted)
 
-  def add(self, server, payloads, active, weights=None) -> dict:
-    """Adds a chunk's uploads (leading axis), of its active clients, to the server's inbox;
-    `weights` [chunk] are the uploads' weights (a weighted inbox only)."""
+  def cleared(self) -> Inbox:
+    """An empty inbox of the same kind and shapes (for the next round)."""
+    return Inbox.empty(self.sum, self.weighted)
+
+  def add(self, payloads, active, weights=None) -> Inbox:
+    """Adds a chunk's uploads (leading axis), of its active clients; `weights` [chunk] are the
+    uploads' weights (a weighted inbox only)."""
     if self.weighted:
       w = jnp.where(active, weights, 0.0)
       chunk_sum = jax.tree_util.tree_map(lambda a: jnp.tensordot(w, a, axes=1), payloads)
@@ -129,21 +164,15 @@ class Inbox(NamedTuple):
       chunk_sum = jax.tree_util.tree_map(
           lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
           payloads)
-    total_sum = jax.tree_util.tree_map(jnp.add, server[self.sum_key], chunk_sum)
     chunk_weight = w.sum() if self.weighted else active.sum(dtype=jnp.int32)
-    return {**server, self.sum_key: total_sum,
-            self.weight_key: server[self.weight_key] + chunk_weight}
+    return self.replace(sum=jax.tree_util.tree_map(jnp.add, self.sum, chunk_sum),
+                        weight=self.weight + chunk_weight)
 
-  def mean(self, server):
+  def mean(self):
     """(the (weighted) mean of the round's uploads, whether any arrived)."""
-    total = server[self.weight_key]
-    mean = jax.tree_util.tree_map(lambda s: s / jnp.where(total > 0, total, 1.0),
-                                  server[self.sum_key])
+    total = self.weight
+    mean = jax.tree_util.tree_map(lambda s: s / jnp.where(total > 0, total, 1.0), self.sum)
     return mean, total > 0
-
-
-COUNTED = Inbox('inbox_sum', 'inbox_count', weighted=False)
-WEIGHTED = Inbox('inbox', 'inbox_weight', weighted=True)
 
 
 def store_rows(table, client_ids, rows, active):
@@ -161,10 +190,18 @@ class Method:
   config_section: str | None = None
   num_views = 1  # augmented views of each training batch the loss receives
   # Is the loss a mean of per-sample terms? Then a step's gradient may be summed over smaller
-  # passes (client.TrainConfig.micro_batch). Not for losses coupling a batch's samples.
-  per_sample_loss = True
+  # passes (client.TrainConfig.micro_batch). False for a loss that couples a batch's samples
+  # (contrastive pairs, batch statistics). No default: every method declares it.
+  per_sample_loss: bool
 
   def __init__(self, config, num_clients: int, num_classes: int):
+    if not isinstance(getattr(type(self), 'per_sample_loss', None), bool):
+      raise TypeError(
+          f'{type(self).__name__} must set the class attribute per_sample_loss = True or False: '
+          'True when its loss is a mean of per-sample terms (a step\'s gradient may then be '
+          'summed over micro-batches), False when it couples the samples of a batch '
+          '(contrastive pairs, batch statistics), whose micro-batch gradients must not be '
+          'summed.')
     # The same checks as config_lib.validate's, so that no method is built from a config that
     # cannot work, validated or not (tests and tools build methods directly).
     if self.config_section is not None:
@@ -183,22 +220,21 @@ class Method:
   def check_config(cls, section: ml_collections.ConfigDict) -> None:
     """Raises ValueError, naming the field and the values that work, for a value of
     config.<config_section> that cannot work. Builds nothing: it runs before any data loads."""
-    del section
 
   # --- state ---------------------------------------------------------------------------------
   def init_server(self, key: jax.Array, seen: jax.Array) -> PyTree:
-    """The server's initial state. `seen` is the static [N, C] seen-class mask."""
-    del key, seen
-    return {}
+    """The server's initial state, a flax.struct dataclass of the method's own. `seen` is the
+    static [N, C] seen-class mask."""
+    return NoServer()
 
   def init_client_state(self, key: jax.Array) -> PyTree:
     """One client's persistent state beyond its own model (the engine vmaps this over N)."""
-    del key
     return {}
 
   # --- client side (one client; vmapped by the engine) ---------------------------------------
-  def download(self, params, state, server, client_id, seen, round_index) -> Download:
-    del state, server, client_id, seen, round_index
+  def download(self, params, state, server, client: ClientView) -> Download:
+    """What the client holds before training: its model after the download, jointly trained
+    extra models, the loss's constants, and the floats and FLOPs of the download."""
     return Download(params)
 
   def init_acc(self) -> PyTree:
@@ -209,17 +245,16 @@ class Method:
     """The local objective on one batch. `trainable` is {'model': params, **aux}; `views` holds
     `num_views` augmented copies of the batch [B, 32, 32, 3]; `valid` [B] masks padding.
     Returns (loss, (correct, accumulator update))."""
-    del ctx
     loss, correct = client.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, {})
 
-  def upload(self, trainable: dict, acc, ctx, state, seen, num_samples, round_index) -> Upload:
-    del acc, ctx, seen, num_samples, round_index
+  def upload(self, trainable: dict, acc, ctx, state, client: ClientView) -> Upload:
+    """After training: the model the client keeps, its persistent state, what the server
+    receives, and the floats and FLOPs of the upload."""
     return Upload(trainable['model'], state)
 
   def eval_params(self, params, server, client_id):
     """The parameters a client is evaluated with (its current personalised model)."""
-    del server, client_id
     return params
 
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
@@ -237,23 +272,21 @@ class Method:
   def eval_extra(self, server, client_id, logits, rep, y, valid) -> dict:
     """Extra per-client test metrics as int32 correct counts named `eval_metrics`, e.g.
     FedProto's nearest-prototype accuracy. Reported as accuracies per client."""
-    del server, client_id, logits, rep, y, valid
     return {}
 
   # --- server side -----------------------------------------------------------------------------
   def server_receive(self, server, client_ids, payloads, active):
     """Stores one chunk's uploads. `active` is False for padding (dummy) clients."""
-    del client_ids, payloads, active
     return server
 
-  def server_aggregate(self, server, participants, round_index):
-    """The server rule, once per round. `participants` is an [N] bool mask of this round."""
-    del participants, round_index
-    return server
+  def server_aggregate(self, server, participants, round_index, key) -> Aggregated:
+    """The server rule, once per round. `participants` is an [N] bool mask of this round;
+    `key` is the round's own key of the server (engine.STREAM_AGGREGATE), for a rule that
+    draws. Returns the new state, with the server's FLOPs and diagnostics of the round."""
+    return Aggregated(server)
 
   # --- accounting (host side) ------------------------------------------------------------------
   def train_flops_per_sample(self, own: float, flops_of: Callable[[str], float]) -> float:
     """Training FLOPs per processed sample, given the client's own model's (`own`);
     `flops_of(family)` gives another family's, e.g. for a jointly trained CNN-5."""
-    del flops_of
     return own

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+from flax import struct
 
 from fedssa_jax import client
 from fedssa_jax.methods import base
@@ -39,9 +40,21 @@ def distill_loss(logits, y, valid, targets, has_target, lam):
   return ce + lam * dist, correct
 
 
+@struct.dataclass
+class FDServer:
+  uploads: jax.Array      # [N, C, C] this round's uploads L_k (server_receive)
+  uploads_has: jax.Array  # [N, C] which of their rows the clients hold
+  sum: jax.Array          # [C, C] last round: sum_j L_j[c] ...
+  cnt: jax.Array          # [C] ... and cnt_c (server_aggregate)
+  # Last round's contributions, to subtract a client's own (fd.exclude_own only; else None).
+  own: jax.Array | None = None      # [N, C, C]
+  own_has: jax.Array | None = None  # [N, C]
+
+
 class FD(base.Method):
   name = 'fd'
   config_section = 'fd'
+  per_sample_loss = True  # CE plus a per-sample distillation term
 
   @classmethod
   def default_config(cls):
@@ -61,32 +74,26 @@ class FD(base.Method):
     self.exclude_own = bool(config.fd.exclude_own)  # a bool field (the config is type-safe)
 
   def init_server(self, key, seen):
-    del key, seen
     n, c = self.num_clients, self.num_classes
-    server = {
-        'inbox': jnp.zeros((n, c, c), jnp.float32),  # this round's uploads (server_receive)
-        'inbox_has': jnp.zeros((n, c), bool),
-        'sum': jnp.zeros((c, c), jnp.float32),       # last round: sum_j L_j[c] ...
-        'cnt': jnp.zeros((c,), jnp.float32),         # ... and cnt_c (server_aggregate)
-    }
-    if self.exclude_own:  # last round's contributions, to subtract a client's own
-      server['own'] = jnp.zeros((n, c, c), jnp.float32)
-      server['own_has'] = jnp.zeros((n, c), bool)
-    return server
+    own = {}
+    if self.exclude_own:
+      own = dict(own=jnp.zeros((n, c, c), jnp.float32), own_has=jnp.zeros((n, c), bool))
+    return FDServer(uploads=jnp.zeros((n, c, c), jnp.float32),
+                    uploads_has=jnp.zeros((n, c), bool), sum=jnp.zeros((c, c), jnp.float32),
+                    cnt=jnp.zeros((c,), jnp.float32), **own)
 
   def global_logits(self, server, client_id):
     """(G_k [C, C], g_k [C]) for client k, from the last aggregation only."""
-    total, cnt = server['sum'], server['cnt']
+    total, cnt = server.sum, server.cnt
     if self.exclude_own:
-      own_has = server['own_has'][client_id]
-      total = total - jnp.where(own_has[:, None], server['own'][client_id], 0.0)
+      own_has = server.own_has[client_id]
+      total = total - jnp.where(own_has[:, None], server.own[client_id], 0.0)
       cnt = cnt - own_has
     return total / jnp.maximum(cnt, 1.0)[:, None], cnt > 0
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    del state, round_index
-    targets, has = self.global_logits(server, client_id)
-    rows = (seen & has).sum()
+  def download(self, params, state, server, client):
+    targets, has = self.global_logits(server, client.id)
+    rows = (client.seen & has).sum()
     return base.Download(params, ctx={'targets': targets, 'has': has},
                          floats=(self.num_classes * rows).astype(jnp.int32))
 
@@ -99,25 +106,22 @@ class FD(base.Method):
     acc = base.class_sums(jax.lax.stop_gradient(logits), y, valid, self.num_classes)
     return loss, (correct, acc)
 
-  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
-    del ctx, num_samples, round_index
-    logits, has = base.class_means(acc, seen)
+  def upload(self, trainable, acc, ctx, state, client):
+    logits, has = base.class_means(acc, client.seen)
     payload = {'logits': logits, 'has': has}
     return base.Upload(trainable['model'], state, payload,
                        floats=(self.num_classes * has.sum()).astype(jnp.int32))
 
   def server_receive(self, server, client_ids, payloads, active):
-    return {**server,
-            'inbox': base.store_rows(server['inbox'], client_ids, payloads['logits'], active),
-            'inbox_has': base.store_rows(server['inbox_has'], client_ids, payloads['has'],
-                                         active)}
+    return server.replace(
+        uploads=base.store_rows(server.uploads, client_ids, payloads['logits'], active),
+        uploads_has=base.store_rows(server.uploads_has, client_ids, payloads['has'], active))
 
-  def server_aggregate(self, server, participants, round_index):
-    del round_index
-    contrib = server['inbox_has'] & participants[:, None]  # stale rows of absentees drop out
-    total, cnt = base.masked_sum(server['inbox'], contrib)  # sums: exclude_own subtracts from them
-    server = {**server, 'sum': total, 'cnt': cnt}
+  def server_aggregate(self, server, participants, round_index, key):
+    contrib = server.uploads_has & participants[:, None]  # stale rows of absentees drop out
+    total, cnt = base.masked_sum(server.uploads, contrib)  # sums: exclude_own subtracts from them
+    server = server.replace(sum=total, cnt=cnt)
     if self.exclude_own:
-      server['own'] = jnp.where(contrib[:, :, None], server['inbox'], 0.0)
-      server['own_has'] = contrib
-    return server
+      server = server.replace(own=jnp.where(contrib[:, :, None], server.uploads, 0.0),
+                              own_has=contrib)
+    return base.Aggregated(server)

@@ -20,8 +20,8 @@ Padded views are neither anchors nor members of P(a) or A(a), and 2B counts vali
 Defaults: normalize=True, tau = tau_b = 0.07 (standard SupCon), mu = 0.1; the official code's
 variant is normalize=False, tau=100, tau_b=0.07. The training accuracy is CE's view 1.
 
-Inference (spec §9): each client's own model as it stands after its last local training (its
-post-training header; non-participants keep theirs).
+Inference (docs/algorithm.md §5): each client's own model as it stands after its last local
+training (its post-training header; non-participants keep theirs).
 """
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ class FedClassAvg(lg_fedavg.SharedHeader):
     self.normalize = c.normalize
     self.batch_size = int(config.batch_size)
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    down = super().download(params, state, server, client_id, seen, round_index)
-    return down._replace(ctx=server['global'])  # p_g, the proximal term's anchor
+  def download(self, params, state, server, client):
+    down = super().download(params, state, server, client)
+    return down._replace(ctx=server.global_header)  # p_g, the proximal term's anchor
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     params = trainable['model']
@@ -110,5 +110,4 @@ class FedClassAvg(lg_fedavg.SharedHeader):
     multiply-adds forward and twice that backward per step, i.e. 3 * 2 * 4 B^2 d FLOPs per step,
     24 B d per sample with B = config.batch_size (a partial last batch is counted as full).
     Normalisation, the softmax and the proximal term are ignored."""
-    del flops_of
     return 2.0 * own + 24.0 * self.batch_size * models.REPR_DIM

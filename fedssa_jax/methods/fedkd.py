@@ -30,13 +30,15 @@ the mentee and a private projection W_h [500, 500] (no bias) jointly on every ba
 - Client FLOPs beyond training: the SVDs on upload (thin SVD, Golub & Van Loan's cost for
   m >= n: min(Golub-Reinsch 14 m n^2 + 8 n^3, R-SVD 6 m n^2 + 20 n^3)); on download, rebuilding
   theta_t from a compressed Delta_bar (2 q m n per compressed matrix, plus P_5 additions).
-- Inference: the local mentor f_k (§9). Client state: W_h (the mentee is re-synced each round).
+- Inference: the local mentor f_k (docs/algorithm.md §5). Client state: W_h (the mentee is
+  re-synced each round).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import struct
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -69,7 +71,7 @@ def _svd_one_at_a_time(a):
 
 @_svd_one_at_a_time.def_vmap
 def _svd_one_at_a_time_vmap(axis_size, in_batched, a):
-  del axis_size, in_batched  # its one argument is batched
+  """The batched rule: its one argument, `a`, is batched (`axis_size`, `in_batched` unused)."""
   return jax.lax.map(_svd_one_at_a_time, a), (True, True, True)
 
 
@@ -113,6 +115,15 @@ def compress_update(delta, threshold):
   return jax.tree_util.tree_unflatten(treedef, out), floats, jnp.float32(svd), rebuild
 
 
+@struct.dataclass
+class FedKDServer:
+  theta: dict              # the global mentee theta_g (CNN-5)
+  inbox: base.Inbox        # this round's reconstructed updates (counted)
+  held: jax.Array          # [N] int32: the round of the theta a client holds
+  last_floats: jax.Array   # int32: the last compressed Delta_bar's floats ...
+  last_rebuild: jax.Array  # float32: ... and its rebuild FLOPs
+
+
 class FedKD(base.Method):
   name = 'fedkd'
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
@@ -145,29 +156,26 @@ class FedKD(base.Method):
     return energy(round_index, self.energy_start, self.energy_end, self.num_rounds)
 
   def init_server(self, key, seen):
-    del seen
     theta = models.init_params(self.mentee_model, key)
-    return {'theta': theta, **base.COUNTED.empty(theta),
-            'held': jnp.zeros((self.num_clients,), jnp.int32),  # round of the theta a client has
-            'last_floats': jnp.zeros((), jnp.int32),    # the last compressed Delta_bar's floats
-            'last_rebuild': jnp.zeros((), jnp.float32)}  # ... and its rebuild FLOPs
+    return FedKDServer(theta=theta, inbox=base.Inbox.empty(theta),
+                       held=jnp.zeros((self.num_clients,), jnp.int32),
+                       last_floats=jnp.zeros((), jnp.int32),
+                       last_rebuild=jnp.zeros((), jnp.float32))
 
   def init_client_state(self, key):
     return {'w_h': models.torch_uniform_init(D)(key, (D, D))}
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    del seen
-    held = server['held'][client_id]
-    delta_only = held == round_index - 1
-    floats = jnp.where(held == round_index, 0,
-                       jnp.where(delta_only, server['last_floats'], self.mentee_floats))
-    flops = jnp.where(delta_only, server['last_rebuild'] + self.mentee_floats, 0.0)
-    return base.Download(params, aux={'mentee': server['theta'], 'w_h': state['w_h']},
-                         ctx=server['theta'], floats=floats.astype(jnp.int32),
+  def download(self, params, state, server, client):
+    held = server.held[client.id]
+    delta_only = held == client.round - 1
+    floats = jnp.where(held == client.round, 0,
+                       jnp.where(delta_only, server.last_floats, self.mentee_floats))
+    flops = jnp.where(delta_only, server.last_rebuild + self.mentee_floats, 0.0)
+    return base.Download(params, aux={'mentee': server.theta, 'w_h': state['w_h']},
+                         ctx=server.theta, floats=floats.astype(jnp.int32),
                          flops=flops.astype(jnp.float32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
-    del ctx
     x = views[0]
     z, h = apply_fn({'params': trainable['model']}, x)
     z_s, h_s = self.mentee_model.apply({'params': trainable['mentee']}, x)
@@ -182,25 +190,24 @@ class FedKD(base.Method):
     mse = jnp.sum(jnp.where(valid, se, 0.0)) / (n_valid * D)
     return q + (kl + 2.0 * mse) / q, (correct, {})
 
-  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
-    del acc, seen, num_samples
+  def upload(self, trainable, acc, ctx, state, client):
     delta = jax.tree_util.tree_map(jnp.subtract, trainable['mentee'], ctx)
-    recon, floats, svd, _ = compress_update(delta, self.threshold(round_index))
+    recon, floats, svd, _ = compress_update(delta, self.threshold(client.round))
     return base.Upload(trainable['model'], {'w_h': trainable['w_h']}, payload=recon,
                        floats=floats, flops=svd)
 
   def server_receive(self, server, client_ids, payloads, active):
-    del client_ids
-    return base.COUNTED.add(server, payloads, active)
+    return server.replace(inbox=server.inbox.add(payloads, active))
 
-  def server_aggregate(self, server, participants, round_index):
-    mean, any_ = base.COUNTED.mean(server)
+  def server_aggregate(self, server, participants, round_index, key):
+    mean, any_ = server.inbox.mean()
     recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
-    theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server['theta'], recon)
-    return {'theta': theta, **base.COUNTED.empty(theta),
-            'held': jnp.where(participants, round_index, server['held']).astype(jnp.int32),
-            'last_floats': jnp.where(any_, floats, 0).astype(jnp.int32),
-            'last_rebuild': jnp.where(any_, rebuild, 0.0).astype(jnp.float32)}
+    theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server.theta, recon)
+    return base.Aggregated(FedKDServer(
+        theta=theta, inbox=server.inbox.cleared(),
+        held=jnp.where(participants, round_index, server.held).astype(jnp.int32),
+        last_floats=jnp.where(any_, floats, 0).astype(jnp.int32),
+        last_rebuild=jnp.where(any_, rebuild, 0.0).astype(jnp.float32)))
 
   def train_flops_per_sample(self, own, flops_of):
     # Mentor and mentee forward + backward, plus h_s @ W_h: 2 FLOPs per MAC for the forward and

@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import struct
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -47,9 +48,18 @@ def nearest_prototype(rep, protos, avail):
   return jnp.argmin(jnp.where(avail[None, :], dist, jnp.inf), axis=-1)
 
 
+@struct.dataclass
+class FedProtoServer:
+  uploads: jax.Array    # [N, C, D] this round's uploaded prototypes (server_receive)
+  uploads_n: jax.Array  # [N, C] their class sample counts (0: not held)
+  protos: jax.Array     # [C, D] P, from the last aggregation
+  avail: jax.Array      # [C] g
+
+
 class FedProto(base.Method):
   name = 'fedproto'
   config_section = 'fedproto'
+  per_sample_loss = True  # CE plus a per-sample prototype term
   eval_metrics = ('prototype_accuracy',)
 
   @classmethod
@@ -80,20 +90,15 @@ class FedProto(base.Method):
     self.local_epochs = int(config.local_epochs)
 
   def init_server(self, key, seen):
-    del key, seen
     n, c = self.num_clients, self.num_classes
-    return {
-        'inbox': jnp.zeros((n, c, D), jnp.float32),   # this round's uploads (server_receive)
-        'inbox_n': jnp.zeros((n, c), jnp.float32),    # their class sample counts (0: not held)
-        'protos': jnp.zeros((c, D), jnp.float32),     # P, from the last aggregation
-        'avail': jnp.zeros((c,), bool),               # g
-    }
+    return FedProtoServer(uploads=jnp.zeros((n, c, D), jnp.float32),
+                          uploads_n=jnp.zeros((n, c), jnp.float32),
+                          protos=jnp.zeros((c, D), jnp.float32), avail=jnp.zeros((c,), bool))
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    del state, client_id, round_index
-    avail = server['avail']
-    rows = (seen & avail).sum() if self.inference == 'classifier' else avail.sum()
-    return base.Download(params, ctx={'protos': server['protos'], 'avail': avail},
+  def download(self, params, state, server, client):
+    avail = server.avail
+    rows = (client.seen & avail).sum() if self.inference == 'classifier' else avail.sum()
+    return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
                          floats=(D * rows).astype(jnp.int32))
 
   def init_acc(self):
@@ -105,29 +110,26 @@ class FedProto(base.Method):
     acc = base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
     return loss, (correct, acc)
 
-  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
-    del ctx, num_samples, round_index
-    protos, has = base.class_means(acc, seen)
+  def upload(self, trainable, acc, ctx, state, client):
+    protos, has = base.class_means(acc, client.seen)
     # Every epoch visits each sample once, so count / E is the class's sample count n_k[c].
     payload = {'protos': protos, 'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
     return base.Upload(trainable['model'], state, payload,
                        floats=(D * has.sum()).astype(jnp.int32))
 
   def server_receive(self, server, client_ids, payloads, active):
-    return {**server,
-            'inbox': base.store_rows(server['inbox'], client_ids, payloads['protos'], active),
-            'inbox_n': base.store_rows(server['inbox_n'], client_ids, payloads['n'], active)}
+    return server.replace(
+        uploads=base.store_rows(server.uploads, client_ids, payloads['protos'], active),
+        uploads_n=base.store_rows(server.uploads_n, client_ids, payloads['n'], active))
 
-  def server_aggregate(self, server, participants, round_index):
-    del round_index
-    held = (server['inbox_n'] > 0) & participants[:, None]  # stale rows of absentees drop out
+  def server_aggregate(self, server, participants, round_index, key):
+    held = (server.uploads_n > 0) & participants[:, None]  # stale rows of absentees drop out
     # masked_mean with a [N, C] weight mask: 1 per holder, or its class sample count.
-    weights = held * server['inbox_n'] if self.weighting == 'samples' else held
-    protos, avail = base.masked_mean(server['inbox'], weights)
-    return {**server, 'protos': protos, 'avail': avail}
+    weights = held * server.uploads_n if self.weighting == 'samples' else held
+    protos, avail = base.masked_mean(server.uploads, weights)
+    return base.Aggregated(server.replace(protos=protos, avail=avail))
 
   def eval_extra(self, server, client_id, logits, rep, y, valid):
-    del client_id, logits
-    pred = nearest_prototype(rep, server['protos'], server['avail'])
-    hit = (pred == y) & valid & server['avail'].any()
+    pred = nearest_prototype(rep, server.protos, server.avail)
+    hit = (pred == y) & valid & server.avail.any()
     return {'prototype_accuracy': hit.sum().astype(jnp.int32)}

@@ -17,8 +17,10 @@ Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import struct
 
 from fedssa_jax import models
 from fedssa_jax.methods import base
@@ -51,9 +53,19 @@ def aggregate_headers(table, contrib, global_rows, avail):
   return jnp.where(has[:, None], new, global_rows), avail | has
 
 
+@struct.dataclass
+class FedSSAServer:
+  seen: jax.Array         # [N, S] the clients' seen-class masks
+  table: jax.Array        # [N, S, 501] each client's latest upload
+  uploaded: jax.Array     # [N] has the client ever uploaded?
+  global_rows: jax.Array  # [S, 501] theta^s
+  avail: jax.Array        # [S] does theta^s exist yet?
+
+
 class FedSSA(base.Method):
   name = 'fedssa'
   config_section = 'fedssa'
+  per_sample_loss = True  # plain cross-entropy
 
   @classmethod
   def default_config(cls):
@@ -94,39 +106,33 @@ class FedSSA(base.Method):
       global_rows, avail = models.init_header(key, s), jnp.ones((s,), bool)
     else:
       global_rows, avail = jnp.zeros((s, row), jnp.float32), jnp.zeros((s,), bool)
-    return {
-        'seen': jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
-        'table': jnp.zeros((n, s, row), jnp.float32),   # latest upload per client
-        'uploaded': jnp.zeros((n,), bool),              # has the client ever uploaded?
-        'global': global_rows,                          # theta^s
-        'avail': avail,                                 # does theta^s exist yet?
-    }
+    return FedSSAServer(
+        seen=jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
+        table=jnp.zeros((n, s, row), jnp.float32), uploaded=jnp.zeros((n,), bool),
+        global_rows=global_rows, avail=avail)
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    del state, client_id
-    mu = mu_schedule(round_index, self.mu0, self.t_stable)
-    fused = seen & server['avail']  # the rows downloaded and fused
-    rows = stabilize(models.header_rows(params), server['global'], fused, mu, self.fusion)
+  def download(self, params, state, server, client):
+    mu = mu_schedule(client.round, self.mu0, self.t_stable)
+    fused = client.seen & server.avail  # the rows downloaded and fused
+    rows = stabilize(models.header_rows(params), server.global_rows, fused, mu, self.fusion)
     per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
     n_fused = fused.sum()
     return base.Download(models.with_header_rows(params, rows),
                          floats=models.HEADER_ROW * n_fused,
                          flops=(per_element * models.HEADER_ROW * n_fused).astype(jnp.float32))
 
-  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
-    del acc, ctx, num_samples, round_index
+  def upload(self, trainable, acc, ctx, state, client):
     params = trainable['model']
-    rows = jnp.where(seen[:, None], models.header_rows(params), 0.0)
-    return base.Upload(params, state, payload=rows, floats=models.HEADER_ROW * seen.sum())
+    rows = jnp.where(client.seen[:, None], models.header_rows(params), 0.0)
+    return base.Upload(params, state, payload=rows,
+                       floats=models.HEADER_ROW * client.seen.sum())
 
   def server_receive(self, server, client_ids, payloads, active):
-    return {**server,
-            'table': base.store_rows(server['table'], client_ids, payloads, active),
-            'uploaded': base.store_rows(server['uploaded'], client_ids, active, active)}
+    return server.replace(table=base.store_rows(server.table, client_ids, payloads, active),
+                          uploaded=base.store_rows(server.uploaded, client_ids, active, active))
 
-  def server_aggregate(self, server, participants, round_index):
-    del round_index
-    owners = server['uploaded'] if self.scope == 'all_owners' else participants
-    contrib = server['seen'] & owners[:, None]
-    g, avail = aggregate_headers(server['table'], contrib, server['global'], server['avail'])
-    return {**server, 'global': g, 'avail': avail}
+  def server_aggregate(self, server, participants, round_index, key):
+    owners = server.uploaded if self.scope == 'all_owners' else participants
+    contrib = server.seen & owners[:, None]
+    g, avail = aggregate_headers(server.table, contrib, server.global_rows, server.avail)
+    return base.Aggregated(server.replace(global_rows=g, avail=avail))

@@ -14,8 +14,9 @@ the two distilling into each other on every batch.
   (client.local_train) this is the official code's two separate optimizers.
 - Server: meme_g = unweighted mean of the participants' memes (an inbox sum and count written by
   server_receive, read only by server_aggregate); a round without participants keeps the old one.
-- Inference: the local f_k (§9). Client state: none; the meme is re-downloaded every round with a
-  fresh optimizer, and at t = 0 it is the server's initial CNN-5 (from the init_server key).
+- Inference: the local f_k (docs/algorithm.md §5). Client state: none; the meme is re-downloaded
+  every round with a fresh optimizer, and at t = 0 it is the server's initial CNN-5 (from the
+  init_server key).
 - Training cost: each step also runs forward and backward through the CNN-5.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import struct
 
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
@@ -37,9 +39,16 @@ def kl_batchmean(target_logits, logits, valid):
   return jnp.sum(jnp.where(valid, kl, 0.0)) / jnp.maximum(valid.sum(), 1)
 
 
+@struct.dataclass
+class FMLServer:
+  meme: dict           # the global meme's parameters (CNN-5), what clients download
+  inbox: base.Inbox    # this round's uploaded memes (counted)
+
+
 class FML(base.Method):
   name = 'fml'
   config_section = 'fml'
+  per_sample_loss = True  # CE and KL terms, each a mean over the batch's samples
 
   @classmethod
   def default_config(cls):
@@ -63,17 +72,14 @@ class FML(base.Method):
     self.meme_floats = models.param_count(shapes)  # P_5
 
   def init_server(self, key, seen):
-    del seen
     meme = models.init_params(self.meme_model, key)
-    return {'meme': meme, **base.COUNTED.empty(meme)}
+    return FMLServer(meme=meme, inbox=base.Inbox.empty(meme))
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    del state, client_id, seen, round_index
-    return base.Download(params, aux={'meme': server['meme']},
+  def download(self, params, state, server, client):
+    return base.Download(params, aux={'meme': server.meme},
                          floats=jnp.int32(self.meme_floats))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
-    del ctx
     x = views[0]
     z, _ = apply_fn({'params': trainable['model']}, x)
     z_m, _ = self.meme_model.apply({'params': trainable['meme']}, x)
@@ -85,20 +91,17 @@ class FML(base.Method):
         jax.lax.stop_gradient(z), z_m, valid)
     return loss_loc + loss_meme, (correct, {})
 
-  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
-    del acc, ctx, seen, num_samples, round_index
+  def upload(self, trainable, acc, ctx, state, client):
     return base.Upload(trainable['model'], state, payload=trainable['meme'],
                        floats=jnp.int32(self.meme_floats))
 
   def server_receive(self, server, client_ids, payloads, active):
-    del client_ids
-    return base.COUNTED.add(server, payloads, active)
+    return server.replace(inbox=server.inbox.add(payloads, active))
 
-  def server_aggregate(self, server, participants, round_index):
-    del participants, round_index
-    mean, any_ = base.COUNTED.mean(server)
-    meme = jax.tree_util.tree_map(lambda m, old: jnp.where(any_, m, old), mean, server['meme'])
-    return {'meme': meme, **base.COUNTED.empty(meme)}
+  def server_aggregate(self, server, participants, round_index, key):
+    mean, any_ = server.inbox.mean()
+    meme = jax.tree_util.tree_map(lambda m, old: jnp.where(any_, m, old), mean, server.meme)
+    return base.Aggregated(FMLServer(meme=meme, inbox=server.inbox.cleared()))
 
   def train_flops_per_sample(self, own, flops_of):
     # The meme's forward and backward on every sample; the KL terms' elementwise work is ignored,

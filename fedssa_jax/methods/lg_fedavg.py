@@ -14,7 +14,7 @@ by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c
   the default, as HtFLlib) or their unweighted mean (`'uniform'`, the original code). The
   uploads are summed as they arrive (an inbox kept apart from H_g, which clients download) and
   divided once per round; a round with no upload keeps H_g.
-- Inference (spec §7.5, §9): every client's local extractor with the latest H_g.
+- Inference (docs/algorithm.md §5): every client's local extractor with the latest H_g.
 - Floats: 501*C down and 501*C up per participant (n_k is metadata, not counted). Evaluating
   non-participants with H_g implies HtFLlib's broadcast to all N clients, which is not counted.
 
@@ -22,8 +22,10 @@ by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import struct
 
 from fedssa_jax import models
 from fedssa_jax.methods import base
@@ -31,9 +33,16 @@ from fedssa_jax.methods import base
 WEIGHTINGS = ('samples', 'uniform')
 
 
+@struct.dataclass
+class SharedHeaderServer:
+  global_header: jax.Array  # [C, 501] H_g, what clients download
+  inbox: base.Inbox         # this round's sum_k w_k H_k and sum_k w_k (weighted)
+
+
 class SharedHeader(base.Method):
   """The whole-header exchange: download H_g over the header, upload it, weighted mean."""
   config_section = 'lg_fedavg'  # the config block holding `weighting`
+  per_sample_loss = True  # plain cross-entropy (FedClassAvg, with SupCon, sets False)
 
   @classmethod
   def default_config(cls):
@@ -53,37 +62,32 @@ class SharedHeader(base.Method):
     self.header_floats = models.HEADER_ROW * num_classes
 
   def init_server(self, key, seen):
-    del seen
     header = models.init_header(key, self.num_classes)
-    # H_g, what clients download; the inbox holds sum_k w_k H_k and sum_k w_k of this round.
-    return {'global': header, **base.WEIGHTED.empty(header)}
+    return SharedHeaderServer(global_header=header, inbox=base.Inbox.empty(header, weighted=True))
 
-  def download(self, params, state, server, client_id, seen, round_index):
-    del state, client_id, seen, round_index
-    return base.Download(models.with_header_rows(params, server['global']),
+  def download(self, params, state, server, client):
+    return base.Download(models.with_header_rows(params, server.global_header),
                          floats=jnp.int32(self.header_floats))
 
-  def upload(self, trainable, acc, ctx, state, seen, num_samples, round_index):
-    del acc, ctx, seen, round_index
+  def upload(self, trainable, acc, ctx, state, client):
     params = trainable['model']
-    weight = jnp.asarray(num_samples if self.weighting == 'samples' else 1, jnp.float32)
+    weight = jnp.asarray(client.num_samples if self.weighting == 'samples' else 1, jnp.float32)
     return base.Upload(params, state,
                        payload={'rows': models.header_rows(params), 'weight': weight},
                        floats=jnp.int32(self.header_floats))
 
   def server_receive(self, server, client_ids, payloads, active):
-    del client_ids
-    return base.WEIGHTED.add(server, payloads['rows'], active, payloads['weight'])
+    return server.replace(inbox=server.inbox.add(payloads['rows'], active, payloads['weight']))
 
-  def server_aggregate(self, server, participants, round_index):
-    del participants, round_index  # the inbox holds exactly this round's participants
-    mean, any_ = base.WEIGHTED.mean(server)
-    return {'global': jnp.where(any_, mean, server['global']), **base.WEIGHTED.empty(mean)}
+  def server_aggregate(self, server, participants, round_index, key):
+    # The inbox holds exactly this round's participants' uploads.
+    mean, any_ = server.inbox.mean()
+    return base.Aggregated(SharedHeaderServer(
+        global_header=jnp.where(any_, mean, server.global_header), inbox=server.inbox.cleared()))
 
 
 class LGFedAvg(SharedHeader):
   name = 'lg_fedavg'
 
   def eval_params(self, params, server, client_id):
-    del client_id
-    return models.with_header_rows(params, server['global'])
+    return models.with_header_rows(params, server.global_header)

@@ -4,3 +4,4 @@ from fedssa_jax.methods import base
 
 class Standalone(base.Method):
   name = 'standalone'
+  per_sample_loss = True  # plain cross-entropy
