@@ -252,8 +252,9 @@ def _initial_state(sim: engine.Simulator, ckpts, workdirs):
 
 def _run_rounds(sim: engine.Simulator, state, runs: list[outputs.SeedOutputs], stop):
   """Rounds until num_rounds: the round of every seed, then, seed by seed, its guards,
-  evaluation, record, checkpoint and console line. A signal (`stop`) to any process stops all
-  of them after the same round (its save is collective), checkpointed. Returns the last state."""
+  evaluation and record, and then its checkpoint and console line. A signal (`stop`) to any
+  process stops all of them after the same round (its save is collective), checkpointed.
+  Returns the last state."""
   config = runs[0].config
   for run in runs:
     run.open()
@@ -262,21 +263,15 @@ def _run_rounds(sim: engine.Simulator, state, runs: list[outputs.SeedOutputs], s
     state, infos = sim.run_round(state)
     jax.block_until_ready((state.params, state.server))
     shared = time.time() - t0  # the round's training, shared by the seeds
-    stopping = distributed.any_process(stop is not None and stop.signal_name is not None)
     last = state.round == config.num_rounds
     for i, (run, info) in enumerate(zip(runs, infos)):
-      if run.failed is not None:
-        continue
-      try:
+      if run.failed is None:
         # A seed's round time: the shared training, and its own evaluation.
-        _evaluate_and_record(sim, state, i, run, info, time.time() - shared, last)
-      except DivergenceError as e:
-        run.failed = e
-        if all(x.failed is not None for x in runs):
-          raise e if len(runs) == 1 else DivergenceError(
-              'Every packed seed diverged: ' +
-              ' '.join(f'Seed {x.config.seed} ({x.workdir}): {x.failed}' for x in runs))
-        logging.error('%s%s', run.prefix, e)
+        _evaluate_or_fail(sim, state, i, runs, info, time.time() - shared, last)
+    # Asked once the round is evaluated, by every process at the same point.
+    stopping = distributed.any_process(stop is not None and stop.signal_name is not None)
+    for i, (run, info) in enumerate(zip(runs, infos)):
+      if run.failed is not None:
         continue
       if state.round % config.checkpoint_every == 0 or last or stopping:
         run.progress.elapsed_seconds = time.time() - run.start
@@ -297,6 +292,23 @@ def _run_rounds(sim: engine.Simulator, state, runs: list[outputs.SeedOutputs], s
   for run in runs:
     run.writer.flush()
   return state
+
+
+def _evaluate_or_fail(sim, state, i: int, runs, info, t0: float, last: bool) -> None:
+  """_evaluate_and_record of seed i; a seed that diverges is marked failed (the others go on),
+  and DivergenceError is raised once every seed has."""
+  run = runs[i]
+  try:
+    _evaluate_and_record(sim, state, i, run, info, t0, last)
+  except DivergenceError as e:
+    run.failed = e
+    if len(runs) == 1:
+      raise
+    if all(x.failed is not None for x in runs):
+      raise DivergenceError(
+          'Every packed seed diverged: ' +
+          ' '.join(f'Seed {x.config.seed} ({x.workdir}): {x.failed}' for x in runs)) from e
+    logging.error('%s%s', run.prefix, e)
 
 
 def _evaluate_and_record(sim: engine.Simulator, state, i: int, run: outputs.SeedOutputs, info,

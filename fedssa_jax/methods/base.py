@@ -94,7 +94,7 @@ def empty_class_sums(num_classes: int, dim: int) -> dict:
 
 
 def class_sums(values, y, valid, num_classes):
-  """Per-class sums and counts of `values` [B, D] (spec V1: one one-hot matmul)."""
+  """Per-class sums and counts of `values` [B, D] (algorithm.md §6 V1: a one-hot matmul)."""
   onehot = jax.nn.one_hot(y, num_classes, dtype=values.dtype) * valid[:, None]
   return {'sum': onehot.T @ values, 'count': onehot.sum(axis=0)}
 

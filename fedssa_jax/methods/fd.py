@@ -2,7 +2,7 @@
 
 Unlike FedSSA, no parameters leave the client: the exchange is per-class mean *logits*.
 - Up: L_k[c] in R^C, the mean over all E epochs of the logits of the client's training forward
-  passes on samples of class c, for c in S_k (accumulated on the fly, spec V1; no extra pass).
+  passes on samples of class c, for c in S_k (accumulated on the fly, §6 V1; no extra pass).
 - Server (no memory): over the round's participants P_t holding c,
     cnt_c = |{j in P_t : c in S_j}|,  G[c] = sum_j L_j[c] / cnt_c,  g[c] = [cnt_c > 0].
   `fd.exclude_own` (the FD paper): client k gets G_k[c] = (sum_j L_j[c] - L_k[c]) / (cnt_c - 1),
@@ -32,7 +32,7 @@ from fedssa_jax.methods import base
 def distill_loss(logits, y, valid, targets, has_target, lam):
   """mean_i [CE(z_i, y_i) + lam * g[y_i] * CE(softmax(G[y_i]), softmax(z_i))] and #correct.
 
-  targets [C, C] (row c is G[c]) and has_target [C] (g) are constants (spec V3 lookup)."""
+  targets [C, C] (row c is G[c]) and has_target [C] (g) are constants (§6 V3: a lookup)."""
   ce, correct = client.ce_and_correct(logits, y, valid)
   soft = jax.nn.softmax(jax.lax.stop_gradient(targets)[y], axis=-1)
   dist = optax.softmax_cross_entropy(logits, soft) * has_target.astype(logits.dtype)[y]

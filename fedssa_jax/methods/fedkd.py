@@ -15,7 +15,7 @@ the mentee and a private projection W_h [500, 500] (no bias) jointly on every ba
   upload the reconstruction, which is exactly what the server can rebuild from what is sent.
 - Compression with energy T_t = start + (end - start)(t + 1)/R, R = num_rounds: 1-D tensors are
   dense; a 2-D kernel [m, n] as it is, a conv kernel HWIO [5, 5, I, O] as [25 I, O] (the same
-  singular values as the spec's [O, 25 I]). Rank q = the smallest n >= 1 with
+  singular values as docs/algorithm.md §6 has it, [O, 25 I]). Rank q = the smallest n >= 1 with
   sum_{j<=n} s_j^2 >= T sum_j s_j^2, clamped to the full rank; the tensor is sent as
   min(q (m + n + 1), m n) floats, dense when that is cheaper or when sum s^2 = 0. The SVD is
   batched over clients by the engine's vmap; the kept rank is a fixed-shape mask on s, so the
@@ -23,7 +23,7 @@ the mentee and a private projection W_h [500, 500] (no bias) jointly on every ba
 - Server: Delta_bar = unweighted mean of the participants' reconstructions; compress it with
   T_t by the same rule; theta_g <- theta_g + recon. A round without participants keeps theta_g.
 - Floats. Up: the compressed Delta_k. Down: a client that holds theta_{t-1} needs only the
-  compressed Delta_bar of the last aggregation; any other one is charged P_5 dense (the spec's
+  compressed Delta_bar of the last aggregation; any other one is charged P_5 dense (§6's
   default for a client that missed rounds). At t = 0 every client generates theta_0 from the
   shared seed, so round 0 downloads 0 floats; the server records, per client, the round whose
   theta it holds (0 for everyone at the start, t for a participant of round t).

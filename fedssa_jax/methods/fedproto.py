@@ -3,7 +3,7 @@
 Unlike FedSSA, no parameters leave the client: the exchange is per-class *prototypes*, means of
 the 500-d representation r = F_k(x).
 - Up: p_k[c], the mean over all E epochs of the training-pass representations of class c, for
-  c in S_k (accumulated on the fly, spec V1; no extra pass), with the class sample counts n_k[c]
+  c in S_k (accumulated on the fly, §6 V1; no extra pass), with the class sample counts n_k[c]
   as metadata.
 - Server (V2, no memory): P[c] = mean of p_k[c] over this round's participants holding c,
   unweighted (`fedproto.weighting='uniform'`, both codes) or weighted by n_k[c] ('samples', the
