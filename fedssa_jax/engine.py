@@ -198,10 +198,6 @@ class Simulator:
     # its inputs would otherwise leave it on one device, and round 1 would compile again).
     self._init_server = jax.jit(lambda key, seen: place.constrain(
         self.method.init_server(key, seen), sharded=False))
-    self._stack_server = jax.jit(lambda trees: place.constrain(
-        jax.tree.map(lambda *a: jnp.stack(a), *trees), sharded=False))
-    self._server_of = jax.jit(lambda tree, i: place.constrain(
-        jax.tree.map(lambda a: a[i], tree), sharded=False))
     # The clients whose accuracy every evaluation reports (those with test data, or a subset).
     self.evaluated_ids = []
     for seed, c in zip(self.seeds, cds):
@@ -329,23 +325,23 @@ class Simulator:
                                  self.placement.replicate(jnp.asarray(seen)))
                for key, seen in zip(self._keys, self.seen)]
     return RunState(round=0, params=params, client_state=client_state,
-                    server=self._stack_server(servers), costs=Costs.zeros(self.num_seeds))
+                    server=self.placement.stack_seeds(servers), costs=Costs.zeros(self.num_seeds))
 
   def saved(self, state: RunState, seed_index: int = 0) -> dict:
     """What seed `seed_index`'s checkpoint holds of the stacked `state`, whatever the device
     count and store: host arrays without padding rows (the disk store's slot maps), a dict."""
     params, client_state = self.store.saved(state.params, state.client_state, seed_index)
-    server = self.placement.unshard(self._server_of(state.server, seed_index))
+    server = self.placement.fetch_seed(state.server, seed_index)
     return RunState(round=state.round, params=params, client_state=client_state, server=server,
                     costs=state.costs.of(seed_index)).to_saved()
 
   def seed_state(self, state: RunState, seed_index: int = 0) -> RunState:
-    """Seed `seed_index`'s own state out of the stacked one, without the seed axis: copies of
-    its arrays (a row store's tables as they are). For tests and tools; the run loop reads the
-    stacked state."""
+    """Seed `seed_index`'s own state out of the stacked one, without the seed axis: host copies
+    of its arrays (a row store's tables as they are). For tests and tools; the run loop reads
+    the stacked state."""
     params, client_state = self.store.seed_slice(state.params, state.client_state, seed_index)
     return RunState(round=state.round, params=params, client_state=client_state,
-                    server=self._server_of(state.server, seed_index),
+                    server=self.placement.fetch_seed(state.server, seed_index),
                     costs=state.costs.of(seed_index))
 
   def stacked(self, saved: list[dict]) -> RunState:
@@ -355,9 +351,8 @@ class Simulator:
     if len({int(s.round) for s in states}) != 1:
       raise ValueError(f'Seeds at different rounds: {[int(s.round) for s in states]}.')
     params, client_state = self.store.stacked([(s.params, s.client_state) for s in states])
-    servers = [self.placement.reshard_replicated(s.server) for s in states]
     return RunState(round=states[0].round, params=params, client_state=client_state,
-                    server=self._stack_server(servers),
+                    server=self.placement.stack_seeds([s.server for s in states]),
                     costs=Costs.stack([s.costs for s in states]))
 
   def before_checkpoint(self, state: RunState, seed_index: int = 0) -> dict:

@@ -84,16 +84,29 @@ class Placement:
       return jax.device_put(tree)
     return jax.device_put(tree, NamedSharding(self.mesh, P(*[None] * stacked, CLIENTS)))
 
-  def shard_stacked(self, trees: list, rows: int) -> PyTree:
-    """The seeds' `trees` (host or device arrays with a leading client axis) stacked on a
-    leading seed axis, the client axis padded to `rows` and sharded along `clients` (each
-    process fills its own shards); without a mesh, stacked on the device."""
+  def stack_seeds(self, trees: list, rows=None) -> PyTree:
+    """The seeds' `trees` (host or device arrays) stacked on a leading seed axis. `rows`, a
+    pytree prefix of one tree (an int, or None for a replicated part): each array's client axis
+    is padded to it and sharded along `clients` (each process fills its own shards). Without a
+    mesh, one jitted call stacks them on the device."""
     if self.mesh is None:
-      return jax.tree.map(lambda *a: jax.numpy.stack(a), *trees)
-    pad = lambda a: np.pad(a, [(0, 0), (0, rows - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+      return _stack(trees)
     host = [distributed.fetch(t) for t in trees]
-    return distributed.put(jax.tree.map(lambda *a: pad(np.stack(a)), *host),
-                           NamedSharding(self.mesh, P(None, CLIENTS)))
+
+    def place(rows_, *parts):
+      def one(*a):
+        a = np.stack(a)
+        if rows_ is None:
+          return a
+        return np.pad(a, [(0, 0), (0, rows_ - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+      spec = P() if rows_ is None else P(None, CLIENTS)
+      return distributed.put(jax.tree.map(one, *parts), NamedSharding(self.mesh, spec))
+    return jax.tree.map(place, rows, *host, is_leaf=lambda x: x is None)
+
+  def fetch_seed(self, tree: PyTree, seed_index: int) -> PyTree:
+    """Seed `seed_index`'s slice of a stacked tree, on the host (under several processes a
+    collective, as `fetch`)."""
+    return jax.tree.map(lambda a: a[seed_index], distributed.fetch(tree))
 
   def constrain(self, tree: PyTree, sharded: bool, stacked: bool = False) -> PyTree:
     """Under jit: `tree`'s arrays sharded along `clients` (or replicated); nothing without a
@@ -114,21 +127,16 @@ class Placement:
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=SHARDED,
                          check_vma=False)
 
-  def unshard(self, tree: PyTree) -> PyTree:
-    """A replicated tree as a checkpoint holds it: on the host under a mesh (a collective),
-    unchanged without one."""
-    return tree if self.mesh is None else distributed.fetch(tree)
-
-  def reshard_replicated(self, tree: PyTree) -> PyTree:
-    """A checkpoint's replicated tree (host or device arrays) replicated on the mesh;
-    unchanged without one."""
-    return tree if self.mesh is None else self.replicate(distributed.fetch(tree))
-
   @staticmethod
   def fetch(tree: PyTree) -> PyTree:
     """`tree`'s arrays on the host, in full: under several processes a collective, so every
     process calls it at the same point of the run (see distributed.fetch)."""
     return distributed.fetch(tree)
+
+
+@jax.jit
+def _stack(trees: list) -> PyTree:
+  return jax.tree.map(lambda *a: jax.numpy.stack(a), *trees)
 
 
 def over_replicas(fn: Callable, num_seeds: int, in_axes: tuple) -> Callable:

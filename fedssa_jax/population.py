@@ -319,9 +319,6 @@ class DeviceStore(Store):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.client_rows = self.placement.rows(self.num_clients)
-    place = self.placement
-    self._slice = jax.jit(lambda tree, i: place.constrain(
-        jax.tree.map(lambda a: a[i], tree), sharded=True))
 
   def initial(self, fresh=True):
     return self.stacked([
@@ -330,21 +327,19 @@ class DeviceStore(Store):
         for i in range(self.num_seeds)])
 
   def seed_slice(self, params, client_state, seed_index):
-    return self._slice((params, client_state), seed_index)
+    return self.saved(params, client_state, seed_index)
 
   def saved(self, params, client_state, seed_index):
-    params, client_state = self._slice((params, client_state), seed_index)
-    if self.placement.mesh is None:
-      return params, client_state
-    params, client_state = self.placement.fetch((params, client_state))
+    """On the host (one transfer, no program; a copy of every seed where there are several)."""
+    params, client_state = self.placement.fetch_seed((params, client_state), seed_index)
     return (tuple(_take(p, slice(0, g.size)) for g, p in zip(self.groups, params)),
             _take(client_state, slice(0, self.num_clients)))
 
   def stacked(self, saved):
-    place = self.placement
-    return (tuple(place.shard_stacked([p[gi] for p, _ in saved], g.rows)
-                  for gi, g in enumerate(self.groups)),
-            place.shard_stacked([s for _, s in saved], self.client_rows))
+    params, client_state = self.placement.stack_seeds(
+        [(tuple(p), s) for p, s in saved],
+        (tuple(g.rows for g in self.groups), self.client_rows))
+    return tuple(params), client_state
 
   def train_call(self, g, train_chunk):
     def call(group_params, client_state, server, inputs):
