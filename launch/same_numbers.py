@@ -11,6 +11,8 @@ and `summary.json` with the reference's, timings aside, and exits 1 on any diffe
   git stash pop; python launch/same_numbers.py --out=/tmp/after --reference=/tmp/before \\
       --data_dir=~/tensorflow_datasets
 
+A field the newer commit adds to every record (`--added=server_flops,server_metrics`) is not a
+difference; `--compare_only` compares runs already in `--out` without running them again.
 Without `--data_dir` the runs use TFDS's mock data (random images), which needs no download.
 Each run's command and the commit are written to `<out>/runs.json`.
 """
@@ -32,6 +34,10 @@ _OUT = flags.DEFINE_string('out', None, 'Folder of the runs (created).', require
 _REFERENCE = flags.DEFINE_string('reference', None, 'An earlier --out to compare with.')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'TFDS data_dir; default: TFDS mock data.')
 _ONLY = flags.DEFINE_list('only', [], 'Run only these run names (default: all).')
+_ADDED = flags.DEFINE_list('added', [], 'Record fields this commit adds (e.g. server_flops): '
+                           'listed when they are new, not counted as differences.')
+_COMPARE_ONLY = flags.DEFINE_bool('compare_only', False, 'Compare the runs already in --out '
+                                  'with --reference, without running them again.')
 
 CONFIG = 'configs/cifar10.py:hetero,n10,tiny'
 ROUNDS = 5
@@ -87,7 +93,8 @@ def records(workdir: str) -> tuple[list[dict], dict]:
 def differences(a, b, path: str = '') -> list[str]:
   """Where two JSON values differ, timings aside (floats compared exactly; NaN equals NaN)."""
   if isinstance(a, dict) and isinstance(b, dict):
-    out = [f'{path}.{k}: only in one' for k in set(a) ^ set(b) if k not in TIMING]
+    out = [f'{path}.{k}: only in one' for k in set(a) ^ set(b)
+           if k not in TIMING and not (k in b and k not in a and k in _ADDED.value)]
     for k in sorted(set(a) & set(b) - TIMING):
       out += differences(a[k], b[k], f'{path}.{k}')
     return out
@@ -111,7 +118,7 @@ def main(argv):
   names = _ONLY.value or list(RUNS)
   log = {'commit': commit + (' (with uncommitted changes)' if dirty else ''), 'runs': {}}
   failed = []
-  for name in names:
+  for name in [] if _COMPARE_ONLY.value else names:
     workdir = os.path.join(out, name)
     cmd = command(name, workdir)
     env = {**os.environ, **RUNS[name][1], 'PYTHONPATH': ROOT}
@@ -125,8 +132,9 @@ def main(argv):
       history, summary = records(w)
       print(f'{os.path.relpath(w, out)}: {len(history)} records, final mean accuracy '
             f'{summary["final_mean_accuracy"]:.6f}')
-  with open(os.path.join(out, 'runs.json'), 'w') as f:
-    json.dump(log, f, indent=1)
+  if not _COMPARE_ONLY.value:
+    with open(os.path.join(out, 'runs.json'), 'w') as f:
+      json.dump(log, f, indent=1)
   if _REFERENCE.value:
     for name in names:
       if name in failed:
