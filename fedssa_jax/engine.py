@@ -12,7 +12,7 @@ per-client state [R, N, ...], the server state [R, ...], the costs [R]. A round
    the server's receipt of the uploads; the population store (population.py) brings the chunk's
    rows to the call and takes them back. The call is vmapped over the seeds, each with its own
    rows, server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed
-   it runs on the seed's slice, the program a run alone would compile;
+   it runs on the seed's slice, computing exactly what a run without the axis did;
 3. runs the method's server rule, per seed, under jit;
 4. adds up each seed's floats, FLOPs and training statistics (`RoundInfo`).
 

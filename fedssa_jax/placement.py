@@ -143,7 +143,7 @@ def over_replicas(fn: Callable, num_seeds: int, in_axes: tuple) -> Callable:
   """`fn` of one seed, run for each of `num_seeds` on a leading seed axis: `in_axes` says of
   each argument (a pytree prefix) whether it has that axis (0) or is shared (None); every
   output has it. With several seeds, `jax.vmap`; with one, `fn` on the seed's slice, so that a
-  run alone compiles the very program it would without the axis."""
+  run alone computes exactly what it would without the axis (bit for bit)."""
   if num_seeds > 1:
     return jax.vmap(fn, in_axes=in_axes)
 
