@@ -147,8 +147,8 @@ def _train_seeds(configs, workdirs, dataset, stop) -> list[dict]:
   ckpts = [checkpoint.Checkpointer(os.path.join(w, 'checkpoints'), c.checkpoint_keep)
            for c, w in zip(configs, workdirs)]
   try:
-    sim, metas = _simulator(configs, workdirs, dataset, ckpts)
-    state, progresses = _initial_state(sim, ckpts, workdirs)
+    sim, metas, fresh = _simulator(configs, workdirs, dataset, ckpts)
+    state, progresses = _initial_state(sim, ckpts, workdirs, fresh)
     packed = len(configs) > 1
     runs = [outputs.SeedOutputs(
         config=c, workdir=w, ckpts=k, progress=p, meta=m,
@@ -176,7 +176,7 @@ def _train_seeds(configs, workdirs, dataset, stop) -> list[dict]:
 
 def _simulator(configs, workdirs, dataset, ckpts):
   """Checks, data and the Simulator of every seed; writes each seed's config.json. Returns
-  (the Simulator, each seed's checkpoint.run_meta)."""
+  (the Simulator, each seed's checkpoint.run_meta, whether no seed has a checkpoint)."""
   latest = []
   for config, k in zip(configs, ckpts):  # a resume that would change a run is refused first
     latest.append(k.latest_meta())
@@ -206,7 +206,8 @@ def _simulator(configs, workdirs, dataset, ckpts):
                            indent=2, default=outputs.jsonable))
   logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
                ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
-  return sim, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)]
+  return (sim, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)],
+          all(meta is None for meta in latest))
 
 
 def _derived(sim: engine.Simulator, cd: data.ClientData, i: int) -> dict:
@@ -226,10 +227,10 @@ def _derived(sim: engine.Simulator, cd: data.ClientData, i: int) -> dict:
   }
 
 
-def _initial_state(sim: engine.Simulator, ckpts, workdirs):
+def _initial_state(sim: engine.Simulator, ckpts, workdirs, fresh: bool):
   """Every seed's state, restored from its newest checkpoint (all of the same round), or fresh;
-  and each one's outputs.Progress."""
-  state = sim.init_state(fresh=all(k.latest_meta() is None for k in ckpts))
+  and each one's outputs.Progress. `fresh`: no seed has a checkpoint (read once, before)."""
+  state = sim.init_state(fresh=fresh)
   restored = [k.restore_latest(template=sim.saved(state, i)) for i, k in enumerate(ckpts)]
   rounds = [0 if r is None else r.step for r in restored]
   if len(set(rounds)) > 1:
