@@ -15,10 +15,10 @@ so how a chunk of clients reaches its jitted training call and goes back:
   written a chunk at a time as for `host`.
 
 The computation is the same whatever the store (the chunk's rows go through the same jitted
-training step), so the three give identical metrics. The engine speaks to a store through
-`Store` alone: the initial population, training and evaluating chunks, and the checkpoint
-sequence (`saved`, `before_checkpoint`, `after_checkpoint`, `live`), which train.py runs the same
-way for every store.
+training step), so the three give the same metrics (identical with XLA's default flags). The
+engine speaks to a store through `Store` alone: the initial population, training and evaluating
+chunks, and the checkpoint sequence (`saved`, `before_checkpoint`, `after_checkpoint`, `live`),
+which train.py runs the same way for every store.
 
 Disk layout and checkpoints. A table of rows (one family's client models, or every client's
 method state) is one file per leaf, `<table>/leaf<i>.bin`, holding `capacity` *slots* of one row

@@ -7,14 +7,19 @@ import random
 import sys
 import tempfile
 
-# The suite compiles hundreds of small programs and runs each on a few images, so XLA's backend
-# optimisation (LLVM's passes on the CPU) costs more than it saves: its programs run slower at
-# level 0, but the whole suite took 13 min 6 s against 15 min 22 s at the default level
-# (tests/README.md). Set before JAX starts a backend;
-# exported, so the subprocesses the tests start get it too. A level the caller set is kept.
-if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+# The suite compiles hundreds of small programs and runs each on a few images, so XLA's compile
+# time matters more than the speed of what it compiles. Two flags of XLA's CPU backend, each
+# set unless the caller set it (tests/README.md has the measurements):
+# - `xla_cpu_use_fusion_emitters=false`: fusions go through XLA's older emitters, not its MLIR
+#   fusion emitters, whose compiles cost most of a small program's: tests/client_test.py took
+#   33-37 s of CPU against 61-66 s with them;
+# - `xla_backend_optimization_level=0` (LLVM's passes): its programs run slower, but the whole
+#   suite took 13 min 6 s against 15 min 22 s at the default level.
+# Set before JAX starts a backend; exported, so the subprocesses the tests start get them too.
+TEST_XLA_FLAGS = {'xla_cpu_use_fusion_emitters': 'false', 'xla_backend_optimization_level': '0'}
+for _name, _value in TEST_XLA_FLAGS.items():
+  if _name not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position

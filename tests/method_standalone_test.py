@@ -1,6 +1,8 @@
 """Standalone, the control for comparing methods: a baseline whose knowledge-transfer term is
 switched off trains each client's own model exactly as Standalone does (same initial models,
-cohorts, batches and augmentation), to the digit."""
+cohorts, batches and augmentation), to float rounding: the programs differ (FML's meme, FD's and
+FedProto's zero-weighted terms), so XLA may fuse and round the shared computation differently
+(a few ulps; a wrong batch, key or model would differ by orders of magnitude more)."""
 import jax
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ def standalone(small_ds):
 def test_switched_off_baselines_train_like_standalone(small_ds, standalone, method, off):
   params, losses = own_models_after(make_small_sim(small_ds, method, **off))
   want_params, want_losses = standalone
-  jax.tree.map(np.testing.assert_array_equal, params, want_params)
+  jax.tree.map(lambda p, w: np.testing.assert_allclose(p, w, rtol=1e-5, atol=1e-7),
+               params, want_params)
   if method != 'fml':  # FML's reported loss adds its meme's
-    np.testing.assert_array_equal(losses, want_losses)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
