@@ -76,6 +76,15 @@ def test_sizes_are_the_spec_s_and_config_is_checked():
       make_method(**{field: value})
 
 
+def test_feature_pool_is_torch_s_adaptive_average_pool_over_features():
+  # The 'pool' shared model's pooling (HtFLlib): output i averages inputs
+  # floor(i D / d1) .. ceil((i + 1) D / d1) - 1, windows overlapping where d1 does not divide D.
+  x = np.random.default_rng(1).normal(size=(3, 500))
+  want = np.stack([x[:, i * 500 // D1:-(-(i + 1) * 500 // D1)].mean(1) for i in range(D1)], 1)
+  got = np.asarray(models.feature_pool(jnp.asarray(x, jnp.float32), D1))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_only_methods_overriding_eval_forward_read_the_client_state_in_evaluation():
   # The paper's eight keep the family's apply alone (and their evaluation programs).
   for name in ('fedssa', 'standalone', 'fd', 'fedproto', 'fml', 'fedkd', 'lg_fedavg',
