@@ -1,8 +1,8 @@
 """FedMRL (docs/algorithm.md §6): the sizes P_S and P_J against the spec's, the client loss and its
 gradient against a plain per-client computation, the download, upload and client state (with
 `reset_projector`), the server's weighted mean against a hand-written one, the evaluated forward
-against a plain per-sample computation, and one simulator through rounds and evaluation (device
-and host stores)."""
+against a plain per-sample computation, the stores bringing the client state to evaluation
+calls, and one simulator through a round and its evaluation (against a numpy CNN)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
