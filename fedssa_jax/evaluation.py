@@ -2,7 +2,11 @@
 
 Each client is evaluated with its current personalised model (`Method.eval_params`) on its own
 test split, in blocks of clients per jitted call; the store (population.py) brings a block's
-rows to the call. Results are counts per client; `Evaluation` turns them into accuracies.
+rows to the call. Results are counts per client; `Evaluation` turns them into accuracies. A
+method whose prediction goes beyond the client's model (`Method.eval_forward`, e.g. FedMRL's
+projector and shared model) is evaluated through that forward, and the store then brings the
+block's per-client method state too (`Method.eval_reads_state`); any other method's calls are
+those of the family's apply alone, without the state.
 
 A run with `save_representations=True` writes `representations.npz` into its workdir at the end:
 `representations` [M, 500] float16 (M = all clients' test samples), `labels` [M] and `client`
@@ -26,8 +30,10 @@ from fedssa_jax.placement import REPLICATED, SHARDED
 EVAL_BLOCK = 32
 COUNTS = ('correct', 'count', 'batch_acc_sum', 'num_batches')
 REPRESENTATIONS_FILE = 'representations.npz'
-# Under a mesh, each device evaluates its share of a block's rows (evaluate_rows's arguments).
+# Under a mesh, each device evaluates its share of a block's rows (evaluate_rows's arguments;
+# a method that reads the client state adds its rows, STATE_SPEC, after them).
 ROWS_SPECS = (SHARDED, SHARDED, SHARDED, REPLICATED, REPLICATED)
+STATE_SPEC = SHARDED
 
 
 @struct.dataclass
@@ -59,38 +65,59 @@ class Evaluator:
     self.eval_batch_size = eval_batch_size
     self.clients_per_call = clients_per_call
     self.phase = phase or (lambda name, *arrays: None)
+    self.reads_state = method.eval_reads_state
     self.calls = [self._eval_call(g) for g in groups]
 
   def _per_call(self, g) -> int:
     return self.clients_per_call or (
         1 if jax.default_backend() == 'cpu' else g.rows // self.placement.num_devices)
 
+  def _forward(self, g, state: list, server, cid):
+    """The evaluated forward of client `cid` of group `g`, called as the family's apply is:
+    the apply itself, or the method's `eval_forward` around it with the client's state
+    (`state`: [it], empty for a method that does not read it)."""
+    if not self.reads_state:
+      return g.eval_model.apply
+    return lambda variables, x: self.method.eval_forward(
+        g.eval_model.apply, variables['params'], state[0], server, cid, x)
+
+  def _specs(self) -> tuple:
+    return ROWS_SPECS + ((STATE_SPEC,) if self.reads_state else ())
+
   def _eval_call(self, g):
     """The group's call evaluating a block of members (rows where `valid` is False, padding,
-    evaluate no test batch)."""
+    evaluate no test batch); `state_rows`, the members' client state, only for a method that
+    reads it."""
     method, cfg, per_call = self.method, self.train_cfg, self._per_call(g)
 
-    def evaluate_rows(group_params, cids, valid, server, data_: client.DeviceData):
+    def evaluate_rows(group_params, cids, valid, server, data_: client.DeviceData,
+                      state_rows=None):
       # No client has more than max_test samples, so a smaller batch than that gives the same
       # per-batch results with less padding.
       max_test = data_.test_idx.shape[1]
       eval_batch = min(self.eval_batch_size, -(-max_test // 8) * 8)
 
       def one(args):
-        params, cid, ok = args
+        params, cid, ok, *state = args  # state: [the client's state] if the method reads it
         params = method.eval_params(params, server, cid)
         extra = functools.partial(method.eval_extra, server, cid)
         # A padding row has no test sample, so its test loop runs no batch (one row at a time,
         # as on the CPU, it costs nothing).
         return client.evaluate(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
-                               data_, apply_fn=g.eval_model.apply, cfg=cfg,
+                               data_, apply_fn=self._forward(g, state, server, cid), cfg=cfg,
                                eval_batch_size=eval_batch, extra_fn=extra,
                                extra_names=method.eval_metrics)
       # Inside shard_map, cids holds this device's rows.
-      return jax.lax.map(one, (group_params, cids, valid),
-                         batch_size=min(per_call, cids.shape[0]))
+      rows = (group_params, cids, valid) + ((state_rows,) if self.reads_state else ())
+      return jax.lax.map(one, rows, batch_size=min(per_call, cids.shape[0]))
 
-    return self.store.eval_call(g, self.placement.per_device(evaluate_rows, ROWS_SPECS))
+    return self.store.eval_call(g, self.placement.per_device(evaluate_rows, self._specs()),
+                                with_state=self.reads_state)
+
+  def _client_state(self, state):
+    """What the store's evaluation calls need of the run state's client state: all of it for a
+    method that reads it, else nothing."""
+    return state.client_state if self.reads_state else None
 
   def _jobs(self, ids: np.ndarray, reuse: bool) -> list[tuple[int, np.ndarray, int]]:
     """Blocks of the clients `ids` to evaluate: (group index, slots padded to the block size by
@@ -130,7 +157,8 @@ class Evaluator:
       counts = {k: np.full(len(self.group_of), np.nan) for k in names}
       ids = evaluated_ids
     jobs = self._jobs(ids, reuse)
-    blocks = self.store.evaluate(state.params, seed_index, jobs, self.calls, state.server, data)
+    blocks = self.store.evaluate(state.params, seed_index, jobs, self.calls, state.server, data,
+                                 self._client_state(state))
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
       members = self.groups[gi].members[slots[:n]]
       for k, v in self.placement.fetch(r).items():
@@ -151,30 +179,33 @@ class Evaluator:
   # Representations
   # ------------------------------------------------------------------------------------------
   def _rep_call(self, g):
-    cfg, model, method = self.train_cfg, g.eval_model, self.method
+    cfg, method = self.train_cfg, self.method
 
-    def rows_reps(group_params, cids, valid, server, data_: client.DeviceData):
+    def rows_reps(group_params, cids, valid, server, data_: client.DeviceData, state_rows=None):
       del valid
       def one(args):
-        params, cid = args
+        params, cid, *state = args
         params = method.eval_params(params, server, cid)
         idx = data_.test_idx[cid]
         x = augment.normalize(data_.images[idx], cfg.mean, cfg.std)
-        return model.apply({'params': params}, x)[1].astype(jnp.float16), data_.labels[idx]
-      return jax.lax.map(one, (group_params, cids))
+        forward = self._forward(g, state, server, cid)
+        return forward({'params': params}, x)[1].astype(jnp.float16), data_.labels[idx]
+      return jax.lax.map(one, (group_params, cids) + ((state_rows,) if self.reads_state else ()))
 
-    return self.store.eval_call(g, self.placement.per_device(rows_reps, ROWS_SPECS))
+    return self.store.eval_call(g, self.placement.per_device(rows_reps, self._specs()),
+                                with_state=self.reads_state)
 
   def representations(self, state, seed_index: int, data: client.DeviceData
                       ) -> dict[str, np.ndarray]:
-    """Runs each client's evaluated model (method.eval_params) over its padded test split, in
-    blocks of clients, from any store."""
+    """Runs each client's evaluated model (method.eval_params, through method.eval_forward) over
+    its padded test split, in blocks of clients, from any store."""
     calls = [self._rep_call(g) for g in self.groups]
     jobs = self._jobs(np.arange(len(self.group_of)), reuse=False)
     test_n = self.placement.fetch(data.test_n)
     reps, labels, clients = [], [], []
     for (gi, slots, r), (_, _, n) in zip(
-        self.store.evaluate(state.params, seed_index, jobs, calls, state.server, data), jobs):
+        self.store.evaluate(state.params, seed_index, jobs, calls, state.server, data,
+                            self._client_state(state)), jobs):
       r, y = self.placement.fetch(r)
       for i, cid in enumerate(self.groups[gi].members[slots[:n]]):  # drop padding rows
         k = int(test_n[cid])

@@ -7,6 +7,11 @@ Every family is
     flatten -> fc1 -> ReLU -> fc2 (->500) -> ReLU = representation
     header fc3: 500 -> num_classes
 
+A method may build a family with a narrower fc2 (`repr_dim`, e.g. FedMRL's shared CNN-5 with a
+128-d representation and its own 128 -> num_classes header), or with its representation
+average-pooled to a narrower width (`pool_to`, `feature_pool`: HtFLlib's way); the clients'
+models are always the plain 500-d ones.
+
 Three formulations compute the same function from the same parameters:
 - ``conv_impl='xla'``: ``lax.conv_general_dilated`` + ``reduce_window`` max-pool. Fast on GPU/TPU
   (cuDNN), slow on XLA:CPU.
@@ -175,11 +180,16 @@ class CNN(nn.Module):
   """One FedSSA CNN family. Returns (logits, representation), both float32.
 
   `dtype` is the compute dtype of every layer (float32 or bfloat16); parameters are float32.
+  `repr_dim` is fc2's width (500 for every client model); `pool_to` > 0: the representation is
+  fc2's output average-pooled over its features to this width (`feature_pool`), and the header
+  reads that.
   """
   family: Family
   num_classes: int
   conv_impl: str = 'im2col'
   dtype: Any = jnp.float32
+  repr_dim: int = REPR_DIM
+  pool_to: int = 0
 
   @nn.compact
   def __call__(self, x):
@@ -190,24 +200,40 @@ class CNN(nn.Module):
         nn.relu(Conv5x5(self.family.c2, impl, tile=5, dtype=dtype, name='conv2')(x)), impl)
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(Dense(self.family.fc1, dtype=dtype, name='fc1')(x))
-    rep = nn.relu(Dense(REPR_DIM, dtype=dtype, name='fc2')(x))
+    rep = nn.relu(Dense(self.repr_dim, dtype=dtype, name='fc2')(x))
+    if self.pool_to:
+      rep = feature_pool(rep, self.pool_to)
     logits = Dense(self.num_classes, dtype=dtype, name='fc3')(rep)
     return cast(jnp.float32, logits, rep)
+
+
+def feature_pool(rep, width: int) -> jax.Array:
+  """PyTorch's AdaptiveAvgPool1d(width) over the last axis of `rep` [B, D] (docs/algorithm.md,
+  FedMRL): output i is the mean of inputs floor(i D / width) .. ceil((i + 1) D / width) - 1,
+  windows that overlap where width does not divide D. One matmul with a constant matrix."""
+  d = rep.shape[-1]
+  pool = np.zeros((d, width), np.float32)
+  for i in range(width):
+    lo, hi = i * d // width, -(-(i + 1) * d // width)
+    pool[lo:hi, i] = 1.0 / (hi - lo)
+  return rep @ jnp.asarray(pool, rep.dtype)
 
 
 COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 
 def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
-               dtype: Any = jnp.float32, forward_only: bool = False) -> CNN:
+               dtype: Any = jnp.float32, forward_only: bool = False,
+               repr_dim: int = REPR_DIM, pool_to: int = 0) -> CNN:
   """`family_name`'s CNN; `dtype` is its compute dtype (a dtype, or a COMPUTE_DTYPES name);
-  `forward_only`: the model is not differentiated (picks 'auto''s formulation)."""
+  `forward_only`: the model is not differentiated (picks 'auto''s formulation); `repr_dim` and
+  `pool_to` as CNN's (a method's own model; client models keep the defaults)."""
   if isinstance(dtype, str):
     if dtype not in COMPUTE_DTYPES:
       raise ValueError(f'compute dtype must be one of {tuple(COMPUTE_DTYPES)}, got {dtype!r}.')
     dtype = COMPUTE_DTYPES[dtype]
   return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl, forward_only),
-             dtype)
+             dtype, repr_dim, pool_to)
 
 
 def init_params(model: CNN, key, image_shape: Sequence[int] = (32, 32, 3)) -> Any:
@@ -242,6 +268,14 @@ def header_rows(params) -> jax.Array:
   """fc3 as [num_classes, 501]: row s holds class s's weights and bias."""
   fc3 = params['fc3']
   return jnp.concatenate([fc3['kernel'].T, fc3['bias'][:, None]], axis=1)
+
+
+def apply_header(params, rep, dtype: Any = jnp.float32) -> jax.Array:
+  """The header alone: logits (float32) of representations `rep` [B, D] under params' fc3, as
+  the model computes them (in the compute dtype `dtype`), e.g. for a representation the model
+  did not make itself."""
+  return Dense(params['fc3']['bias'].shape[0], dtype=dtype).apply(
+      {'params': params['fc3']}, rep).astype(jnp.float32)
 
 
 def with_header_rows(params, rows: jax.Array):

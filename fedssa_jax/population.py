@@ -232,8 +232,9 @@ class Store:
   `init_group(group, slots, seed_index)` and `init_client_state(client_ids, seed_index)` give
   a seed's initial rows (stacked). `train_chunk(params, state, server, inputs)` trains one
   chunk's rows of one seed (engine.py) and `evaluate_rows(params, cids, valid, server, data)`
-  evaluates them (evaluation.py); a store wraps each into the jitted calls that bring its rows
-  to them.
+  evaluates them (evaluation.py), with the members' client state as a sixth argument for a
+  method whose evaluation reads it (`with_state`); a store wraps each into the jitted calls that
+  bring its rows to them.
   """
 
   def __init__(self, placement: Placement, groups: list, num_clients: int, num_seeds: int,
@@ -296,13 +297,17 @@ class Store:
     Returns (client_state, server, [stats of each chunk])."""
     raise NotImplementedError
 
-  def eval_call(self, g, evaluate_rows: Callable) -> Callable:
+  def eval_call(self, g, evaluate_rows: Callable, with_state: bool = False) -> Callable:
+    """The jitted call of `evaluate_rows` on a block of the group's rows; `with_state`: it also
+    takes the block's members' client state (the call then takes the store's client state)."""
     raise NotImplementedError
 
-  def evaluate(self, params, seed_index: int, jobs, calls, server, data) -> list:
+  def evaluate(self, params, seed_index: int, jobs, calls, server, data,
+               client_state=None) -> list:
     """Runs the group `calls` (`eval_call`) on `jobs` [(group index, slots, count of real
-    slots)] of one seed, one block of clients per call. Returns [(group index, slots, result)],
-    the results still on the device."""
+    slots)] of one seed, one block of clients per call; `client_state`, the run's, for calls
+    made `with_state` (else None). Returns [(group index, slots, result)], the results still on
+    the device."""
     raise NotImplementedError
 
 
@@ -364,16 +369,22 @@ class DeviceStore(Store):
       chunk_stats.append(stats)
     return client_state, server, chunk_stats
 
-  def eval_call(self, g, evaluate_rows):
+  def eval_call(self, g, evaluate_rows, with_state=False):
     members = jnp.asarray(g.members)
-    return jax.jit(lambda group_params, i, slots, valid, server, data_: evaluate_rows(
-        jax.tree.map(lambda a: a[i, slots], group_params), members[slots], valid,
-        jax.tree.map(lambda a: a[i], server), data_))
+    if not with_state:
+      return jax.jit(lambda group_params, i, slots, valid, server, data_: evaluate_rows(
+          jax.tree.map(lambda a: a[i, slots], group_params), members[slots], valid,
+          jax.tree.map(lambda a: a[i], server), data_))
+    return jax.jit(lambda group_params, i, slots, valid, server, data_, client_state: (
+        evaluate_rows(jax.tree.map(lambda a: a[i, slots], group_params), members[slots], valid,
+                      jax.tree.map(lambda a: a[i], server), data_,
+                      jax.tree.map(lambda a: a[i, members[slots]], client_state))))
 
-  def evaluate(self, params, seed_index, jobs, calls, server, data):
+  def evaluate(self, params, seed_index, jobs, calls, server, data, client_state=None):
     i = jnp.asarray(seed_index, jnp.int32)
+    state = () if client_state is None else (client_state,)
     return [(gi, slots, calls[gi](params[gi], i, jnp.asarray(slots, jnp.int32),
-                                  jnp.asarray(np.arange(len(slots)) < n), server, data))
+                                  jnp.asarray(np.arange(len(slots)) < n), server, data, *state))
             for gi, slots, n in jobs]
 
 
@@ -431,19 +442,27 @@ class _RowStore(Store):
       write_back(*pending)
     return client_state, server, chunk_stats
 
-  def eval_call(self, g, evaluate_rows):
+  def eval_call(self, g, evaluate_rows, with_state=False):
+    del with_state  # the call takes the state rows the host brings (`evaluate`), if any
     members = jnp.asarray(g.members)
-    return jax.jit(lambda rows, i, slots, valid, server, data_: evaluate_rows(
-        rows, members[slots], valid, jax.tree.map(lambda a: a[i], server), data_))
+    return jax.jit(lambda rows, i, slots, valid, server, data_, *state_rows: evaluate_rows(
+        rows, members[slots], valid, jax.tree.map(lambda a: a[i], server), data_, *state_rows))
 
-  def evaluate(self, params, seed_index, jobs, calls, server, data):
+  def evaluate(self, params, seed_index, jobs, calls, server, data, client_state=None):
     """The next block is read while the device evaluates this one."""
-    load = lambda gi, slots, n: self.placement.to_device(params[gi].read(slots))
+    def load(gi, slots, n):
+      del n
+      rows = (params[gi].read(slots),)
+      if client_state is not None:
+        rows += (client_state.read(self.groups[gi].members[slots]),)
+      return self.placement.to_device(rows)
+
     i = jnp.asarray(seed_index, jnp.int32)
     results, loaded = [], load(*jobs[0]) if jobs else None
     for j, (gi, slots, n) in enumerate(jobs):
-      r = calls[gi](loaded, i, jnp.asarray(slots, jnp.int32),
-                    jnp.asarray(np.arange(len(slots)) < n), server, data)
+      rows, *state_rows = loaded
+      r = calls[gi](rows, i, jnp.asarray(slots, jnp.int32),
+                    jnp.asarray(np.arange(len(slots)) < n), server, data, *state_rows)
       loaded = load(*jobs[j + 1]) if j + 1 < len(jobs) else None
       results.append((gi, slots, r))
     return results

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = 10
 ROW = models.HEADER_ROW
 P5 = 665_048 + 501 * C  # CNN-5 with its C-way head (spec §0)
+PS_MRL = 478_676 + 129 * C  # FedMRL's shared CNN-5 with fc2 -> 128 and its head (HTFL.md §3.2)
 
 
 # The packed run: seed 0 (the run alone) second, so that replica 1 is compared (a replica that
@@ -104,6 +105,7 @@ def expected_floats(method, seen, avail_before):
       'fml': (P5 + 0 * s, P5 + 0 * s),
       'lg_fedavg': (ROW * C + 0 * s, ROW * C + 0 * s),
       'fedclassavg': (ROW * C + 0 * s, ROW * C + 0 * s),
+      'fedmrl': (PS_MRL + 0 * s, PS_MRL + 0 * s),
   }.get(method)
 
 

@@ -3,6 +3,7 @@ from fedssa_jax.methods.base import Aggregated, ClientView, Download, Method, Up
 from fedssa_jax.methods.fd import FD
 from fedssa_jax.methods.fedclassavg import FedClassAvg
 from fedssa_jax.methods.fedkd import FedKD
+from fedssa_jax.methods.fedmrl import FedMRL
 from fedssa_jax.methods.fedproto import FedProto
 from fedssa_jax.methods.fedssa import FedSSA
 from fedssa_jax.methods.fml import FML
@@ -10,7 +11,7 @@ from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
-                                  FedClassAvg)}
+                                  FedClassAvg, FedMRL)}
 
 
 def get_method(name: str):

@@ -27,6 +27,18 @@ one model family) and then once on the server:
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
   fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
+Evaluation (evaluation.py), for each evaluated client k and each of its test batches x:
+
+    p              = method.eval_params(params_k, server, k)                # once per client
+    logits, rep    = method.eval_forward(apply_fn, p, state_k, server, k, x)  # per batch
+    extra counts   = method.eval_extra(server, k, logits, rep, y, valid)
+
+- `eval_forward` is optional: by default it is the family's `apply_fn` on `p` (the client's
+  model, its header maybe replaced by `eval_params`), and evaluation then runs exactly that,
+  without reading the client state. A method that predicts through more than the client's model
+  (FedMRL: its projector J_k in `state_k` and the server's shared model) overrides it;
+  evaluation then brings each evaluated client's `state_k` to the call (`eval_reads_state`).
+
 Everything runs under jit: the client hooks on one client (the engine vmaps them), the server
 hooks on the whole population. Server and client states are pytrees of arrays, so they can be
 checkpointed and sharded.
@@ -257,6 +269,22 @@ class Method:
     """The parameters a client is evaluated with (its current personalised model)."""
     return params
 
+  def eval_forward(self, apply_fn: Callable, params, state, server, client_id, x):
+    """The evaluated prediction on one normalised test batch `x` [B, 32, 32, 3]: (logits [B, C],
+    representation [B, 500]), both float32. `apply_fn` is the client's family's (forward-only)
+    apply, `params` what `eval_params` returned, `state` the client's persistent state
+    (`init_client_state`'s structure). The representation is what `eval_extra` and the saved
+    test representations see. By default the client's model alone; a method overriding this
+    reads its client state (`eval_reads_state`) and, by default, the server's."""
+    del state, server, client_id
+    return apply_fn({'params': params}, x)
+
+  @property
+  def eval_reads_state(self) -> bool:
+    """Whether evaluation needs each client's persistent state: whether `eval_forward` is
+    overridden. If not, evaluation runs the family's apply alone and never reads the state."""
+    return type(self).eval_forward is not Method.eval_forward
+
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
   headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
 
@@ -265,9 +293,10 @@ class Method:
     """Whether a client's test results depend on the server's state (LG-FedAvg's global header,
     FedProto's prototypes). If not, they change only when the client trains, and the engine
     re-evaluates only the clients that trained since the last evaluation. By default: whether
-    `eval_params` or `eval_extra` is overridden."""
+    `eval_params`, `eval_forward` or `eval_extra` is overridden."""
     cls = type(self)
-    return cls.eval_params is not Method.eval_params or cls.eval_extra is not Method.eval_extra
+    return (cls.eval_params is not Method.eval_params or cls.eval_extra is not Method.eval_extra
+            or cls.eval_forward is not Method.eval_forward)
 
   def eval_extra(self, server, client_id, logits, rep, y, valid) -> dict:
     """Extra per-client test metrics as int32 correct counts named `eval_metrics`, e.g.
