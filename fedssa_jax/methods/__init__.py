@@ -1,5 +1,6 @@
 """Federated methods. Each is one module implementing methods.base.Method."""
-from fedssa_jax.methods.base import Aggregated, ClientView, Download, Method, Upload
+from fedssa_jax.methods.base import (FORWARD_PASS, FORWARD_PASS_TIMES, Aggregated, ClientView,
+                                     Download, Method, Upload)
 from fedssa_jax.methods.fd import FD
 from fedssa_jax.methods.fedclassavg import FedClassAvg
 from fedssa_jax.methods.fedkd import FedKD

@@ -8,6 +8,7 @@ one model family) and then once on the server:
     d        = method.download(params_k, state_k, server, v)                  # Download
     trained  = local training of {'model': d.params, **d.aux} with method.loss(..., d.ctx, ...),
                summing the loss's per-step statistics into an accumulator (method.init_acc())
+    [acc     = {**acc, FORWARD_PASS: forward pass sums}    # only with method.forward_pass set]
     u        = method.upload(trained..., acc, d.ctx, state_k, v)              # Upload
     server   = method.server_receive(server, client_ids, u.payload, active)
     ...
@@ -24,6 +25,13 @@ one model family) and then once on the server:
 - The floats each side sends are counted where the exchange happens (`Download.floats`,
   `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`), and the server's
   FLOPs and diagnostics of the round (`Aggregated.flops`, `.metrics`).
+- `method.forward_pass` ('before' or 'after'; None, the default, runs none) asks for one more
+  pass over the client's training split, before local training (on d.params) or after it (on
+  the trained model): a forward of the model as evaluated (unaugmented, eval-size batches, no
+  gradient; client.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
+  valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes, HTFL.md gap G1).
+  Its sums reach `upload` in the accumulator, under the key FORWARD_PASS (init_acc is then a
+  dict), and its FLOPs (a forward over n_k samples) count as the client's extra FLOPs.
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
   fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
@@ -85,6 +93,12 @@ class ClientView:
 @struct.dataclass
 class NoServer:
   """The server state of a method that keeps none (Standalone)."""
+
+
+# The key of the accumulator under which `upload` receives the forward pass's sums
+# (Method.forward_pass).
+FORWARD_PASS = 'forward_pass'
+FORWARD_PASS_TIMES = ('before', 'after')  # Method.forward_pass: around local training
 
 
 def empty_class_sums(num_classes: int, dim: int) -> dict:
@@ -193,6 +207,10 @@ class Method:
   # passes (client.TrainConfig.micro_batch). False for a loss that couples a batch's samples
   # (contrastive pairs, batch statistics). No default: every method declares it.
   per_sample_loss: bool
+  # A forward pass over the client's training split around local training (the module
+  # docstring; FORWARD_PASS_TIMES): 'before' it, 'after' it, or None (the default: no pass, no
+  # extra work). A method may set it per instance, from its config.
+  forward_pass: str | None = None
 
   def __init__(self, config, num_clients: int, num_classes: int):
     if not isinstance(getattr(type(self), 'per_sample_loss', None), bool):
@@ -247,6 +265,11 @@ class Method:
     Returns (loss, (correct, accumulator update))."""
     loss, correct = client.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, {})
+
+  def forward_pass_stats(self, logits, rep, y, valid) -> PyTree:
+    """What the forward pass (`forward_pass`) sums over a batch of the training split: by
+    default the V1 class sums of the representation r."""
+    return class_sums(rep, y, valid, self.num_classes)
 
   def upload(self, trainable: dict, acc, ctx, state, client: ClientView) -> Upload:
     """After training: the model the client keeps, its persistent state, what the server
