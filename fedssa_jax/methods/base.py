@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import struct
 
 from fedssa_jax import client
@@ -193,6 +194,49 @@ def store_rows(table, client_ids, rows, active):
   """Writes each active client's row into `table` [N, ...]; padding (dummy) clients are dropped."""
   ids = jnp.where(active, client_ids, table.shape[0])
   return table.at[ids].set(rows, mode='drop')
+
+
+def train_on_pairs(params, loss_fn: Callable, tx, values, labels, weights, key, *,
+                   epochs: int, batch_size: int):
+  """Server-side training on a round's (value, label) pairs, under jit (HTFL.md gap G3): FedGH's
+  header, FedTGP's prototype generator.
+
+  `values` [M, D], `labels` [M] and `weights` [M] (> 0 on the M' valid pairs, 0 elsewhere)
+  hold a fixed-shape table of pairs. Each of `epochs` epochs orders them by
+  argsort(where(valid, uniform(fold_in(key, epoch)), +inf)), the valid pairs first in a random
+  order, and runs ceil(M' / batch_size) steps (a while_loop: the count is dynamic) on batches of
+  `batch_size` consecutive pairs, the last one partial; padding positions get weight 0. A step
+  is one update of the optax transformation `tx` (its state fresh here) with the gradient of
+  `loss_fn(params, x [b, D], y [b], w [b])`, a scalar (a weighted mean over the batch).
+
+  Returns (params, the sum of the steps' losses, the number of steps)."""
+  m = values.shape[0]
+  padded = -(-m // batch_size) * batch_size
+  valid = weights > 0
+  count = valid.sum()
+  num_steps = (count + batch_size - 1) // batch_size
+  grad_fn = jax.value_and_grad(loss_fn)
+
+  def epoch(e, carry):
+    r = jax.random.uniform(jax.random.fold_in(key, e), (m,))
+    order = jnp.pad(jnp.argsort(jnp.where(valid, r, jnp.inf)), (0, padded - m))
+
+    def step(inner):
+      j, params, opt_state, loss_sum = inner
+      pos = j * batch_size + jnp.arange(batch_size)
+      idx = jax.lax.dynamic_slice(order, (j * batch_size,), (batch_size,))
+      w = jnp.where(pos < count, weights[idx], 0.0)
+      loss, grads = grad_fn(params, values[idx], labels[idx], w)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return j + 1, optax.apply_updates(params, updates), opt_state, loss_sum + loss
+
+    _, params, opt_state, loss_sum = jax.lax.while_loop(
+        lambda inner: inner[0] < num_steps, step, (jnp.zeros((), jnp.int32), *carry))
+    return params, opt_state, loss_sum
+
+  params, _, loss_sum = jax.lax.fori_loop(
+      0, epochs, epoch, (params, tx.init(params), jnp.zeros((), jnp.float32)))
+  return params, loss_sum, epochs * num_steps
 
 
 class Method:
