@@ -3,6 +3,7 @@ from fedssa_jax.methods.base import (FORWARD_PASS, FORWARD_PASS_TIMES, Aggregate
                                      Download, Method, Upload)
 from fedssa_jax.methods.fd import FD
 from fedssa_jax.methods.fedclassavg import FedClassAvg
+from fedssa_jax.methods.fedgh import FedGH
 from fedssa_jax.methods.fedkd import FedKD
 from fedssa_jax.methods.fedproto import FedProto
 from fedssa_jax.methods.fedssa import FedSSA
@@ -11,7 +12,7 @@ from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
-                                  FedClassAvg)}
+                                  FedClassAvg, FedGH)}
 
 
 def get_method(name: str):
