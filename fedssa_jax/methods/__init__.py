@@ -7,12 +7,13 @@ from fedssa_jax.methods.fedgh import FedGH
 from fedssa_jax.methods.fedkd import FedKD
 from fedssa_jax.methods.fedproto import FedProto
 from fedssa_jax.methods.fedssa import FedSSA
+from fedssa_jax.methods.fedtgp import FedTGP
 from fedssa_jax.methods.fml import FML
 from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
-                                  FedClassAvg, FedGH)}
+                                  FedClassAvg, FedGH, FedTGP)}
 
 
 def get_method(name: str):
