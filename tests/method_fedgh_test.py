@@ -81,11 +81,11 @@ def test_upload_download_and_evaluated_header():
   params = {'fc2': {'bias': jnp.ones(D)},  # a stand-in for a model: its header and one more
             'fc3': {'kernel': jnp.asarray(rng.normal(size=(D, C)), jnp.float32),
                     'bias': jnp.zeros(C)}}
-  server = method.init_server(jax.random.PRNGKey(3), jnp.asarray(seen))
+  server = jax.jit(method.init_server)(jax.random.PRNGKey(3), jnp.asarray(seen))
   head = np.asarray(server.head)
-  down = method.download(params, {}, server, client_view(0, seen[0], 5, 0))
+  down = jax.jit(method.download)(params, {}, server, client_view(0, seen[0], 5, 0))
   np.testing.assert_array_equal(np.asarray(models.header_rows(down.params)), head)
-  assert down.params['fc2'] is params['fc2']
+  np.testing.assert_array_equal(down.params['fc2']['bias'], params['fc2']['bias'])
   assert int(down.floats) == ROW * C and method.forward_pass == 'after'
   np.testing.assert_array_equal(
       np.asarray(models.header_rows(method.eval_params(params, server, 0))), head)
@@ -133,7 +133,7 @@ def test_server_sgd_equals_plain_loop():
   protos = np.where(seen[:, :, None], np.abs(rng.normal(size=(n, C, D))), 0).astype(np.float32)
   n_kc = np.where(seen, rng.integers(1, 20, size=seen.shape), 0).astype(np.float32)
   participants = np.array([1, 0, 1, 1, 0], bool)
-  server = method.init_server(jax.random.PRNGKey(4), jnp.asarray(seen)).replace(
+  server = jax.jit(method.init_server)(jax.random.PRNGKey(4), jnp.asarray(seen)).replace(
       uploads=jnp.asarray(protos), uploads_n=jnp.asarray(n_kc))
   key = jax.random.PRNGKey(5)
   agg = jax.jit(method.server_aggregate)(server, jnp.asarray(participants), 3, key)
@@ -182,14 +182,15 @@ def test_rounds_upload_post_training_prototypes(two_rounds, small_ds):
   cd = sim.data
   seen = sim.seen[0]
   model = sim.groups[0].eval_model
+  forward = jax.jit(lambda p, x: model.apply({'params': p}, x)[1])
   mean, std = np.asarray(sim.train_cfg.mean), np.asarray(sim.train_cfg.std)
   for state, info in out:
     server = state.server
     for k in info.cohort:  # the trained model's forward over the client's training split
       idx = np.asarray(cd.train_idx[0, k])[:int(sim.train_n[0, k])]
       x = (small_ds.images[idx] / 255.0 - mean) / std
-      rep = np.asarray(model.apply({'params': own_params(sim, state.params, k)},
-                                   jnp.asarray(x, jnp.float32))[1], np.float64)
+      rep = np.asarray(forward(own_params(sim, state.params, k), x.astype(np.float32)),
+                       np.float64)
       y = small_ds.labels[idx]
       for c in range(sim.num_classes):
         want = rep[y == c].mean(0) if seen[k, c] else np.zeros(D)
