@@ -96,7 +96,7 @@ def test_upload_download_floats_and_options():
 def test_tgp_net_size_and_init():
   method = make_method(c=10)
   tgp = jax.jit(method.init_server)(jax.random.PRNGKey(0), jnp.ones((5, 10), bool)).tgp
-  assert models.param_count(tgp) == method.tgp_size == 506_000  # HTFL.md §2: P_T, C = 10
+  assert models.param_count(tgp) == method.tgp_size == 506_000  # algorithm.md §6: P_T at S = 10
   emb = np.asarray(tgp['embedding']['embedding'])
   assert emb.shape == (10, D) and 0.9 < emb.std() < 1.1  # N(0, 1)
   bound = 1 / math.sqrt(D)  # PyTorch's Linear(500, 500)

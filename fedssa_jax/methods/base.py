@@ -29,7 +29,7 @@ one model family) and then once on the server:
   pass over the client's training split, before local training (on d.params) or after it (on
   the trained model): a forward of the model as evaluated (unaugmented, eval-size batches, no
   gradient; client.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
-  valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes, HTFL.md gap G1).
+  valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes).
   Its sums reach `upload` in the accumulator, under the key FORWARD_PASS (init_acc is then a
   dict), and its FLOPs (a forward over n_k samples) count as the client's extra FLOPs.
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
@@ -198,8 +198,8 @@ def store_rows(table, client_ids, rows, active):
 
 def train_on_pairs(params, loss_fn: Callable, tx, values, labels, weights, key, *,
                    epochs: int, batch_size: int):
-  """Server-side training on a round's (value, label) pairs, under jit (HTFL.md gap G3): FedGH's
-  header, FedTGP's prototype generator.
+  """Server-side training on a round's (value, label) pairs, under jit: FedGH's header,
+  FedTGP's prototype generator.
 
   `values` [M, D], `labels` [M] and `weights` [M] (> 0 on the M' valid pairs, 0 elsewhere)
   hold a fixed-shape table of pairs. Each of `epochs` epochs orders them by

@@ -1,4 +1,4 @@
-"""FedGH (Yi et al., ACM MM 2023), as HtFLlib implements it (docs/algorithm.md §6; HTFL.md §1).
+"""FedGH (Yi et al., ACM MM 2023), as HtFLlib implements it (docs/algorithm.md §6).
 
 Clients share a global header H_g [C, 501] (row c = (W_g[c], b_g[c])), which the server trains on
 the clients' class prototypes; no client parameter leaves the client.

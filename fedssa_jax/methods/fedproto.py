@@ -48,8 +48,8 @@ def nearest_prototype(rep, protos, avail):
   return jnp.argmin(jnp.where(avail[None, :], dist, jnp.inf), axis=-1)
 
 
-# Where FedGH's and FedTGP's prototypes come from (HTFL.md Decisions): the forward pass over the
-# training split after (or before) local training, or the training passes' V1 sums, as FedProto.
+# Where FedGH's and FedTGP's prototypes come from: the forward pass over the training split after
+# (or before) local training, or the training passes' V1 sums, as FedProto's.
 PROTO_SOURCES = ('post_pass', 'train_pass')
 
 

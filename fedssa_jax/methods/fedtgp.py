@@ -1,4 +1,4 @@
-"""FedTGP (Zhang et al., AAAI 2024), as HtFLlib implements it (docs/algorithm.md §6; HTFL.md §2).
+"""FedTGP (Zhang et al., AAAI 2024), as HtFLlib implements it (docs/algorithm.md §6).
 
 Clients exchange class prototypes, as in FedProto, but the server does not average them: it
 trains a generator of prototypes T (the TGP net) that pushes the classes apart by a margin.
