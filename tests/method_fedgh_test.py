@@ -95,6 +95,33 @@ def test_upload_download_and_evaluated_header():
   assert make_method(proto_source='train_pass').forward_pass is None
 
 
+def test_train_pass_option_accumulates_training_means():
+  """proto_source='train_pass': no forward pass; the loss (plain CE) accumulates the class sums
+  of the training batches' r, and the upload divides their counts by the E epochs."""
+  epochs = 3
+  cfg = config_lib.base_config('cifar10')
+  cfg.fedgh.proto_source, cfg.local_epochs = 'train_pass', epochs
+  method = fedgh.FedGH(cfg, 5, C)
+  rng = np.random.default_rng(6)
+  logits = rng.normal(size=(6, C)).astype(np.float32)
+  rep = np.abs(rng.normal(size=(6, D))).astype(np.float32)
+  y, valid = np.array([0, 1, 1, 3, 0, 2], np.int32), np.array([1, 1, 1, 1, 0, 0], bool)
+  apply_fn = lambda variables, x: (variables['params']['z'], variables['params']['r'])
+  loss, (correct, acc) = jax.jit(lambda: method.loss(
+      apply_fn, {'model': {'z': logits, 'r': rep}}, (), (None,), y, valid))()
+  want_ce = np.mean([-log_softmax(logits[j].astype(np.float64))[y[j]] for j in range(4)])
+  assert float(loss) == pytest.approx(want_ce, rel=1e-5)
+  for c in range(C):
+    np.testing.assert_allclose(np.asarray(acc['sum'][c]), rep[:4][y[:4] == c].sum(0), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(acc['count']), [1, 2, 0, 1])
+  seen = np.array([1, 1, 0, 1], bool)
+  acc = jax.tree.map(lambda a: a * epochs, acc)  # E epochs over the same batch
+  up = jax.jit(lambda a: method.upload({'model': {}}, a, (), {}, client_view(0, seen, 4, 0)))(acc)
+  np.testing.assert_array_equal(np.asarray(up.payload['n']), [1, 2, 0, 1])
+  np.testing.assert_allclose(np.asarray(up.payload['protos'][1]), rep[1:3].mean(0), rtol=1e-6)
+  assert method.forward_pass is None and int(up.floats) == 3 * D
+
+
 def reference_sgd(head, protos, n_kc, participants, key, *, lr, epochs, batch, weight):
   """The server's SGD on H_g, one pair at a time in numpy: each epoch's order is
   argsort(where(valid, uniform(fold_in(key, epoch)), inf)), cut into batches of `batch`."""
