@@ -223,3 +223,35 @@ def evaluate(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData
                          jnp.zeros((), jnp.int32), extra0))
   return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
           'num_batches': num_batches, **extra}
+
+
+
+def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: DeviceData, *,
+                      apply_fn: Callable, cfg: TrainConfig, batch_size: int,
+                      stats_fn: Callable):
+  """One forward pass of `params` over a client's training split, in batches of `batch_size`
+  padded and masked as `evaluate`'s: the images normalised, not augmented, and no gradient.
+  Returns the sum over the batches of `stats_fn(logits, rep, y, valid)` (a pytree of arrays,
+  e.g. V1 class sums of r); zeros for `n` = 0 (a dummy client), which runs no batch.
+
+  The pass a method asks for with Method.forward_pass (the engine runs it before or after local
+  training)."""
+  params = jax.lax.stop_gradient(params)
+  b = batch_size
+  padded_len = -(-train_idx.shape[0] // b) * b
+  idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
+
+  def body(step, acc):
+    idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
+    valid = step * b + jnp.arange(b) < n
+    x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
+    logits, rep = apply_fn({'params': params}, x)
+    return jax.tree_util.tree_map(jnp.add, acc, stats_fn(logits, rep, data.labels[idx], valid))
+
+  # The sums start at zero, shaped as stats_fn's output on one batch.
+  x = jax.ShapeDtypeStruct((b, *data.images.shape[1:]), jnp.float32)
+  logits, rep = jax.eval_shape(lambda p, x: apply_fn({'params': p}, x), params, x)
+  shapes = jax.eval_shape(stats_fn, logits, rep, jax.ShapeDtypeStruct((b,), data.labels.dtype),
+                          jax.ShapeDtypeStruct((b,), jnp.bool_))
+  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return jax.lax.fori_loop(0, (n + b - 1) // b, body, zeros)

@@ -17,19 +17,30 @@ from fedssa_jax import client, data, models
 def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
   """XLA's FLOP count of one CE gradient step, per sample."""
   model = models.make_model(family, num_classes, conv_impl='xla')
+
+  def grad(p, x, y, valid):
+    return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
+  return _xla_flops_per_sample(model, grad, batch_size)
+
+
+def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
+  """XLA's FLOP count of one forward pass (logits and representation), per sample."""
+  model = models.make_model(family, num_classes, conv_impl='xla')
+  return _xla_flops_per_sample(
+      model, lambda p, x, y, valid: model.apply({'params': p}, x), batch_size)
+
+
+def _xla_flops_per_sample(model, fn, batch_size: int) -> float:
+  """XLA's FLOP count of fn(params, x, y, valid) on a batch of `batch_size`, per sample."""
   params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
   x = jax.ShapeDtypeStruct((batch_size, *data.IMAGE_SHAPE), jnp.float32)
   y = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
   valid = jax.ShapeDtypeStruct((batch_size,), bool)
-
-  def grad(p, x, y, valid):
-    return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
-
   # Counted on the CPU backend on every machine, so the figure does not depend on where the run
   # is (GPU backends give no count for the lowered program, and hide convolutions in library
   # calls once compiled).
   with jax.default_device(jax.devices('cpu')[0]):
-    lowered = jax.jit(grad).lower(params, x, y, valid)
+    lowered = jax.jit(fn).lower(params, x, y, valid)
     analysis = lowered.cost_analysis() or lowered.compile().cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older JAX returns one dict per device
     analysis = analysis[0]

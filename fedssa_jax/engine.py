@@ -76,10 +76,14 @@ def micro_batch(config) -> int:
 
 
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
-                train_one: Callable):
+                train_one: Callable, pass_one: Callable | None = None,
+                pass_flops_per_sample: float = 0.0):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
-  client.local_train for the family's model."""
+  client.local_train for the family's model; `pass_one`, client.forward_pass_sums for its
+  evaluated model, runs where the method asks for a forward pass (`method.forward_pass`), which
+  costs `pass_flops_per_sample` FLOPs per training sample. Without one (the default), nothing
+  of it is traced."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
@@ -88,12 +92,24 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   down = jax.vmap(method.download, in_axes=(0, 0, None, view_axes))(params, state, server, view)
   round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_TRAIN), t)
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
+  when = method.forward_pass
+  forward = lambda p: jax.vmap(pass_one, in_axes=(0, 0, 0, None))(
+      p, data_.train_idx[ids], n, data_)
+  if when == 'before':
+    passed = forward(down.params)
   trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
       {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[ids], n, data_)
+  if when == 'after':
+    passed = forward(trainable['model'])
+  if when is not None:
+    acc = {**acc, methods.FORWARD_PASS: passed}
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
       trainable, acc, down.ctx, state, view)
+  extra_flops = down.flops + up.flops
+  if when is not None:  # the pass: one forward of each training sample
+    extra_flops = extra_flops + pass_flops_per_sample * n.astype(jnp.float32)
   stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
-           'extra_flops': down.flops + up.flops}
+           'extra_flops': extra_flops}
   return up.params, up.state, up.payload, stats
 
 
@@ -265,8 +281,23 @@ class Simulator:
     train_one = functools.partial(client.local_train, apply_fn=g.model.apply,
                                   cfg=self.train_cfg, method=self.method)
     local = functools.partial(local_round, method=self.method, train_one=train_one)
+    if self.method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
+      raise ValueError(f'{type(self.method).__name__}.forward_pass must be None or one of '
+                       f'{methods.FORWARD_PASS_TIMES}, got {self.method.forward_pass!r}.')
+    if self.method.forward_pass is not None:
+      local = functools.partial(local, pass_one=self._forward_pass_fn(g),
+                                pass_flops_per_sample=self.forward_flops(g.family))
     return functools.partial(train_chunk, method=self.method,
                              local=self.placement.per_device(local, LOCAL_SPECS))
+
+  def _forward_pass_fn(self, g: schedule.Group) -> Callable:
+    """client.forward_pass_sums for the group's evaluated model, in evaluation-size batches (at
+    most the longest training split, rounded up to 8, as evaluation cuts test batches)."""
+    max_train = self.data.train_idx.shape[-1]
+    return functools.partial(
+        client.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=self.train_cfg,
+        batch_size=min(self.config.eval_batch_size, -(-max_train // 8) * 8),
+        stats_fn=self.method.forward_pass_stats)
 
   def _aggregate_seed(self, server, participants, round_index, root_key) -> methods.Aggregated:
     """One seed's server rule, with its key of the round (STREAM_AGGREGATE)."""
@@ -370,6 +401,10 @@ class Simulator:
     """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
     return model_flops(family, self.num_classes, self.config.batch_size)
 
+  def forward_flops(self, family: str) -> float:
+    """FLOPs of one forward pass of `family`'s model, per sample (XLA's count)."""
+    return forward_flops(family, self.num_classes, self.config.eval_batch_size)
+
   def _init_group(self, g: schedule.Group, slots, seed_index: int) -> PyTree:
     """The initial parameters of the group's members at `slots` (stacked), of one seed: each
     one's own draw, or (init_scope 'family') copies of the family's one model, the same in
@@ -402,3 +437,10 @@ def model_flops(family: str, num_classes: int, batch_size: int) -> float:
     logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
                     family, xla, analytic)
   return xla
+
+
+@functools.lru_cache(maxsize=None)
+def forward_flops(family: str, num_classes: int, batch_size: int) -> float:
+  """FLOPs of one forward pass of `family`'s model, per sample (XLA's count): what the forward
+  pass of a method that asks for one (Method.forward_pass) costs per training sample."""
+  return costs.xla_forward_flops_per_sample(family, num_classes, batch_size)

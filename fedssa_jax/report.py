@@ -34,9 +34,9 @@ from absl import flags
 import numpy as np
 
 from fedssa_jax import config_lib, evaluation
+from fedssa_jax import methods as methods_lib
 
-METHOD_ORDER = ('fedssa', 'standalone', 'fd', 'fedproto', 'fml', 'fedkd', 'lg_fedavg',
-                'fedclassavg')
+METHOD_ORDER = tuple(methods_lib.METHODS)  # registration order: FedSSA, then the baselines
 REFERENCE_METHOD = 'fedssa'
 
 
@@ -133,12 +133,15 @@ def setting_of(config: dict) -> Setting:
 
 
 def method_label(config: dict, models: str) -> str:
-  """The method, plus its own options (config[method]) and the optimizer's that differ from
-  the variant's, e.g. `fedssa (mu0=0.0)` or `standalone (lr=0.01)`."""
+  """The method, plus its own options (its config section, Method.config_section) and the
+  optimizer's that differ from the variant's, e.g. `fedssa (mu0=0.0)` or
+  `standalone (lr=0.01)`."""
   method = config['method']
   defaults = config_lib.build(config['dataset'], models).to_dict()
+  known = methods_lib.METHODS
+  own_section = known[method].config_section if method in known else method
   changed = []
-  for section in (method, 'optimizer'):
+  for section in (own_section, 'optimizer'):
     own, default = config.get(section), defaults.get(section)
     if isinstance(own, dict) and isinstance(default, dict):
       changed += [f'{k}={v}' for k, v in sorted(own.items()) if default.get(k) != v]

@@ -283,9 +283,9 @@ def client_view(client_id=0, seen=(), num_samples=0, round_index=0):
 
 
 def aggregate(method, server, participants, round_index, jit=False):
-  """method.server_aggregate's new server state (`jit`: run jitted), with a fixed key (which no
-  method draws from), checking that it reports no server FLOPs or diagnostics (no method spends
-  any today)."""
+  """method.server_aggregate's new server state (`jit`: run jitted), with a fixed key (which the
+  methods tested with it do not draw from), checking that it reports no server FLOPs or
+  diagnostics (those methods spend none; FedGH's and FedTGP's tests check theirs)."""
   fn = jax.jit(method.server_aggregate) if jit else method.server_aggregate
   agg = fn(server, jnp.asarray(participants), round_index, jax.random.PRNGKey(0))
   assert float(agg.flops) == 0 and agg.metrics == {}

@@ -94,19 +94,36 @@ def method_runs(request, tmp_path_factory):
 
 def expected_floats(method, seen, avail_before):
   """(up, down) per participant from the spec's table, for the methods whose counts follow
-  from the seen classes alone; None where they depend on trained values (FedKD's ranks)."""
+  from the seen classes alone; None where they depend on trained values (FedKD's ranks). A
+  registered method missing here fails, naming what to add."""
   s = seen.sum(axis=1)
   has_global = (seen & avail_before).sum(axis=1)
-  return {
+  table = {
       'standalone': (0 * s, 0 * s),
       'fedssa': (ROW * s, ROW * has_global),
       'fd': (s * C, has_global * C),
       'fedproto': (models.REPR_DIM * s, models.REPR_DIM * has_global),
       'fml': (P5 + 0 * s, P5 + 0 * s),
+      'fedkd': None,
       'lg_fedavg': (ROW * C + 0 * s, ROW * C + 0 * s),
       'fedclassavg': (ROW * C + 0 * s, ROW * C + 0 * s),
+      'fedgh': (models.REPR_DIM * s, ROW * C + 0 * s),
+      'fedtgp': (models.REPR_DIM * s, models.REPR_DIM * has_global),
       'fedmrl': (PS_MRL + 0 * s, PS_MRL + 0 * s),
-  }.get(method)
+  }
+  if method not in table:
+    pytest.fail(f'The registered method {method!r} has no entry in expected_floats: add '
+                f"'{method}': (up, down), its floats per participant from the communication "
+                'table (docs/algorithm.md §8), or None where they depend on trained values.')
+  return table[method]
+
+
+def globals_after(method, avail, seen_of_participants):
+  """The classes with a global value after a round, from those before it: those the round's
+  participants hold (FedTGP's generator gives every class one after its first round)."""
+  if method == 'fedtgp':
+    return np.ones_like(avail)
+  return avail | seen_of_participants.any(axis=0)
 
 
 def test_runs_from_the_command_line_with_spec_communication(method_runs):
@@ -134,9 +151,12 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
       assert 0 < r['up_floats'] <= P5 * len(part)
       assert r['down_floats'] <= P5 * len(part)
       assert r['round'] > 1 or r['down_floats'] == 0
-    avail |= seen[part].any(axis=0)
-  if method == 'fedproto':
+    avail = globals_after(method, avail, seen[part])
+  if method in ('fedproto', 'fedtgp'):
     assert 0 <= records[-1]['method_metrics']['prototype_accuracy'] <= 1
+  if method in ('fedgh', 'fedtgp'):  # the server trains: its loss and FLOPs are recorded
+    for r in records:
+      assert np.isfinite(r['server_metrics']['loss']) and r['server_flops'] > 0
 
 
 def test_packed_seeds_equal_their_runs_alone(method_runs):

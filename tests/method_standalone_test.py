@@ -27,8 +27,14 @@ def standalone(small_ds):
   return own_models_after(make_small_sim(small_ds, 'standalone'))
 
 
+# FedTGP's: the prototypes of the pass before training (it runs, and changes nothing of the
+# training), and 2 server epochs, as method_fedtgp_test.py's simulator (the same programs).
+FEDTGP_OFF = {'fedtgp.lam': 0.0, 'fedtgp.proto_timing': 'pre_train', 'fedtgp.server_epochs': 2}
+
+
 @pytest.mark.parametrize('method,off', [('fml', {'fml.alpha': 1.0}), ('fd', {'fd.lam': 0.0}),
-                                        ('fedproto', {'fedproto.lam': 0.0})])
+                                        ('fedproto', {'fedproto.lam': 0.0}),
+                                        ('fedtgp', FEDTGP_OFF)])
 def test_switched_off_baselines_train_like_standalone(small_ds, standalone, method, off):
   params, losses = own_models_after(make_small_sim(small_ds, method, **off))
   want_params, want_losses = standalone

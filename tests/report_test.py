@@ -118,6 +118,21 @@ def test_best_accuracy_table_labels_and_a_target_from_the_history(tmp_path):
   assert table_row(costs, 'standalone')[1:3] == ['0/1', '—']
 
 
+def test_method_labels_read_each_methods_own_section():
+  """A label names the options of its method's own config section (Method.config_section),
+  whatever the method, and every registered method has a colour of its own."""
+  c = config_lib.build('cifar10', 'hetero,n10')
+  for method, field, value in (('fedgh', 'eval', 'post_train'), ('fedtgp', 'lam', 1.0)):
+    c.method = method
+    d = c.to_dict()
+    assert report.method_label(d, 'hetero') == method
+    d['fedproto']['lam'] = 2.0  # another method's section: not this one's label
+    d[method][field] = value
+    assert report.method_label(d, 'hetero') == f'{method} ({field}={value})'
+  styles = report.line_styles(list(report.METHOD_ORDER))
+  assert len({s['color'] for s in styles.values()}) == len(report.METHOD_ORDER)
+
+
 def test_line_styles_variants_take_their_methods_colour_dashed():
   styles = report.line_styles(['fedssa', 'fedssa (mu0=0.0)', 'fedssa (scope=participants)',
                                'standalone', 'standalone (lr=0.01)'])

@@ -8,6 +8,7 @@ one model family) and then once on the server:
     d        = method.download(params_k, state_k, server, v)                  # Download
     trained  = local training of {'model': d.params, **d.aux} with method.loss(..., d.ctx, ...),
                summing the loss's per-step statistics into an accumulator (method.init_acc())
+    [acc     = {**acc, FORWARD_PASS: forward pass sums}    # only with method.forward_pass set]
     u        = method.upload(trained..., acc, d.ctx, state_k, v)              # Upload
     server   = method.server_receive(server, client_ids, u.payload, active)
     ...
@@ -24,6 +25,13 @@ one model family) and then once on the server:
 - The floats each side sends are counted where the exchange happens (`Download.floats`,
   `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`), and the server's
   FLOPs and diagnostics of the round (`Aggregated.flops`, `.metrics`).
+- `method.forward_pass` ('before' or 'after'; None, the default, runs none) asks for one more
+  pass over the client's training split, before local training (on d.params) or after it (on
+  the trained model): a forward of the model as evaluated (unaugmented, eval-size batches, no
+  gradient; client.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
+  valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes).
+  Its sums reach `upload` in the accumulator, under the key FORWARD_PASS (init_acc is then a
+  dict), and its FLOPs (a forward over n_k samples) count as the client's extra FLOPs.
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
   fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
@@ -51,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import struct
 
 from fedssa_jax import client
@@ -97,6 +106,12 @@ class ClientView:
 @struct.dataclass
 class NoServer:
   """The server state of a method that keeps none (Standalone)."""
+
+
+# The key of the accumulator under which `upload` receives the forward pass's sums
+# (Method.forward_pass).
+FORWARD_PASS = 'forward_pass'
+FORWARD_PASS_TIMES = ('before', 'after')  # Method.forward_pass: around local training
 
 
 def empty_class_sums(num_classes: int, dim: int) -> dict:
@@ -193,6 +208,49 @@ def store_rows(table, client_ids, rows, active):
   return table.at[ids].set(rows, mode='drop')
 
 
+def train_on_pairs(params, loss_fn: Callable, tx, values, labels, weights, key, *,
+                   epochs: int, batch_size: int):
+  """Server-side training on a round's (value, label) pairs, under jit: FedGH's header,
+  FedTGP's prototype generator.
+
+  `values` [M, D], `labels` [M] and `weights` [M] (> 0 on the M' valid pairs, 0 elsewhere)
+  hold a fixed-shape table of pairs. Each of `epochs` epochs orders them by
+  argsort(where(valid, uniform(fold_in(key, epoch)), +inf)), the valid pairs first in a random
+  order, and runs ceil(M' / batch_size) steps (a while_loop: the count is dynamic) on batches of
+  `batch_size` consecutive pairs, the last one partial; padding positions get weight 0. A step
+  is one update of the optax transformation `tx` (its state fresh here) with the gradient of
+  `loss_fn(params, x [b, D], y [b], w [b])`, a scalar (a weighted mean over the batch).
+
+  Returns (params, the sum of the steps' losses, the number of steps)."""
+  m = values.shape[0]
+  padded = -(-m // batch_size) * batch_size
+  valid = weights > 0
+  count = valid.sum()
+  num_steps = (count + batch_size - 1) // batch_size
+  grad_fn = jax.value_and_grad(loss_fn)
+
+  def epoch(e, carry):
+    r = jax.random.uniform(jax.random.fold_in(key, e), (m,))
+    order = jnp.pad(jnp.argsort(jnp.where(valid, r, jnp.inf)), (0, padded - m))
+
+    def step(inner):
+      j, params, opt_state, loss_sum = inner
+      pos = j * batch_size + jnp.arange(batch_size)
+      idx = jax.lax.dynamic_slice(order, (j * batch_size,), (batch_size,))
+      w = jnp.where(pos < count, weights[idx], 0.0)
+      loss, grads = grad_fn(params, values[idx], labels[idx], w)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return j + 1, optax.apply_updates(params, updates), opt_state, loss_sum + loss
+
+    _, params, opt_state, loss_sum = jax.lax.while_loop(
+        lambda inner: inner[0] < num_steps, step, (jnp.zeros((), jnp.int32), *carry))
+    return params, opt_state, loss_sum
+
+  params, _, loss_sum = jax.lax.fori_loop(
+      0, epochs, epoch, (params, tx.init(params), jnp.zeros((), jnp.float32)))
+  return params, loss_sum, epochs * num_steps
+
+
 class Method:
   """Defaults: no exchange and plain cross-entropy (which is Standalone)."""
   name = 'base'
@@ -205,6 +263,10 @@ class Method:
   # passes (client.TrainConfig.micro_batch). False for a loss that couples a batch's samples
   # (contrastive pairs, batch statistics). No default: every method declares it.
   per_sample_loss: bool
+  # A forward pass over the client's training split around local training (the module
+  # docstring; FORWARD_PASS_TIMES): 'before' it, 'after' it, or None (the default: no pass, no
+  # extra work). A method may set it per instance, from its config.
+  forward_pass: str | None = None
 
   def __init__(self, config, num_clients: int, num_classes: int):
     if not isinstance(getattr(type(self), 'per_sample_loss', None), bool):
@@ -259,6 +321,11 @@ class Method:
     Returns (loss, (correct, accumulator update))."""
     loss, correct = client.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, {})
+
+  def forward_pass_stats(self, logits, rep, y, valid) -> PyTree:
+    """What the forward pass (`forward_pass`) sums over a batch of the training split: by
+    default the V1 class sums of the representation r."""
+    return class_sums(rep, y, valid, self.num_classes)
 
   def upload(self, trainable: dict, acc, ctx, state, client: ClientView) -> Upload:
     """After training: the model the client keeps, its persistent state, what the server

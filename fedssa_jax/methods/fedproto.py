@@ -48,6 +48,21 @@ def nearest_prototype(rep, protos, avail):
   return jnp.argmin(jnp.where(avail[None, :], dist, jnp.inf), axis=-1)
 
 
+# Where FedGH's and FedTGP's prototypes come from: the forward pass over the training split after
+# (or before) local training, or the training passes' V1 sums, as FedProto's.
+PROTO_SOURCES = ('post_pass', 'train_pass')
+
+
+def uploaded_prototypes(acc, seen, source: str, local_epochs: int):
+  """(prototypes [C, D], zero outside the held classes; the class sample counts n_k[c] [C];
+  held [C]) of a client, from the V1 class sums of r of the forward pass (`source`
+  'post_pass': acc[base.FORWARD_PASS], one visit of each sample) or of the training passes
+  ('train_pass': acc itself, E visits of each sample)."""
+  sums, visits = (acc, local_epochs) if source == 'train_pass' else (acc[base.FORWARD_PASS], 1)
+  protos, held = base.class_means(sums, seen)
+  return protos, jnp.where(held, sums['count'] / visits, 0.0), held
+
+
 @struct.dataclass
 class FedProtoServer:
   uploads: jax.Array    # [N, C, D] this round's uploaded prototypes (server_receive)
