@@ -319,7 +319,8 @@ def series(rs, key: str) -> tuple[list[int], np.ndarray]:
 def line_styles(labels) -> dict[str, dict]:
   """matplotlib styles per method label: a colour per method (the same in every plot) and,
   for its variants (labels with options), that colour in dashed and dotted lines."""
-  palette = _pyplot().get_cmap('tab10').colors
+  # tab10, then Dark2: 18 distinct colours, one per registered method.
+  palette = _pyplot().get_cmap('tab10').colors + _pyplot().get_cmap('Dark2').colors
   styles, variants = {}, collections.Counter()
   for label in labels:
     base = label.split(' ')[0]
