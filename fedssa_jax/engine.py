@@ -91,16 +91,6 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   default."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
-  rows = data_.train_idx[ids]
-  # The trainable split: positions Q.. of each row (Method.held_out_samples), n_k - Q samples.
-  q = method.held_out_samples
-  if q:
-    split_n = jnp.maximum(n - q, 0)
-    split_rows = rows[:, q:] if rows.shape[1] > q else jnp.zeros((rows.shape[0], 1), rows.dtype)
-  else:
-    split_n, split_rows = n, rows
-  trains = method.trains(t)
-  train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
   # Each client's view; the round is the same for all (unbatched).
   view = methods.ClientView(id=ids, seen=inputs.seen[ids], num_samples=n, round=t)
   view_axes = methods.ClientView(id=0, seen=0, num_samples=0, round=None)
@@ -108,9 +98,20 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_TRAIN), t)
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
   when = method.forward_pass
-  forward = lambda p: jax.vmap(pass_one, in_axes=(0, 0, 0, None))(p, rows, n, data_)
+  forward = lambda p: jax.vmap(pass_one, in_axes=(0, 0, 0, None))(
+      p, data_.train_idx[ids], n, data_)
   if when == 'before':
     passed = forward(down.params)
+  # The trainable split: positions Q.. of each row (Method.held_out_samples), n_k - Q samples,
+  # none in a round without training (Method.trains).
+  rows, q = data_.train_idx[ids], method.held_out_samples
+  if q:
+    split_n = jnp.maximum(n - q, 0)
+    split_rows = rows[:, q:] if rows.shape[1] > q else jnp.zeros((rows.shape[0], 1), rows.dtype)
+  else:
+    split_n, split_rows = n, rows
+  trains = method.trains(t)
+  train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
   trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
       {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_)
   if when == 'after':
@@ -122,7 +123,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     study_keys = jax.vmap(lambda c: jax.random.fold_in(study_round, c))(ids)
     after, study_count, quiz_count = jax.vmap(
         after_one, in_axes=(0, 0, 0, 0, 0, None, view_axes))(
-            trainable, down.ctx, study_keys, rows, n, data_, view)
+            trainable, down.ctx, study_keys, data_.train_idx[ids], n, data_, view)
     acc = {**acc, methods.AFTER_TRAINING: after}
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
       trainable, acc, down.ctx, state, view)
