@@ -12,6 +12,7 @@ import pytest
 
 from fedssa_jax import client, config_lib, engine, models
 from fedssa_jax.methods import base, fedl2g
+from fedssa_jax.schedule import STREAM_STUDY
 from fedssa_jax.state import ChunkInputs
 
 from conftest import client_view, log_softmax, make_small_sim
@@ -228,7 +229,8 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
     return trainable, {}, {**stats, 'row': idx}
 
   def after_one(trainable, ctx, key, idx, n, data, view):
-    out = {'grad': jnp.zeros((C, D)), 'present': jnp.arange(C) < 2, 'row': idx, 'n': n}
+    out = {'grad': jnp.zeros((C, D)), 'present': jnp.arange(C) < 2, 'row': idx, 'n': n,
+           'key': jax.random.key_data(key)}
     return out, jnp.minimum(jnp.maximum(n - 4, 0), 8), jnp.minimum(n, 4)
 
   local = jax.jit(functools.partial(engine.local_round, method=method, train_one=train_one,
@@ -244,6 +246,10 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
     # The meta step's output is the upload (FedL2G's payload is acc[AFTER_TRAINING]).
     np.testing.assert_array_equal(np.asarray(payload['row']), rows)
     np.testing.assert_array_equal(np.asarray(payload['n']), n)
+    study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_STUDY), t)
+    for k in range(3):  # the study batch's key: (STREAM_STUDY, round, client id)
+      np.testing.assert_array_equal(np.asarray(payload['key'][k]), np.asarray(
+          jax.random.key_data(jax.random.fold_in(study_round, k))))
     np.testing.assert_array_equal(np.asarray(payload['present']), np.tile(np.arange(C) < 2,
                                                                          (3, 1)))
     study, quiz = np.minimum((n - 4).clip(0), 8), np.minimum(n, 4)
