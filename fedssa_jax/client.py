@@ -255,3 +255,39 @@ def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: 
                           jax.ShapeDtypeStruct((b,), jnp.bool_))
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   return jax.lax.fori_loop(0, (n + b - 1) // b, body, zeros)
+
+
+def study_and_quiz(key: jax.Array, train_idx: jax.Array, n: jax.Array, data: DeviceData, *,
+                   held_out: int, batch_size: int, cfg: TrainConfig):
+  """A client's study batch and quiz set for a step after training (Method.after_training),
+  each (x [b, 32, 32, 3] normalised and unaugmented, y [b], valid [b]).
+
+  The quiz set is positions 0..Q-1 of the client's training index row (Q = `held_out`, the
+  held-out samples; valid where < n). The study batch is the first `batch_size` positions of
+  a random order (epoch_order, from `key`) of the trainable split, positions Q..n-1 (valid for
+  the first min(n - Q, batch_size)). Returns (study, quiz)."""
+  width = train_idx.shape[0]
+  rest = train_idx[held_out:] if width > held_out else jnp.zeros((1,), train_idx.dtype)
+  rest_n = jnp.maximum(n - held_out, 0)
+  padded_len = max(rest.shape[0], batch_size)
+  rest = jnp.pad(rest, (0, padded_len - rest.shape[0]))
+  study_idx = rest[epoch_order(key, rest_n, padded_len)[:batch_size]]
+  quiz_idx = jnp.pad(train_idx[:held_out], (0, max(0, held_out - width)))
+
+  def batch(idx, valid):
+    return augment.normalize(data.images[idx], cfg.mean, cfg.std), data.labels[idx], valid
+
+  return (batch(study_idx, jnp.arange(batch_size) < rest_n),
+          batch(quiz_idx, jnp.arange(held_out) < n))
+
+
+def after_training(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
+                   n: jax.Array, data: DeviceData, view, *, apply_fn: Callable,
+                   cfg: TrainConfig, method):
+  """`method.after_training` on one client's trained `trainable`, with its study batch (B =
+  cfg.batch_size samples of the trainable split) and quiz set (the method's held-out samples),
+  study_and_quiz's. Returns (its output, the study batch's and the quiz set's valid samples)."""
+  study, quiz = study_and_quiz(key, train_idx, n, data, held_out=method.held_out_samples,
+                               batch_size=cfg.batch_size, cfg=cfg)
+  out = method.after_training(apply_fn, trainable, ctx, study, quiz, view)
+  return out, study[2].sum(), quiz[2].sum()

@@ -45,7 +45,8 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.data_dir = config_dict.placeholder(str)  # TFDS data_dir; None = TFDS's default
   c.download = False                  # let TFDS download a data set missing from data_dir
   c.method = 'fedssa'                 # fedssa, standalone, fd, fedproto, fml, fedkd, lg_fedavg,
-                                      # fedclassavg, fedgh, fedtgp, fedmrl (fedssa_jax/methods/)
+                                      # fedclassavg, fedgh, fedtgp, fedl2g, fedmrl
+                                      # (fedssa_jax/methods/)
   c.num_clients = 10                  # N
   c.participation = 1.0               # C: K = floor(C*N) >= 1 clients per round
   c.num_rounds = 500

@@ -36,8 +36,8 @@ from fedssa_jax import client, config_lib, costs, data, evaluation, methods, mod
 from fedssa_jax import schedule
 from fedssa_jax.placement import REPLICATED, SHARDED, Placement, over_replicas
 from fedssa_jax.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
-                                 STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_TRAIN,
-                                 cohort_size, sample_cohort)
+                                 STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
+                                 STREAM_TRAIN, cohort_size, sample_cohort)
 from fedssa_jax.state import ChunkInputs, Costs, RoundInfo, RunState
 
 PyTree = Any
@@ -77,13 +77,18 @@ def micro_batch(config) -> int:
 
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
                 train_one: Callable, pass_one: Callable | None = None,
-                pass_flops_per_sample: float = 0.0):
+                pass_flops_per_sample: float = 0.0, after_one: Callable | None = None,
+                step_flops_per_sample: float = 0.0):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   client.local_train for the family's model; `pass_one`, client.forward_pass_sums for its
   evaluated model, runs where the method asks for a forward pass (`method.forward_pass`), which
-  costs `pass_flops_per_sample` FLOPs per training sample. Without one (the default), nothing
-  of it is traced."""
+  costs `pass_flops_per_sample` FLOPs per training sample; `after_one`, client.after_training
+  for its model, runs the method's step after training (`method.after_training`), which costs
+  `method.after_training_steps` CE training steps of `step_flops_per_sample` FLOPs per study
+  and quiz sample. Without them (the default), nothing of them is traced; nor of the held-out
+  split (`method.held_out_samples`) at 0, nor of the training switch (`method.trains`) at its
+  default."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
@@ -97,15 +102,36 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
       p, data_.train_idx[ids], n, data_)
   if when == 'before':
     passed = forward(down.params)
+  # The trainable split: positions Q.. of each row (Method.held_out_samples), n_k - Q samples,
+  # none in a round without training (Method.trains).
+  rows, q = data_.train_idx[ids], method.held_out_samples
+  if q:
+    split_n = jnp.maximum(n - q, 0)
+    split_rows = rows[:, q:] if rows.shape[1] > q else jnp.zeros((rows.shape[0], 1), rows.dtype)
+  else:
+    split_n, split_rows = n, rows
+  trains = method.trains(t)
+  train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
   trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
-      {'model': down.params, **down.aux}, down.ctx, keys, data_.train_idx[ids], n, data_)
+      {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_)
   if when == 'after':
     passed = forward(trainable['model'])
   if when is not None:
     acc = {**acc, methods.FORWARD_PASS: passed}
+  if after_one is not None:  # keyed by round and client, as the training shuffles
+    study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_STUDY), t)
+    study_keys = jax.vmap(lambda c: jax.random.fold_in(study_round, c))(ids)
+    after, study_count, quiz_count = jax.vmap(
+        after_one, in_axes=(0, 0, 0, 0, 0, None, view_axes))(
+            trainable, down.ctx, study_keys, data_.train_idx[ids], n, data_, view)
+    acc = {**acc, methods.AFTER_TRAINING: after}
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
       trainable, acc, down.ctx, state, view)
   extra_flops = down.flops + up.flops
+  if after_one is not None:  # the step: CE training steps' FLOPs per study and quiz sample
+    per_study, per_quiz = method.after_training_steps
+    extra_flops = extra_flops + step_flops_per_sample * (
+        per_study * study_count.astype(jnp.float32) + per_quiz * quiz_count.astype(jnp.float32))
   if when is not None:  # the pass: one forward of each training sample
     extra_flops = extra_flops + pass_flops_per_sample * n.astype(jnp.float32)
   stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
@@ -287,6 +313,12 @@ class Simulator:
     if self.method.forward_pass is not None:
       local = functools.partial(local, pass_one=self._forward_pass_fn(g),
                                 pass_flops_per_sample=self.forward_flops(g.family))
+    if self.method.after_training is not None:
+      local = functools.partial(
+          local, after_one=functools.partial(
+              client.after_training, apply_fn=g.model.apply, cfg=self.train_cfg,
+              method=self.method),
+          step_flops_per_sample=self.model_flops(g.family))
     return functools.partial(train_chunk, method=self.method,
                              local=self.placement.per_device(local, LOCAL_SPECS))
 

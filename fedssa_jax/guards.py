@@ -41,6 +41,15 @@ def _kept(ckpts: checkpoint.Checkpointer) -> str:
           f'{ckpts.directory}' if steps else 'no checkpoint was written')
 
 
+def best_train_loss(best: float | None, info) -> float | None:
+  """The lowest round train loss so far (check_blowup's `best`) after the round of `info`; a
+  round that trained no sample (FedL2G's warm-up, Method.trains) has no train loss and leaves
+  it as it was."""
+  if info.train_samples.sum() == 0:
+    return best
+  return info.train_loss if best is None or info.train_loss < best else best
+
+
 def check_blowup(config, sim, state, info, best: float | None,
                  ckpts: checkpoint.Checkpointer) -> None:
   """Raises DivergenceError when the round's (finite) train loss blew up: above

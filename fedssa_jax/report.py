@@ -319,8 +319,9 @@ def series(rs, key: str) -> tuple[list[int], np.ndarray]:
 def line_styles(labels) -> dict[str, dict]:
   """matplotlib styles per method label: a colour per method (the same in every plot) and,
   for its variants (labels with options), that colour in dashed and dotted lines."""
-  # tab10, then Dark2: 18 distinct colours, one per registered method.
-  palette = _pyplot().get_cmap('tab10').colors + _pyplot().get_cmap('Dark2').colors
+  # tab10's ten colours (the first ten methods'), then Dark2's eight for the ones after them.
+  cmap = _pyplot().get_cmap
+  palette = cmap('tab10').colors + cmap('Dark2').colors
   styles, variants = {}, collections.Counter()
   for label in labels:
     base = label.split(' ')[0]

@@ -25,9 +25,10 @@ from fedssa_jax.placement import Placement
 # A run's independent random streams, each derived from its seed. STREAM_INIT draws a client's
 # own initial model (model.init_scope='client', keyed by client id); STREAM_FAMILY_INIT a
 # family's shared one ('family', keyed by the family's index in models.FAMILY_NAMES);
-# STREAM_AGGREGATE the server rule's key of each round.
+# STREAM_AGGREGATE the server rule's key of each round; STREAM_STUDY the study batch of a
+# method's step after training (Method.after_training), keyed by round and client id.
 (STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL,
- STREAM_FAMILY_INIT, STREAM_AGGREGATE) = range(8)
+ STREAM_FAMILY_INIT, STREAM_AGGREGATE, STREAM_STUDY) = range(9)
 
 
 @dataclasses.dataclass(frozen=True)

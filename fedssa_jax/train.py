@@ -319,8 +319,7 @@ def _evaluate_and_record(sim: engine.Simulator, state, i: int, run: outputs.Seed
   config, progress = run.config, run.progress
   guards.check_finite(sim, state, info, run.ckpts)
   guards.check_blowup(config, sim, state, info, progress.best_train_loss, run.ckpts)
-  if progress.best_train_loss is None or info.train_loss < progress.best_train_loss:
-    progress.best_train_loss = info.train_loss
+  progress.best_train_loss = guards.best_train_loss(progress.best_train_loss, info)
   record = None
   if state.round % config.eval_every == 0 or last:
     run.last_ev = sim.evaluate(state, previous=run.last_ev, seed_index=i)

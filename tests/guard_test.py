@@ -66,6 +66,18 @@ def test_healthy_or_unguarded_rounds_pass(losses, best, overrides):
   guards.check_blowup(tiny(**overrides), *fake_round(losses)[:3], best, fake_round(losses)[3])
 
 
+def test_best_loss_skips_rounds_that_trained_nothing():
+  """A round that trained no sample (its train loss reads 0) is no best round: after it, a
+  first trained round's loss above ln(classes) must not trip the guard."""
+  round_of = lambda loss, samples: types.SimpleNamespace(train_loss=loss,
+                                                         train_samples=np.array(samples))
+  best = None
+  for loss, samples, want in ((0.0, [0, 0], None), (3.3, [40, 30], 3.3), (0.0, [0, 0], 3.3),
+                              (4.0, [40, 30], 3.3), (2.0, [40, 0], 2.0)):
+    best = guards.best_train_loss(best, round_of(loss, samples))
+    assert best == want
+
+
 def test_every_config_keeps_the_guard_on():
   """The configs in configs/ run with the documented thresholds (docs/operations.md, the
   blow-up guard)."""

@@ -110,12 +110,19 @@ def expected_floats(method, seen, avail_before):
       'fedgh': (models.REPR_DIM * s, ROW * C + 0 * s),
       'fedtgp': (models.REPR_DIM * s, models.REPR_DIM * has_global),
       'fedmrl': (PS_MRL + 0 * s, PS_MRL + 0 * s),
+      # Up: the rows of the classes in the study batch, at most s_k (UPLOAD_AT_MOST).
+      'fedl2g': (models.REPR_DIM * s, models.REPR_DIM * s),
   }
   if method not in table:
     pytest.fail(f'The registered method {method!r} has no entry in expected_floats: add '
                 f"'{method}': (up, down), its floats per participant from the communication "
                 'table (docs/algorithm.md §8), or None where they depend on trained values.')
   return table[method]
+
+
+# The methods whose upload in expected_floats is a bound, not the count: FedL2G sends the rows
+# of the classes its study batch holds, whole rows of D floats.
+UPLOAD_AT_MOST = {'fedl2g': models.REPR_DIM}
 
 
 def globals_after(method, avail, seen_of_participants):
@@ -144,7 +151,11 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
   for r in records:
     part = np.asarray(r['participants'])
     want = expected_floats(method, seen[part], avail)
-    if want is not None:
+    if method in UPLOAD_AT_MOST:
+      assert 0 < r['up_floats'] <= want[0].sum(), 'upload'
+      assert r['up_floats'] % UPLOAD_AT_MOST[method] == 0, 'upload'
+      assert r['down_floats'] == want[1].sum(), 'download'
+    elif want is not None:
       assert r['up_floats'] == want[0].sum(), 'upload'
       assert r['down_floats'] == want[1].sum(), 'download'
     else:  # FedKD: compressed updates, never above a dense CNN-5, nothing down in round 0

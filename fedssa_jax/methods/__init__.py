@@ -1,10 +1,11 @@
 """Federated methods. Each is one module implementing methods.base.Method."""
-from fedssa_jax.methods.base import (FORWARD_PASS, FORWARD_PASS_TIMES, Aggregated, ClientView,
-                                     Download, Method, Upload)
+from fedssa_jax.methods.base import (AFTER_TRAINING, FORWARD_PASS, FORWARD_PASS_TIMES, Aggregated,
+                                     ClientView, Download, Method, Upload)
 from fedssa_jax.methods.fd import FD
 from fedssa_jax.methods.fedclassavg import FedClassAvg
 from fedssa_jax.methods.fedgh import FedGH
 from fedssa_jax.methods.fedkd import FedKD
+from fedssa_jax.methods.fedl2g import FedL2G
 from fedssa_jax.methods.fedmrl import FedMRL
 from fedssa_jax.methods.fedproto import FedProto
 from fedssa_jax.methods.fedssa import FedSSA
@@ -14,7 +15,7 @@ from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
-                                  FedClassAvg, FedGH, FedTGP, FedMRL)}
+                                  FedClassAvg, FedGH, FedTGP, FedL2G, FedMRL)}
 
 
 def get_method(name: str):

@@ -9,6 +9,7 @@ one model family) and then once on the server:
     trained  = local training of {'model': d.params, **d.aux} with method.loss(..., d.ctx, ...),
                summing the loss's per-step statistics into an accumulator (method.init_acc())
     [acc     = {**acc, FORWARD_PASS: forward pass sums}    # only with method.forward_pass set]
+    [acc     = {**acc, AFTER_TRAINING: method.after_training(...)}  # only where it is defined]
     u        = method.upload(trained..., acc, d.ctx, state_k, v)              # Upload
     server   = method.server_receive(server, client_ids, u.payload, active)
     ...
@@ -32,6 +33,18 @@ one model family) and then once on the server:
   valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes).
   Its sums reach `upload` in the accumulator, under the key FORWARD_PASS (init_acc is then a
   dict), and its FLOPs (a forward over n_k samples) count as the client's extra FLOPs.
+- `method.held_out_samples` Q (0 by default) holds positions 0..Q-1 of the client's training
+  index row out of local training for good (FedL2G's quiz set): training sees positions
+  Q..n_k-1, n_k - Q samples. `method.trains(t)` (True by default) is False in a round whose
+  clients run no training step (FedL2G's warm-up). With the defaults nothing of either is traced.
+- `method.after_training` (None by default: nothing traced), a step after local training with
+  gradients and data (FedL2G's meta step): the engine calls
+  `after_training(apply_fn, trainable, ctx, study, quiz, client)` on the trained model with a
+  study batch (B samples of the trainable split, drawn with the client's key of
+  STREAM_STUDY) and the held-out quiz set, each (x, y, valid), normalised and unaugmented. Its
+  output reaches `upload` in the accumulator under the key AFTER_TRAINING, and its FLOPs
+  (`after_training_steps` training steps per study and per quiz sample) count as the client's
+  extra FLOPs.
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
   fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
@@ -112,6 +125,8 @@ class NoServer:
 # (Method.forward_pass).
 FORWARD_PASS = 'forward_pass'
 FORWARD_PASS_TIMES = ('before', 'after')  # Method.forward_pass: around local training
+# The key of the accumulator under which `upload` receives Method.after_training's output.
+AFTER_TRAINING = 'after_training'
 
 
 def empty_class_sums(num_classes: int, dim: int) -> dict:
@@ -267,6 +282,19 @@ class Method:
   # docstring; FORWARD_PASS_TIMES): 'before' it, 'after' it, or None (the default: no pass, no
   # extra work). A method may set it per instance, from its config.
   forward_pass: str | None = None
+  # The first `held_out_samples` positions of each client's training index row are never
+  # trained on (the module docstring): 0, the default, holds none out.
+  held_out_samples: int = 0
+  # A step after local training with gradients and data (the module docstring): None, the
+  # default, runs none. A method defines it as a method
+  #   after_training(self, apply_fn, trainable, ctx, study, quiz, client) -> PyTree
+  # on the trained `trainable` ({'model': params, **aux}), with the differentiable `apply_fn`
+  # of the client's model, the loss's `ctx`, a study batch and the quiz set, each (x [b, 32,
+  # 32, 3], y [b], valid [b]); `upload` finds its output in the accumulator under
+  # AFTER_TRAINING. `after_training_steps`: its FLOPs, in CE training steps of the client's own
+  # model per (study sample, quiz sample).
+  after_training: Callable | None = None
+  after_training_steps: tuple[float, float] = (0.0, 0.0)
 
   def __init__(self, config, num_clients: int, num_classes: int):
     if not isinstance(getattr(type(self), 'per_sample_loss', None), bool):
@@ -326,6 +354,13 @@ class Method:
     """What the forward pass (`forward_pass`) sums over a batch of the training split: by
     default the V1 class sums of the representation r."""
     return class_sums(rep, y, valid, self.num_classes)
+
+  def trains(self, round_index):
+    """Whether the round's participants run local training (a bool, or a traced bool scalar of
+    `round_index`): False runs no step (the loops see zero samples), though download, the step
+    after training and upload still run. The default, True, traces nothing."""
+    del round_index
+    return True
 
   def upload(self, trainable: dict, acc, ctx, state, client: ClientView) -> Upload:
     """After training: the model the client keeps, its persistent state, what the server
