@@ -66,7 +66,7 @@ class FedGHServer:
   uploads_n: jax.Array  # [N, C] their class sample counts (0: not held)
 
 
-class FedGH(base.Method):
+class FedGH(fedproto.PrototypeUploads, base.Method):
   name = 'fedgh'
   config_section = 'fedgh'
   per_sample_loss = True  # plain cross-entropy
@@ -121,26 +121,10 @@ class FedGH(base.Method):
     return base.Download(models.with_header_rows(params, server.head),
                          floats=jnp.int32(self.header_floats))
 
-  def init_acc(self):
-    return base.empty_class_sums(self.num_classes, D) if self.proto_source == 'train_pass' else {}
-
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
     loss, correct = client.ce_and_correct(logits, y, valid)
-    acc = (base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
-           if self.proto_source == 'train_pass' else {})
-    return loss, (correct, acc)
-
-  def upload(self, trainable, acc, ctx, state, client):
-    protos, n, held = fedproto.uploaded_prototypes(acc, client.seen, self.proto_source,
-                                                   self.local_epochs)
-    return base.Upload(trainable['model'], state, {'protos': protos, 'n': n},
-                       floats=(D * held.sum()).astype(jnp.int32))
-
-  def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(
-        uploads=base.store_rows(server.uploads, client_ids, payloads['protos'], active),
-        uploads_n=base.store_rows(server.uploads_n, client_ids, payloads['n'], active))
+    return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):
     values, labels, weights = round_pairs(server.uploads, server.uploads_n, participants,

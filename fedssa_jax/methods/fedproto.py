@@ -63,6 +63,35 @@ def uploaded_prototypes(acc, seen, source: str, local_epochs: int):
   return protos, jnp.where(held, sums['count'] / visits, 0.0), held
 
 
+class PrototypeUploads:
+  """The client side that FedGH and FedTGP share: prototypes p_k[c] for c in S_k, from the
+  forward pass (`proto_source='post_pass'`, Method.forward_pass) or the training passes
+  ('train_pass', this module's accumulator), uploaded with their class counts into a server's
+  `uploads` [N, C, D] and `uploads_n` [N, C] tables. A mixin before base.Method; the method sets
+  `proto_source` and `local_epochs`."""
+  proto_source: str
+  local_epochs: int
+
+  def init_acc(self):
+    return base.empty_class_sums(self.num_classes, D) if self.proto_source == 'train_pass' else {}
+
+  def train_pass_sums(self, rep, y, valid):
+    """The loss's accumulator update: V1 class sums of r with 'train_pass', else nothing."""
+    if self.proto_source != 'train_pass':
+      return {}
+    return base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
+
+  def upload(self, trainable, acc, ctx, state, client):
+    protos, n, held = uploaded_prototypes(acc, client.seen, self.proto_source, self.local_epochs)
+    return base.Upload(trainable['model'], state, {'protos': protos, 'n': n},
+                       floats=(D * held.sum()).astype(jnp.int32))
+
+  def server_receive(self, server, client_ids, payloads, active):
+    return server.replace(
+        uploads=base.store_rows(server.uploads, client_ids, payloads['protos'], active),
+        uploads_n=base.store_rows(server.uploads_n, client_ids, payloads['n'], active))
+
+
 @struct.dataclass
 class FedProtoServer:
   uploads: jax.Array    # [N, C, D] this round's uploaded prototypes (server_receive)

@@ -98,7 +98,7 @@ class FedTGPServer:
   avail: jax.Array      # [C] whether P^ exists (every class, after the first aggregation)
 
 
-class FedTGP(base.Method):
+class FedTGP(fedproto.PrototypeUploads, base.Method):
   name = 'fedtgp'
   config_section = 'fedtgp'
   per_sample_loss = True  # CE plus a per-sample prototype term
@@ -167,27 +167,11 @@ class FedTGP(base.Method):
     return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
                          floats=(D * rows).astype(jnp.int32))
 
-  def init_acc(self):
-    return base.empty_class_sums(self.num_classes, D) if self.proto_source == 'train_pass' else {}
-
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
     loss, correct = fedproto.proto_loss(logits, rep, y, valid, ctx['protos'], ctx['avail'],
                                         self.lam)
-    acc = (base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
-           if self.proto_source == 'train_pass' else {})
-    return loss, (correct, acc)
-
-  def upload(self, trainable, acc, ctx, state, client):
-    protos, n, held = fedproto.uploaded_prototypes(acc, client.seen, self.proto_source,
-                                                   self.local_epochs)
-    return base.Upload(trainable['model'], state, {'protos': protos, 'n': n},
-                       floats=(D * held.sum()).astype(jnp.int32))
-
-  def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(
-        uploads=base.store_rows(server.uploads, client_ids, payloads['protos'], active),
-        uploads_n=base.store_rows(server.uploads_n, client_ids, payloads['n'], active))
+    return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):
     c = self.num_classes
