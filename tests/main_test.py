@@ -105,7 +105,17 @@ def test_bad_config_values_are_rejected_before_compute():
       config_lib.validate(c)
 
 
-def test_stop_requests_ask_once_then_act_as_without():
+@pytest.fixture
+def python_sigint():
+  """Python's own SIGINT handler for the test, as an interactive start has it: a job that a
+  shell starts in the background inherits SIGINT ignored, and a second SIGINT would then be
+  ignored, as it would be without the block."""
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, before)
+
+
+def test_stop_requests_ask_once_then_act_as_without(python_sigint):
   """console.StopRequests: the first signal only asks (signal_name), the second acts as it
   would without the block (SIGINT: KeyboardInterrupt); the handlers come back after it, and
   outside the main thread nothing is installed."""
