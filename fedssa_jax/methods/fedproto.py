@@ -64,11 +64,11 @@ def uploaded_prototypes(acc, seen, source: str, local_epochs: int):
 
 
 class PrototypeUploads:
-  """The client side that FedGH and FedTGP share: prototypes p_k[c] for c in S_k, from the
-  forward pass (`proto_source='post_pass'`, Method.forward_pass) or the training passes
-  ('train_pass', this module's accumulator), uploaded with their class counts into a server's
-  `uploads` [N, C, D] and `uploads_n` [N, C] tables. A mixin before base.Method; the method sets
-  `proto_source` and `local_epochs`."""
+  """The client side that FedProto, FedGH and FedTGP share: prototypes p_k[c] for c in S_k,
+  from the forward pass (`proto_source='post_pass'`, Method.forward_pass) or the training passes
+  ('train_pass', this module's accumulator; FedProto's only source), uploaded with their class
+  counts into a server's `uploads` [N, C, D] and `uploads_n` [N, C] tables. A mixin before
+  base.Method; the method sets `proto_source` and `local_epochs`."""
   proto_source: str
   local_epochs: int
 
@@ -100,8 +100,9 @@ class FedProtoServer:
   avail: jax.Array      # [C] g
 
 
-class FedProto(base.Method):
+class FedProto(PrototypeUploads, base.Method):
   name = 'fedproto'
+  proto_source = 'train_pass'  # the prototypes are the training passes' class means
   config_section = 'fedproto'
   per_sample_loss = True  # CE plus a per-sample prototype term
   eval_metrics = ('prototype_accuracy',)
@@ -145,26 +146,10 @@ class FedProto(base.Method):
     return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
                          floats=(D * rows).astype(jnp.int32))
 
-  def init_acc(self):
-    return base.empty_class_sums(self.num_classes, D)
-
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
     loss, correct = proto_loss(logits, rep, y, valid, ctx['protos'], ctx['avail'], self.lam)
-    acc = base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
-    return loss, (correct, acc)
-
-  def upload(self, trainable, acc, ctx, state, client):
-    protos, has = base.class_means(acc, client.seen)
-    # Every epoch visits each sample once, so count / E is the class's sample count n_k[c].
-    payload = {'protos': protos, 'n': jnp.where(has, acc['count'] / self.local_epochs, 0.0)}
-    return base.Upload(trainable['model'], state, payload,
-                       floats=(D * has.sum()).astype(jnp.int32))
-
-  def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(
-        uploads=base.store_rows(server.uploads, client_ids, payloads['protos'], active),
-        uploads_n=base.store_rows(server.uploads_n, client_ids, payloads['n'], active))
+    return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):
     held = (server.uploads_n > 0) & participants[:, None]  # stale rows of absentees drop out
