@@ -88,7 +88,7 @@ def cpu_devices_env(devices: int, **more) -> dict:
       [*flags, f'--xla_force_host_platform_device_count={devices}']), **more)
 
 
-def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name='cifar10'):
+def synthetic_dataset(num_train=300, num_test=100, num_classes=10, seed=0, name='cifar10'):
   rng = np.random.default_rng(seed)
   m = num_train + num_test
   labels = np.concatenate([np.arange(num_train) % num_classes,
@@ -101,7 +101,7 @@ def synthetic_dataset(num_train=600, num_test=200, num_classes=10, seed=0, name=
                       {'train': np.arange(num_train), 'test': np.arange(num_train, m)})
 
 
-def write_tiny_tfds_cifar10(data_dir, num_train=200, num_test=100, file_format=None):
+def write_tiny_tfds_cifar10(data_dir, num_train=100, num_test=50, file_format=None):
   """A prepared TFDS 'cifar10' of a few synthetic images, as launch/prepare_offline.py
   writes the real one: the builder's own metadata, only the examples are local. `file_format`:
   TFDS's default (None), or e.g. 'array_record' (what prepare_offline.py and a download write)."""

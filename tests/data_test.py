@@ -5,6 +5,13 @@ from fedssa_jax import data
 from conftest import synthetic_dataset
 
 
+@pytest.fixture(scope='module')
+def small_ds():
+  """600 training and 200 test images: the counts these partition checks are written for
+  (conftest's small_ds is smaller, for the simulators' sake)."""
+  return synthetic_dataset(600, 200)
+
+
 @pytest.mark.parametrize('n,k,s', [(10, 2, 10), (50, 2, 10), (100, 2, 10), (20, 10, 100),
                                    (50, 10, 100), (7, 10, 10)])
 def test_pathological_shares_properties(n, k, s):

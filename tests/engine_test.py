@@ -136,7 +136,7 @@ def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   jax.tree.map(np.testing.assert_array_equal, sim.init_state().params,
                fs_sim.init_state().params)
   np.testing.assert_array_equal(infos[0].cohort, fs_infos[0].cohort)
-  assert infos[0].train_loss != pytest.approx(fs_infos[0].train_loss, rel=1e-3)
+  assert infos[0].train_loss != pytest.approx(fs_infos[0].train_loss, rel=1e-4)
   assert not np.allclose(state.params[0]['fc3']['kernel'],
                          fs_state.params[0]['fc3']['kernel'])
   # Extractors of clients that never took part are their own initial ones, in both runs.

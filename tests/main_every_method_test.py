@@ -47,7 +47,7 @@ def run_cli(monkeypatch, workdir, method, *more):
   flag_values = flags.FlagValues()  # main's flags, parsed afresh for each run
   main_lib.define_flags(flag_values)
   flag_values(argv)
-  with tfds.testing.mock_data(num_examples=200):
+  with tfds.testing.mock_data(num_examples=100):
     main_lib.run(flag_values)
 
 

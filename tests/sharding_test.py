@@ -6,8 +6,8 @@ subprocess (tests/sharding_run.py), as XLA's host device count is fixed when JAX
 Its time is each distinct config's XLA programs (traced, compiled, run), so the runs are few and
 all have the same shapes: one family of 10 clients (16 rows, two per device), two rounds. FedSSA on
 1 and 8 devices; the 1-device run's checkpoint resumed on 8; the host store on 8; FD on 1 and 8
-(a second method's server state); FedSSA seeds 0 and 11 packed on 8, whose reference for seed 0
-is the FedSSA run on 8 (the same config) and for seed 11 its run alone (the same programs)."""
+(a second method's server state); FedSSA seeds 0 and 15 packed on 8, whose reference for seed 0
+is the FedSSA run on 8 (the same config) and for seed 15 its run alone (the same programs)."""
 import json
 import os
 import subprocess
