@@ -15,11 +15,17 @@ from typing import Any, Callable
 import jax
 import ml_collections
 import numpy as np
-try:
-  from clu import metric_writers
-  from clu import periodic_actions
-except ImportError:  # an image without CLU or TensorFlow (CLU's writers need it): no events
-  metric_writers = periodic_actions = None
+
+def clu_writers() -> tuple[Any, Any]:
+  """CLU's (metric_writers, periodic_actions), imported when a run opens its outputs: they import
+  TensorFlow (about 10 CPU seconds), which a command refused before training (a bad flag, a
+  locked workdir) need not pay. (None, None) in an image without CLU or TensorFlow (CLU's writers
+  need it): the run then writes no TensorBoard events."""
+  try:
+    from clu import metric_writers, periodic_actions  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None, None
+  return metric_writers, periodic_actions
 
 from fedssa_jax import checkpoint
 
@@ -136,6 +142,7 @@ class SeedOutputs:
     is_main = jax.process_index() == 0
     if is_main:
       rewrite_metrics(self.metrics_path, self.progress.history)
+    metric_writers, periodic_actions = clu_writers()
     if metric_writers is None:
       logging.warning('CLU or TensorFlow is not installed: no TensorBoard events; metrics.jsonl '
                       'has every figure.')
