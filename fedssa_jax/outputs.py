@@ -16,6 +16,9 @@ import jax
 import ml_collections
 import numpy as np
 
+from fedssa_jax import checkpoint
+
+
 def clu_writers() -> tuple[Any, Any]:
   """CLU's (metric_writers, periodic_actions), imported when a run opens its outputs: they import
   TensorFlow (about 10 CPU seconds), which a command refused before training (a bad flag, a
@@ -27,7 +30,6 @@ def clu_writers() -> tuple[Any, Any]:
     return None, None
   return metric_writers, periodic_actions
 
-from fedssa_jax import checkpoint
 
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
 METRICS_FIELDS = (
