@@ -3,11 +3,13 @@
 Applied after normalisation, per sample:
 1. random horizontal flip, p = 0.5;
 2. RandomErasing: p = 0.5, area scale (0.04, 0.2), aspect ratio (0.5, 2) log-uniform, value 0;
-3. random 32x32 crop after zero-padding by 4.
+3. random crop of the image's own size (32x32 on CIFAR) after zero-padding by 4.
 
 Zeros after normalisation are the mean colour, as in the reference. Torchvision's RandomErasing
-retries up to 10 times until the box fits; with scale <= 0.2 and ratio in [0.5, 2] on 32x32 images
-the box is at most 20x20, so the first try always fits and one draw is exact.
+retries up to 10 times until the box fits; with scale <= 0.2 and ratio in [0.5, 2] on square
+images the box is at most 0.64 of a side (20x20 on 32x32), so the first try always fits and one
+draw is exact. On images of another aspect ratio, where a box could be taller or wider than the
+image, it is cut to the image's height and width.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def _augment_one(key, x):
   aspect = jnp.exp(jax.random.uniform(k_ratio, (), minval=math.log(0.5), maxval=math.log(2.0)))
   eh = jnp.round(jnp.sqrt(area * aspect)).astype(jnp.int32)
   ew = jnp.round(jnp.sqrt(area / aspect)).astype(jnp.int32)
+  if round(math.sqrt(0.2 * h * w * 2.0)) > min(h, w):  # (never on square images: no op traced)
+    eh, ew = jnp.minimum(eh, h), jnp.minimum(ew, w)
   i = jax.random.randint(k_i, (), 0, h - eh + 1)
   j = jax.random.randint(k_j, (), 0, w - ew + 1)
   rows = jnp.arange(h)[:, None]

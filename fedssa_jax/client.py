@@ -51,7 +51,7 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class DeviceData:
   """Images and per-client index sets, as device arrays (see data.ClientData)."""
-  images: jax.Array     # [M, 32, 32, 3] uint8
+  images: jax.Array     # [M, H, W, C] uint8
   labels: jax.Array     # [M] int32
   train_idx: jax.Array  # [N, max_train] int32
   train_n: jax.Array    # [N] int32
@@ -260,7 +260,7 @@ def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: 
 def study_and_quiz(key: jax.Array, train_idx: jax.Array, n: jax.Array, data: DeviceData, *,
                    held_out: int, batch_size: int, cfg: TrainConfig):
   """A client's study batch and quiz set for a step after training (Method.after_training),
-  each (x [b, 32, 32, 3] normalised and unaugmented, y [b], valid [b]).
+  each (x [b, H, W, C] normalised and unaugmented, y [b], valid [b]).
 
   The quiz set is positions 0..Q-1 of the client's training index row (Q = `held_out`, the
   held-out samples; valid where < n). The study batch is the first `batch_size` positions of

@@ -11,29 +11,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedssa_jax import client, data, models
+from fedssa_jax import client, models
 
 
-def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
-  """XLA's FLOP count of one CE gradient step, per sample."""
-  model = models.make_model(family, num_classes, conv_impl='xla')
+def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
+                               image_shape=models.IMAGE_SHAPE) -> float:
+  """XLA's FLOP count of one CE gradient step, per sample of `image_shape`."""
+  model = models.make_model(family, num_classes, conv_impl='xla', image_shape=image_shape)
 
   def grad(p, x, y, valid):
     return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
   return _xla_flops_per_sample(model, grad, batch_size)
 
 
-def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
-  """XLA's FLOP count of one forward pass (logits and representation), per sample."""
-  model = models.make_model(family, num_classes, conv_impl='xla')
+def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int,
+                                 image_shape=models.IMAGE_SHAPE) -> float:
+  """XLA's FLOP count of one forward pass (logits and representation), per sample of
+  `image_shape`."""
+  model = models.make_model(family, num_classes, conv_impl='xla', image_shape=image_shape)
   return _xla_flops_per_sample(
       model, lambda p, x, y, valid: model.apply({'params': p}, x), batch_size)
 
 
 def _xla_flops_per_sample(model, fn, batch_size: int) -> float:
-  """XLA's FLOP count of fn(params, x, y, valid) on a batch of `batch_size`, per sample."""
+  """XLA's FLOP count of fn(params, x, y, valid) on a batch of `batch_size` of the model's
+  image_shape, per sample."""
   params = jax.eval_shape(lambda: models.init_params(model, jax.random.PRNGKey(0)))
-  x = jax.ShapeDtypeStruct((batch_size, *data.IMAGE_SHAPE), jnp.float32)
+  x = jax.ShapeDtypeStruct((batch_size, *model.image_shape), jnp.float32)
   y = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
   valid = jax.ShapeDtypeStruct((batch_size,), bool)
   # Counted on the CPU backend on every machine, so the figure does not depend on where the run
@@ -49,9 +53,9 @@ def _xla_flops_per_sample(model, fn, batch_size: int) -> float:
   return float(analysis['flops']) / batch_size
 
 
-def analytic_train_flops_per_sample(family: str, num_classes: int) -> float:
+def analytic_train_flops_per_sample(family: str, num_classes: int,
+                                    image_shape=models.IMAGE_SHAPE) -> float:
   """2 FLOPs per MAC for forward, weight gradient and input gradient; conv1 needs no input
   gradient. Elementwise ops (ReLU, pooling, softmax) are ignored."""
-  macs = models.forward_macs(family, num_classes)
-  conv1 = 28 * 28 * 16 * 3 * 25
-  return 2.0 * (3 * macs - conv1)
+  macs = models.forward_macs(family, num_classes, image_shape)
+  return 2.0 * (3 * macs - models.conv1_macs(image_shape))

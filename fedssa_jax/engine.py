@@ -197,11 +197,13 @@ class Simulator:
     self.phase = phase or (lambda name, *arrays: None)
     self.num_clients = cds[0].num_clients
     self.num_classes = ds.num_classes
+    self.image_shape = ds.image_shape
     self.k = cohort_size(self.num_clients, config.participation)
     # Host copies, [R, ...]: each seed's seen classes and training-set sizes.
     self.seen = np.stack([c.seen for c in cds])
     self.train_n = np.stack([c.train_n for c in cds])
-    self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes)
+    self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes,
+                                                    self.image_shape)
     self.train_cfg = train_config(config, ds)
     place = self.placement = Placement(config.engine.mesh_devices)
     self._keys = [jax.random.PRNGKey(s) for s in self.seeds]
@@ -219,7 +221,8 @@ class Simulator:
         train_n=place.replicate(jnp.asarray(self.train_n)))
     self.seen_dev = place.replicate(jnp.asarray(self.seen))
 
-    self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place)
+    self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place,
+                                       self.image_shape)
     self.group_of, self.slot_of = schedule.group_index(self.groups, self.num_clients)
     # Training FLOPs per processed sample: the family's own model, plus what the method adds
     # (e.g. a jointly trained CNN-5).
@@ -431,11 +434,12 @@ class Simulator:
 
   def model_flops(self, family: str) -> float:
     """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
-    return model_flops(family, self.num_classes, self.config.batch_size)
+    return model_flops(family, self.num_classes, self.config.batch_size, self.image_shape)
 
   def forward_flops(self, family: str) -> float:
     """FLOPs of one forward pass of `family`'s model, per sample (XLA's count)."""
-    return forward_flops(family, self.num_classes, self.config.eval_batch_size)
+    return forward_flops(family, self.num_classes, self.config.eval_batch_size,
+                         self.image_shape)
 
   def _init_group(self, g: schedule.Group, slots, seed_index: int) -> PyTree:
     """The initial parameters of the group's members at `slots` (stacked), of one seed: each
@@ -461,10 +465,11 @@ def _stacked_init(model) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def model_flops(family: str, num_classes: int, batch_size: int) -> float:
+def model_flops(family: str, num_classes: int, batch_size: int,
+                image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
   """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
-  xla = costs.xla_train_flops_per_sample(family, num_classes, batch_size)
-  analytic = costs.analytic_train_flops_per_sample(family, num_classes)
+  xla = costs.xla_train_flops_per_sample(family, num_classes, batch_size, image_shape)
+  analytic = costs.analytic_train_flops_per_sample(family, num_classes, image_shape)
   if not 0.9 < xla / analytic < 1.15:
     logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
                     family, xla, analytic)
@@ -472,7 +477,8 @@ def model_flops(family: str, num_classes: int, batch_size: int) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def forward_flops(family: str, num_classes: int, batch_size: int) -> float:
+def forward_flops(family: str, num_classes: int, batch_size: int,
+                  image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
   """FLOPs of one forward pass of `family`'s model, per sample (XLA's count): what the forward
   pass of a method that asks for one (Method.forward_pass) costs per training sample."""
-  return costs.xla_forward_flops_per_sample(family, num_classes, batch_size)
+  return costs.xla_forward_flops_per_sample(family, num_classes, batch_size, image_shape)

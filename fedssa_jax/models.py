@@ -2,10 +2,15 @@
 
 Every family is
 
-    conv1 5x5 3->16 VALID, ReLU, maxpool 2   (32 -> 28 -> 14)
-    conv2 5x5 16->c2 VALID, ReLU, maxpool 2  (14 -> 10 -> 5)
+    conv1 5x5 cin->16 VALID, ReLU, maxpool 2   (32 -> 28 -> 14 on CIFAR)
+    conv2 5x5 16->c2 VALID, ReLU, maxpool 2    (14 -> 10 -> 5)
     flatten -> fc1 -> ReLU -> fc2 (->500) -> ReLU = representation
     header fc3: 500 -> num_classes
+
+As in the official FedSSA code, the layers follow the input's shape: conv1 takes the images'
+channels (1 for grayscale), and fc1's fan-in is the flattened size after conv2's pool (5x5xc2
+for 32x32 images, 4x4xc2 for 28x28). A max-pool over an odd size drops the last row or column,
+as PyTorch's MaxPool2d(2) does. Images need at least MIN_IMAGE_SIZE pixels a side.
 
 A method may build a family with a narrower fc2 (`repr_dim`, e.g. FedMRL's shared CNN-5 with a
 128-d representation and its own 128 -> num_classes header), or with its representation
@@ -46,6 +51,10 @@ import numpy as np
 
 REPR_DIM = 500
 KERNEL = 5
+IMAGE_SHAPE = (32, 32, 3)  # CIFAR's (height, width, channels): the default input shape
+# The smallest side the two 5x5 VALID convolutions and 2x2 pools take: (16 - 4) // 2 = 6 -> 2
+# -> 1 row after conv2's pool.
+MIN_IMAGE_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,27 @@ def resolve_conv_impl(conv_impl: str, forward_only: bool = False) -> str:
   return conv_impl
 
 
+def feature_sizes(image_shape: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int],
+                                                      tuple[int, int]]:
+  """(height, width) of conv1's output, conv2's output and conv2's pooled output for images of
+  `image_shape` (32x32: (28, 28), (10, 10), (5, 5)). Raises ValueError for images smaller than
+  MIN_IMAGE_SIZE a side."""
+  h, w = image_shape[:2]
+  if min(h, w) < MIN_IMAGE_SIZE:
+    raise ValueError(f'Images of {h}x{w} are too small for the CNNs, which need at least '
+                     f'{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}.')
+  c1 = (h - KERNEL + 1, w - KERNEL + 1)
+  c2 = (c1[0] // 2 - KERNEL + 1, c1[1] // 2 - KERNEL + 1)
+  return c1, c2, (c2[0] // 2, c2[1] // 2)
+
+
+def band_tile(width: int) -> int:
+  """Output columns per tile of the band formulation: the largest divisor of the output width
+  up to 5 (4 of conv1's 28 columns and 5 of conv2's 10 on CIFAR, the tiles measured fastest on
+  the 2-core CPU; 4 and 4 for 28x28 images)."""
+  return max(t for t in range(1, 6) if width % t == 0)
+
+
 def banded_conv(x, kernel, tile: int):
   """5x5 VALID convolution of NHWC `x` with an HWIO `kernel`, as one matmul per tile.
 
@@ -130,7 +160,7 @@ class Conv5x5(nn.Module):
   """5x5 VALID convolution with an HWIO kernel, in any of the formulations, computed in `dtype`."""
   features: int
   conv_impl: str
-  tile: int = 4  # output columns per tile of conv_impl='band'
+  tile: int = 0  # output columns per tile of conv_impl='band'; 0: band_tile(output width)
   dtype: Any = jnp.float32  # compute dtype; the parameters stay float32
 
   @nn.compact
@@ -145,7 +175,7 @@ class Conv5x5(nn.Module):
           x, kernel, window_strides=(1, 1), padding='VALID',
           dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
     elif self.conv_impl == 'band':
-      y = banded_conv(x, kernel, self.tile)
+      y = banded_conv(x, kernel, self.tile or band_tile(x.shape[-2] - KERNEL + 1))
     else:
       h, w = x.shape[-3] - KERNEL + 1, x.shape[-2] - KERNEL + 1
       # Channel order (i, j, c) matches kernel.reshape(25*cin, features) for an HWIO kernel.
@@ -156,9 +186,12 @@ class Conv5x5(nn.Module):
 
 
 def max_pool_2x2(x, conv_impl: str):
+  """2x2 max-pool, stride 2; an odd last row or column is dropped (PyTorch's floor mode)."""
   if conv_impl == 'xla':
     return nn.max_pool(x, (2, 2), strides=(2, 2))
   b, h, w, c = x.shape
+  if h % 2 or w % 2:
+    x = x[:, :h - h % 2, :w - w % 2]
   return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
@@ -182,7 +215,9 @@ class CNN(nn.Module):
   `dtype` is the compute dtype of every layer (float32 or bfloat16); parameters are float32.
   `repr_dim` is fc2's width (500 for every client model); `pool_to` > 0: the representation is
   fc2's output average-pooled over its features to this width (`feature_pool`), and the header
-  reads that.
+  reads that. `image_shape` is the (height, width, channels) of the images the model is built
+  for: init_params draws its parameters for that input (the layers themselves follow whatever
+  input they get).
   """
   family: Family
   num_classes: int
@@ -190,14 +225,15 @@ class CNN(nn.Module):
   dtype: Any = jnp.float32
   repr_dim: int = REPR_DIM
   pool_to: int = 0
+  image_shape: tuple[int, ...] = IMAGE_SHAPE
 
   @nn.compact
   def __call__(self, x):
     impl, dtype = self.conv_impl, self.dtype
-    # Band tiles, measured on the 2-core CPU: 4 of conv1's 28 output columns, 5 of conv2's 10.
-    x = max_pool_2x2(nn.relu(Conv5x5(16, impl, tile=4, dtype=dtype, name='conv1')(x)), impl)
+    # Band tiles from each output width (band_tile): 4 of conv1's 28 columns, 5 of conv2's 10.
+    x = max_pool_2x2(nn.relu(Conv5x5(16, impl, dtype=dtype, name='conv1')(x)), impl)
     x = max_pool_2x2(
-        nn.relu(Conv5x5(self.family.c2, impl, tile=5, dtype=dtype, name='conv2')(x)), impl)
+        nn.relu(Conv5x5(self.family.c2, impl, dtype=dtype, name='conv2')(x)), impl)
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(Dense(self.family.fc1, dtype=dtype, name='fc1')(x))
     rep = nn.relu(Dense(self.repr_dim, dtype=dtype, name='fc2')(x))
@@ -224,33 +260,46 @@ COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
 def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
                dtype: Any = jnp.float32, forward_only: bool = False,
-               repr_dim: int = REPR_DIM, pool_to: int = 0) -> CNN:
+               repr_dim: int = REPR_DIM, pool_to: int = 0,
+               image_shape: Sequence[int] = IMAGE_SHAPE) -> CNN:
   """`family_name`'s CNN; `dtype` is its compute dtype (a dtype, or a COMPUTE_DTYPES name);
   `forward_only`: the model is not differentiated (picks 'auto''s formulation); `repr_dim` and
-  `pool_to` as CNN's (a method's own model; client models keep the defaults)."""
+  `pool_to` as CNN's (a method's own model; client models keep the defaults); `image_shape`:
+  the (height, width, channels) of its input images (CIFAR's by default)."""
   if isinstance(dtype, str):
     if dtype not in COMPUTE_DTYPES:
       raise ValueError(f'compute dtype must be one of {tuple(COMPUTE_DTYPES)}, got {dtype!r}.')
     dtype = COMPUTE_DTYPES[dtype]
+  feature_sizes(image_shape)  # a ValueError for images too small to build the model for
   return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl, forward_only),
-             dtype, repr_dim, pool_to)
+             dtype, repr_dim, pool_to, tuple(int(d) for d in image_shape))
 
 
-def init_params(model: CNN, key, image_shape: Sequence[int] = (32, 32, 3)) -> Any:
-  return model.init(key, jnp.zeros((1, *image_shape), jnp.float32))['params']
+def init_params(model: CNN, key, image_shape: Sequence[int] | None = None) -> Any:
+  """`model`'s parameters for images of `image_shape` (default: the model's own image_shape)."""
+  shape = model.image_shape if image_shape is None else image_shape
+  return model.init(key, jnp.zeros((1, *shape), jnp.float32))['params']
 
 
 def param_count(params) -> int:
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
 
 
-def forward_macs(family_name: str, num_classes: int) -> int:
-  """Analytic multiply-accumulates of one forward pass of one 32x32 sample (docs/algorithm.md
-  §1, its table)."""
+def conv1_macs(image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
+  """Multiply-accumulates of conv1 on one sample of `image_shape` (28 * 28 * 16 * 75 at 32x32x3)."""
+  (h1, w1), _, _ = feature_sizes(image_shape)
+  return h1 * w1 * 16 * (image_shape[2] * KERNEL * KERNEL)
+
+
+def forward_macs(family_name: str, num_classes: int,
+                 image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
+  """Analytic multiply-accumulates of one forward pass of one sample of `image_shape` (32x32x3
+  by default: docs/algorithm.md §1, its table)."""
   f = get_family(family_name)
-  conv1 = 28 * 28 * 16 * (3 * 25)
-  conv2 = 10 * 10 * f.c2 * (16 * 25)
-  return conv1 + conv2 + f.c2 * 25 * f.fc1 + f.fc1 * REPR_DIM + REPR_DIM * num_classes
+  _, (h2, w2), (hp, wp) = feature_sizes(image_shape)
+  conv2 = h2 * w2 * f.c2 * (16 * KERNEL * KERNEL)
+  return (conv1_macs(image_shape) + conv2 + hp * wp * f.c2 * f.fc1 + f.fc1 * REPR_DIM +
+          REPR_DIM * num_classes)
 
 
 # --- The header (docs/algorithm.md §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---

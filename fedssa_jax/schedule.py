@@ -74,9 +74,10 @@ def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray 
   return np.sort(rng.choice(candidates, size=eval_clients, replace=False))
 
 
-def make_groups(config, num_classes: int, num_clients: int, k: int,
-                place: Placement) -> list[Group]:
-  """The family groups (client i gets families[i mod F])."""
+def make_groups(config, num_classes: int, num_clients: int, k: int, place: Placement,
+                image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> list[Group]:
+  """The family groups (client i gets families[i mod F]), their models built for images of
+  `image_shape`."""
   families = tuple(config.model.families)
   client_family = np.array([i % len(families) for i in range(num_clients)])
   groups = []
@@ -92,7 +93,8 @@ def make_groups(config, num_classes: int, num_clients: int, k: int,
     # Every device trains as many of a chunk's clients (padded with dummies).
     per_call = place.rows(int(min(per_call, len(members), k)))
     model, eval_model = (models.make_model(fam, num_classes, config.model.conv_impl,
-                                           config.engine.compute_dtype, forward_only=fwd)
+                                           config.engine.compute_dtype, forward_only=fwd,
+                                           image_shape=image_shape)
                          for fwd in (False, True))
     groups.append(Group(fam, members, model, per_call, place.rows(len(members)), eval_model))
   return groups

@@ -66,7 +66,7 @@ checkpointed and sharded.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from fedssa_jax import client
+from fedssa_jax import client, models
 
 PyTree = Any
 
@@ -289,14 +289,17 @@ class Method:
   # default, runs none. A method defines it as a method
   #   after_training(self, apply_fn, trainable, ctx, study, quiz, client) -> PyTree
   # on the trained `trainable` ({'model': params, **aux}), with the differentiable `apply_fn`
-  # of the client's model, the loss's `ctx`, a study batch and the quiz set, each (x [b, 32,
-  # 32, 3], y [b], valid [b]); `upload` finds its output in the accumulator under
+  # of the client's model, the loss's `ctx`, a study batch and the quiz set, each (x [b, H,
+  # W, C], y [b], valid [b]); `upload` finds its output in the accumulator under
   # AFTER_TRAINING. `after_training_steps`: its FLOPs, in CE training steps of the client's own
   # model per (study sample, quiz sample).
   after_training: Callable | None = None
   after_training_steps: tuple[float, float] = (0.0, 0.0)
 
-  def __init__(self, config, num_clients: int, num_classes: int):
+  def __init__(self, config, num_clients: int, num_classes: int,
+               image_shape: Sequence[int] | None = None):
+    """`image_shape`: the (height, width, channels) of the data set's images (None: CIFAR's,
+    models.IMAGE_SHAPE), which a method's own models (FML's meme, ...) are built for."""
     if not isinstance(getattr(type(self), 'per_sample_loss', None), bool):
       raise TypeError(
           f'{type(self).__name__} must set the class attribute per_sample_loss = True or False: '
@@ -311,6 +314,7 @@ class Method:
     self.config = config
     self.num_clients = num_clients
     self.num_classes = num_classes
+    self.image_shape = tuple(models.IMAGE_SHAPE if image_shape is None else image_shape)
 
   # --- configuration ---------------------------------------------------------------------------
   @classmethod
@@ -345,7 +349,7 @@ class Method:
 
   def loss(self, apply_fn: Callable, trainable: dict, ctx, views, y, valid):
     """The local objective on one batch. `trainable` is {'model': params, **aux}; `views` holds
-    `num_views` augmented copies of the batch [B, 32, 32, 3]; `valid` [B] masks padding.
+    `num_views` augmented copies of the batch [B, H, W, C]; `valid` [B] masks padding.
     Returns (loss, (correct, accumulator update))."""
     loss, correct = client.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, {})
@@ -372,7 +376,7 @@ class Method:
     return params
 
   def eval_forward(self, apply_fn: Callable, params, state, server, client_id, x):
-    """The evaluated prediction on one normalised test batch `x` [B, 32, 32, 3]: (logits [B, C],
+    """The evaluated prediction on one normalised test batch `x` [B, H, W, C]: (logits [B, C],
     representation [B, 500]), both float32. `apply_fn` is the client's family's (forward-only)
     apply, `params` what `eval_params` returned, `state` the client's persistent state
     (`init_client_state`'s structure). The representation is what `eval_extra` and the saved

@@ -68,8 +68,8 @@ class FD(base.Method):
     if not c.lam >= 0:
       raise ValueError(f'fd.lam must be >= 0 (0 turns distillation off), got {c.lam}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     self.lam = float(config.fd.lam)
     self.exclude_own = bool(config.fd.exclude_own)  # a bool field (the config is type-safe)
 

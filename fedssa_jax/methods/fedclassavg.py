@@ -84,8 +84,8 @@ class FedClassAvg(lg_fedavg.SharedHeader):
     if not isinstance(c.normalize, bool):
       raise ValueError(f'fedclassavg.normalize must be True or False, got {c.normalize!r}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedclassavg
     self.tau, self.base_tau, self.mu = float(c.tau), float(c.base_tau), float(c.mu)
     self.normalize = c.normalize

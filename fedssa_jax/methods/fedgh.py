@@ -98,8 +98,8 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
       if c[field] not in allowed:
         raise ValueError(f'fedgh.{field} must be one of {allowed}, got {c[field]!r}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedgh
     self.lr, self.epochs, self.batch = float(c.server_lr), int(c.server_epochs), int(c.server_batch)
     self.pair_weight, self.proto_source, self.eval = c.pair_weight, c.proto_source, c.eval

@@ -142,13 +142,14 @@ class FedKD(base.Method):
       if not 0.0 < c[field] <= 1.0:
         raise ValueError(f'fedkd.{field} must be in (0, 1], got {c[field]}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedkd
     self.energy_start, self.energy_end = float(c.energy_start), float(c.energy_end)
     self.num_rounds = int(config.num_rounds)
     self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
-                                          config.engine.compute_dtype)
+                                          config.engine.compute_dtype,
+                                          image_shape=self.image_shape)
     shapes = jax.eval_shape(lambda: models.init_params(self.mentee_model, jax.random.PRNGKey(0)))
     self.mentee_floats = models.param_count(shapes)  # P_5
 

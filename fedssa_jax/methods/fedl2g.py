@@ -153,8 +153,8 @@ class FedL2G(base.Method):
     if not c.server_clip > 0:
       raise ValueError(f'fedl2g.server_clip must be > 0, got {c.server_clip}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedl2g
     self.variant = c.variant
     self.dim = models.REPR_DIM if self.variant == 'feat' else num_classes  # D

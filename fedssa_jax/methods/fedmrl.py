@@ -82,8 +82,8 @@ class FedMRL(base.Method):
       raise ValueError(f'fedmrl.reset_projector must be True or False, '
                        f'got {c.reset_projector!r}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedmrl
     self.d1, self.shared_kind = int(c.d1), c.shared_model
     self.weighted = c.aggregation == 'samples'
@@ -95,7 +95,8 @@ class FedMRL(base.Method):
     # formulation, as the clients' evaluated models).
     self.shared_model, self.shared_eval_model = (
         models.make_model(SHARED_FAMILY, num_classes, config.model.conv_impl, self.dtype,
-                          forward_only=fwd, **width) for fwd in (False, True))
+                          forward_only=fwd, image_shape=self.image_shape, **width)
+        for fwd in (False, True))
     shapes = jax.eval_shape(lambda: models.init_params(self.shared_model, jax.random.PRNGKey(0)))
     self.shared_floats = models.param_count(shapes)  # P_S
     self.projector = models.Dense(D, dtype=self.dtype)

@@ -127,8 +127,8 @@ class FedProto(PrototypeUploads, base.Method):
       raise ValueError(
           f"fedproto.inference must be 'classifier' or 'prototype', got {c.inference!r}.")
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedproto
     self.lam, self.weighting, self.inference = float(c.lam), c.weighting, c.inference
     self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'

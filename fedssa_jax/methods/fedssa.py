@@ -92,8 +92,8 @@ class FedSSA(base.Method):
       raise ValueError(
           f'fedssa.initial_header must be True or False, got {c.initial_header!r}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedssa
     self.mu0, self.t_stable = float(c.mu0), int(c.t_stable)
     self.fusion, self.scope = c.fusion, c.scope

@@ -142,8 +142,8 @@ class FedTGP(fedproto.PrototypeUploads, base.Method):
           "fedtgp.proto_source='train_pass' does not run: set proto_timing='post_train', or "
           "proto_source='post_pass'.")
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedtgp
     self.lam, self.cap = float(c.lam), float(c.margin_cap)
     self.lr, self.epochs, self.batch = float(c.server_lr), int(c.server_epochs), int(c.server_batch)

@@ -63,11 +63,12 @@ class FML(base.Method):
       if not 0.0 <= c[field] <= 1.0:
         raise ValueError(f'fml.{field} must be in [0, 1], got {c[field]}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     self.alpha, self.beta = float(config.fml.alpha), float(config.fml.beta)
     self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl,
-                                        config.engine.compute_dtype)
+                                        config.engine.compute_dtype,
+                                        image_shape=self.image_shape)
     shapes = jax.eval_shape(lambda: models.init_params(self.meme_model, jax.random.PRNGKey(0)))
     self.meme_floats = models.param_count(shapes)  # P_5
 

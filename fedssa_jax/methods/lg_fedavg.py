@@ -56,8 +56,8 @@ class SharedHeader(base.Method):
       raise ValueError(f'{cls.config_section}.weighting must be one of {WEIGHTINGS}, '
                        f'got {c.weighting!r}.')
 
-  def __init__(self, config, num_clients, num_classes):
-    super().__init__(config, num_clients, num_classes)
+  def __init__(self, config, num_clients, num_classes, image_shape=None):
+    super().__init__(config, num_clients, num_classes, image_shape)
     self.weighting = config[self.config_section].weighting
     self.header_floats = models.HEADER_ROW * num_classes
 
