@@ -79,7 +79,8 @@ def run_comparison(config, workdir: str, method_names, rerun: bool = False, stop
     path = os.path.join(run_dir, 'summary.json')
     if rerun or not os.path.exists(path):
       if ds is None:
-        ds = data.load_dataset(config.dataset, config.data_dir, config.download)
+        ds = data.load_dataset(config.dataset, config.data_dir, config.download,
+                               config.image_size)
       c = config.copy_and_resolve_references()
       c.method = m
       logging.info('=== %s ===', m)

@@ -121,7 +121,7 @@ class Run:
 
 def setting_of(config: dict) -> Setting:
   p = config['partition']
-  default_k = config_lib.DATASET_DEFAULTS[config['dataset']]['classes_per_client']
+  default_k = config_lib.dataset_defaults(config['dataset'])['classes_per_client']
   if p['kind'] == 'dirichlet':
     partition = f'Dir({p["dirichlet_gamma"]:g})'
   else:
@@ -422,7 +422,7 @@ def robustness_series(grouped) -> dict[tuple, dict]:
     if s.partition.startswith('Dir('):
       axis, x = 'gamma', float(s.partition[4:-1])
     else:
-      k = s.partition[2:] if s.partition else config_lib.DATASET_DEFAULTS[s.dataset][
+      k = s.partition[2:] if s.partition else config_lib.dataset_defaults(s.dataset)[
           'classes_per_client']
       axis, x = 'k', float(k)
     key = (s.dataset, s.models, s.num_clients, s.participation, axis)

@@ -188,7 +188,7 @@ def _simulator(configs, workdirs, dataset, ckpts):
             f'{config.num_rounds}. Set --config.num_rounds to at least {latest[-1][0]}, or use '
             'a new --workdir.')
   c0 = configs[0]
-  ds = dataset or data.load_dataset(c0.dataset, c0.data_dir, c0.download)
+  ds = dataset or data.load_dataset(c0.dataset, c0.data_dir, c0.download, c0.image_size)
   data.check_fits_models(ds)
   cds = [data.partition_from_config(c, ds) for c in configs]
   fingerprints = [data.fingerprint(cd) for cd in cds]

@@ -59,7 +59,7 @@ def fake_runs(monkeypatch):
   a fake run writes the method's hand-made summary."""
   calls = {'load': 0, 'runs': []}
 
-  def load_dataset(name, data_dir=None, download=False):
+  def load_dataset(name, data_dir=None, download=False, image_size=0):
     calls['load'] += 1
     return ('dataset', name)
 
