@@ -1,3 +1,5 @@
+import types
+
 import numpy as np
 import pytest
 
@@ -101,3 +103,108 @@ def test_padded_layout(small_ds):
   assert cd.train_idx.shape == (10, cd.train_n.max()) and cd.train_idx.dtype == np.int32
   for c in range(10):
     assert (cd.train_idx[c, cd.train_n[c]:] == 0).all()
+
+
+# -- Any TFDS image data set (tfds.testing.mock_data: random images of the builder's shapes) ----
+
+# (TFDS name, image_size, the shape the images load with, classes): grayscale at its own size, an
+# RGB set other than CIFAR, and one whose images vary in size, resized.
+MOCK_SETS = (('mnist', 0, (28, 28, 1), 10), ('svhn_cropped', 0, (32, 32, 3), 10),
+             ('oxford_flowers102', 16, (16, 16, 3), 102))
+MOCK_EXAMPLES = 100  # per split
+
+
+def load_mock(name, image_size=0):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+    return data.load_dataset(name, image_size=image_size)
+
+
+@pytest.mark.parametrize('name,image_size,shape,classes', MOCK_SETS, ids=[m[0] for m in MOCK_SETS])
+def test_any_tfds_image_data_set_loads_with_its_metadata(name, image_size, shape, classes):
+  ds = load_mock(name, image_size)
+  assert ds.images.shape == (2 * MOCK_EXAMPLES, *shape) and ds.images.dtype == np.uint8
+  assert ds.image_shape == shape and ds.num_classes == classes
+  assert ds.labels.min() >= 0 and ds.labels.max() < classes
+  # Its normalisation: the per-channel statistics of its training images, in [0, 1] units.
+  train = ds.images[ds.tfds_splits['train']].reshape(-1, shape[2]) / 255.0
+  assert len(ds.mean) == len(ds.std) == shape[2]
+  np.testing.assert_allclose(ds.mean, train.mean(axis=0), rtol=1e-9)
+  np.testing.assert_allclose(ds.std, train.std(axis=0), rtol=1e-9)
+  facts = data.dataset_facts(name)
+  assert facts.num_classes == classes and facts.image_shape[2] == shape[2]
+
+
+def test_cifar_keeps_the_reference_normalisation_and_resizing_keeps_channels():
+  ds = load_mock('cifar10', image_size=20)
+  assert ds.image_shape == (20, 20, 3)
+  assert (ds.mean, ds.std) == data.NORMALIZATION['cifar10']  # the constants, not computed
+  assert load_mock('mnist', image_size=32).image_shape == (32, 32, 1)  # grayscale stays grayscale
+
+
+def test_resize_is_bilinear_per_channel_and_a_no_op_at_the_same_size():
+  rng = np.random.default_rng(0)
+  image = rng.integers(0, 256, (28, 20, 2), dtype=np.uint8)
+  assert data.resize(image, 28) is not image and data.resize(image, 28).shape == (28, 28, 2)
+  square = image[:20]
+  assert data.resize(square, 20) is square
+  flat = np.full((40, 40, 1), 77, np.uint8)
+  np.testing.assert_array_equal(data.resize(flat, 16), np.full((16, 16, 1), 77, np.uint8))
+
+
+def test_images_without_a_fixed_size_need_image_size():
+  with pytest.raises(data.DataError, match=r'no fixed size .*--config.image_size=32'):
+    load_mock('oxford_flowers102')
+  with pytest.raises(data.DataError, match=r'image_size=8 is too small.*--config.image_size=32'):
+    load_mock('mnist', image_size=8)
+  with pytest.raises(data.UnknownDatasetError, match="Unknown dataset 'no_such_data'"):
+    data.load_dataset('no_such_data')
+
+
+def test_facts_use_the_builders_split_sizes_where_it_has_them(monkeypatch):
+  """A prepared data set's metadata gives its training-set size (config_lib.validate checks
+  num_clients against it); an unprepared builder's does not, and the check is skipped."""
+  assert data.dataset_facts('kmnist').train_examples is None
+  info = types.SimpleNamespace(features=data._builder('kmnist', None).info.features,
+                               splits={'train': types.SimpleNamespace(num_examples=60)})
+  prepared = types.SimpleNamespace(name='kmnist', data_dir='/prepared', info=info,
+                                   is_prepared=lambda: True)
+  monkeypatch.setattr(data, '_builder', lambda name, data_dir: prepared)
+  facts = data.dataset_facts('kmnist', '/prepared')
+  assert (facts.num_classes, facts.image_shape, facts.train_examples) == (10, (28, 28, 1), 60)
+
+
+def test_a_partition_that_cannot_be_built_is_a_config_error():
+  from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
+  ds = synthetic_dataset(num_train=50, num_test=20)  # 4 training-pool samples of each class
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.num_clients = 25  # k*N/S = 5 holders for each class's 4 samples
+  with pytest.raises(config_lib.ConfigError, match=r"class \d has 4 sample\(s\) in the 'train' "
+                     r'pool for its 5 holders.*--config.partition.kind=dirichlet'):
+    data.partition_from_config(c, ds)
+  c.num_clients, c.partition.classes_per_client = 5, 11
+  with pytest.raises(config_lib.ConfigError, match=r'classes_per_client=11 must be in \[1, 10\]'):
+    data.partition_from_config(c, ds)
+
+
+@pytest.mark.slow  # three simulators compiled and run
+def test_one_fedssa_round_on_each_mock_data_set():
+  """One round of FedSSA through the engine, and an evaluation, on each data set of MOCK_SETS:
+  the CNN-5 built for its shape and classes (the flowers' 102 over a Dirichlet partition: 80
+  training images cannot give 5 clients 2 of 102 classes each)."""
+  from conftest import make_small_sim  # pylint: disable=g-import-not-at-top
+  for name, image_size, shape, classes in MOCK_SETS:
+    ds = load_mock(name, image_size)
+    partition = {'partition.kind': 'dirichlet', 'partition.dirichlet_min_train': 4} \
+        if classes > 10 else {}
+    sim = make_small_sim(ds, 'fedssa', dataset=name, image_size=image_size, batch_size=8,
+                         eval_batch_size=8, **partition)
+    state = sim.init_state()
+    params = sim.seed_state(state).params[0]  # the group's stacked clients
+    assert params['conv1']['kernel'].shape[1:] == (5, 5, shape[2], 16)
+    assert params['fc3']['kernel'].shape[1:] == (500, classes)
+    state, (info,) = sim.run_round(state)
+    assert np.isfinite(info.train_loss) and info.train_samples.sum() > 0, name
+    assert info.client_flops > 0 and info.up_floats == 501 * sim.seen[0][info.cohort].sum()
+    ev = sim.evaluate(state)
+    assert 0 <= ev.accuracy.min() and ev.accuracy.max() <= 1, name

@@ -104,3 +104,44 @@ def test_xla_flop_count_agrees_with_analytic(family):
   analytic = costs.analytic_train_flops_per_sample(family, 10)
   # XLA also counts elementwise work (ReLU, pooling, softmax): a little above the matmuls.
   assert 1.0 <= xla / analytic < 1.03
+
+
+def test_band_tiles_follow_the_width_and_keep_cifars():
+  assert (models.band_tile(28), models.band_tile(10)) == (4, 5)  # CIFAR's conv1 and conv2
+  assert (models.band_tile(24), models.band_tile(8), models.band_tile(27)) == (4, 4, 3)
+  assert models.band_tile(23) == 1
+
+
+@pytest.mark.parametrize('shape', [(28, 28, 1), (29, 33, 3), (16, 16, 3)],
+                         ids=['mnist', 'odd', 'smallest'])
+def test_the_cnns_follow_the_input_shape(shape):
+  """As the official CNNs: conv1 takes the images' channels, fc1 the flattened size after
+  conv2's pool (an odd size's last row and column dropped); the band formulation (with tiles of
+  the widths) agrees with XLA's convolution, and the analytic MACs and FLOPs follow the shape."""
+  _, _, (hp, wp) = models.feature_sizes(shape)
+  assert (hp, wp) == {(28, 28, 1): (4, 4), (29, 33, 3): (4, 5), (16, 16, 3): (1, 1)}[shape]
+  model = {i: models.make_model('cnn5', 7, i, image_shape=shape) for i in ('xla', 'band')}
+  params = jax.eval_shape(lambda: models.init_params(model['xla'], jax.random.PRNGKey(0)))
+  assert params['conv1']['kernel'].shape == (5, 5, shape[2], 16)
+  assert params['fc1']['kernel'].shape == (hp * wp * 32, 500)
+  h1, w1 = shape[0] - 4, shape[1] - 4
+  h2, w2 = h1 // 2 - 4, w1 // 2 - 4
+  macs = (h1 * w1 * 16 * shape[2] * 25 + h2 * w2 * 32 * 400 + hp * wp * 32 * 500 + 500 * 500 +
+          500 * 7)
+  assert models.forward_macs('cnn5', 7, shape) == macs
+  if shape == (16, 16, 3):  # the shapes above; the programs below for the other two
+    return
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.normal(scale=0.05, size=s.shape).astype(np.float32), params)
+  x = rng.normal(size=(2, *shape)).astype(np.float32)
+  apply = lambda impl: jax.jit(model[impl].apply)({'params': params}, x)
+  for a, b in zip(apply('xla'), apply('band')):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  ratio = (costs.xla_train_flops_per_sample('cnn5', 7, 8, shape) /
+           costs.analytic_train_flops_per_sample('cnn5', 7, shape))
+  assert 1.0 <= ratio < 1.03
+
+
+def test_images_too_small_for_the_cnns_are_refused():
+  with pytest.raises(ValueError, match='15x32 are too small for the CNNs, which need at least 16'):
+    models.make_model('cnn1', 10, image_shape=(15, 32, 3))

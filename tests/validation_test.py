@@ -14,7 +14,7 @@ import pytest
 
 from fedssa_jax import checkpoint, config_lib, console, data, train
 
-from conftest import synthetic_dataset
+from conftest import load_file, synthetic_dataset
 
 
 def tiny(**overrides):
@@ -130,17 +130,21 @@ CASES = [
          ('participation must be in (0, 1], got 1.5',)),
     Case('participation samples no client', validate(num_clients=10, participation=0.05),
          ('participation=0.05 samples floor(0.05*10) = 0', 'at least 1/N = 0.1')),
-    Case('unknown dataset', validate(dataset='mnist'),
-         ("Unknown dataset 'mnist'", "['cifar10', 'cifar100']")),
+    Case('unknown dataset', validate(dataset='no_such_data'),
+         ("Unknown dataset 'no_such_data': TFDS has no data set of that name",
+          'e.g. mnist, fashion_mnist, cifar10', 'tfds.list_builders()')),
+    Case('image_size too small', validate(image_size=8),
+         ('image_size=8 is too small', 'at least 16x16', 'Set --config.image_size=32')),
     Case('unknown method', validate(method='fedavg'),
          ("Unknown method 'fedavg'", "'fedssa'", "'standalone'")),
     Case('unknown model family', validate(**{'model.families': ('cnn1', 'cnn9')}),
          ("Unknown model family 'cnn9' in model.families", "'cnn5'")),
-    Case('images of another shape', run(tiny(), images_of_shape((28, 28, 3))),
-         ('have shape (28, 28, 3); the models take (32, 32, 3)', 'Use a data set of 32x32 RGB'),
+    Case('images too small', run(tiny(), images_of_shape((12, 12, 3))),
+         ('have 12x12 pixels', 'need at least 16x16', 'Set --config.image_size=32'),
          data.DataError),
-    Case('images of another channel count', run(tiny(), images_of_shape((32, 32, 1))),
-         ('have 1 channel(s); the models take 3 (RGB)',), data.DataError),
+    Case('images without a channel axis', run(tiny(), images_of_shape((32, 32))),
+         ('have shape (32, 32); the models take (height, width, channels) images',),
+         data.DataError),
     Case('data_dir without the data', missing_data,
          ("cannot be read from data_dir=", 'prepare_offline.py', '--config.download=True'),
          data.DataError),
@@ -267,6 +271,36 @@ def test_existing_configs_stay_valid():
     for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):
       config_lib.validate(config_lib.build(dataset, variants))
   config_lib.validate(config_lib.build('cifar10', 'tiny'))
+
+
+def test_the_tfds_config_takes_htfllibs_data_sets_checked_by_their_metadata(monkeypatch):
+  """configs/tfds.py:NAME,variants for every name of data.HTFL_DATASETS, which TFDS knows
+  offline: the checks before loading read each one's metadata (classes, image shape)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  tfds_config = load_file('configs/tfds.py', 'tfds_config').get_config
+  for name in data.HTFL_DATASETS:
+    tfds.builder(name)  # accepted offline
+    c = tfds_config(f'{name},dir,n10')
+    assert (c.dataset, c.num_clients, c.partition.kind, c.image_size) == (name, 10, 'dirichlet', 0)
+    if None in data.dataset_facts(name).image_shape:
+      with pytest.raises(config_lib.ConfigError, match=r'no fixed size.*--config.image_size=32'):
+        config_lib.validate(c)
+      c.image_size = 32
+    config_lib.validate(c)
+  c = tfds_config('mnist,hetero,n50')
+  assert (c.num_clients, c.partition.classes_per_client, c.target_accuracy) == (50, 2, 0.8)
+  with pytest.raises(ValueError, match='takes the TFDS data set name first'):
+    tfds_config('')
+  # classes_per_client and the holders per class against the metadata's 102 classes.
+  c = tfds_config('caltech101,hetero,n10')
+  c.image_size = 32
+  with pytest.raises(config_lib.ConfigError, match=r'S=102 classes gives 0.196.*a multiple of 51'):
+    config_lib.validate(c)
+  # num_clients against the training-set size, where the metadata has one (a prepared copy).
+  monkeypatch.setattr(data, 'dataset_facts',
+                      lambda name, data_dir=None: data.DatasetFacts(10, (28, 28, 1), 60))
+  with pytest.raises(config_lib.ConfigError, match='num_clients=100 is more than the 60 training'):
+    config_lib.validate(tfds_config('mnist,n100'))
 
 
 def test_a_fallback_prints_no_tracebacks_of_abandoned_reads(tmp_path, capfd, caplog):
