@@ -241,7 +241,8 @@ def init_params(model: CNN, key, image_shape: Sequence[int] = (32, 32, 3)) -> An
 
 
 def param_count(params) -> int:
-  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+  """Parameters of a row (its model state, if any, is no parameter)."""
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(split_state(params)[0]))
 
 
 def forward_macs(family_name: str, num_classes: int) -> int:
@@ -282,3 +283,58 @@ def with_header_rows(params, rows: jax.Array):
   """Returns params with fc3 replaced by the [num_classes, 501] table `rows`."""
   fc3 = {'kernel': rows[:, :-1].T, 'bias': rows[:, -1]}
   return {**params, 'fc3': fc3}
+
+
+# --- Model state: batch statistics beside the parameters (docs/algorithm.md §1) ---------------
+#
+# A model with batch normalisation keeps running statistics that are no parameters: not
+# trained by gradient, not decayed, never sent. The engine stores them in the client's row
+# beside its parameters, under MODEL_STATE, so that every population store, checkpoint, mesh
+# placement and method hook carries them as it carries the parameters; the five CNNs have none,
+# and their rows are their parameters as before. Local training splits a row (`split_state`),
+# trains the parameters with the model's training-mode apply (`StatefulModel.train_apply`, which
+# returns the new statistics) and joins them back (`join_state`); every other forward (evaluation,
+# a method's forward pass) calls `apply` on the row, which normalises with its running
+# statistics, as a PyTorch model in eval() mode does.
+
+MODEL_STATE = 'batch_stats'
+
+
+def split_state(row) -> tuple[Any, Any]:
+  """(parameters, model state) of a stored row; the state is None for a model without one."""
+  if isinstance(row, dict) and MODEL_STATE in row:
+    return {k: v for k, v in row.items() if k != MODEL_STATE}, row[MODEL_STATE]
+  return row, None
+
+
+def join_state(params, state):
+  """The stored row of `params` and model state `state` (None: `params` itself)."""
+  return params if state is None else {**params, MODEL_STATE: state}
+
+
+@dataclasses.dataclass(frozen=True)
+class StatefulModel:
+  """A Flax module with batch statistics, called as a stateless family's model is.
+
+  The module is called `module(x, train=..., mask=...)` and returns (logits, representation);
+  its batch normalisation layers keep their statistics in the 'batch_stats' collection and
+  take `mask` [B] so that padding rows of a partial batch count in no statistic. `init` gives
+  the row (parameters with the statistics under MODEL_STATE) as {'params': row}; `apply`
+  evaluates a row with its running statistics; `train_apply` runs training mode on the valid
+  rows' batch statistics and returns the updated running statistics too."""
+  module: nn.Module
+
+  def init(self, key, x):
+    variables = self.module.init(key, x, train=False)
+    return {'params': join_state(variables['params'], variables[MODEL_STATE])}
+
+  def apply(self, variables, x):
+    params, state = split_state(variables['params'])
+    return self.module.apply({'params': params, MODEL_STATE: state}, x, train=False)
+
+  def train_apply(self, params, state, x, mask):
+    """((logits, representation), new statistics) of a training-mode forward of `x` [B', ...],
+    whose statistics count the rows where `mask` [B'] is True."""
+    out, updated = self.module.apply({'params': params, MODEL_STATE: state}, x, train=True,
+                                     mask=mask, mutable=[MODEL_STATE])
+    return out, updated[MODEL_STATE]
