@@ -14,18 +14,20 @@ import jax.numpy as jnp
 from fedssa_jax import client, data, models
 
 
-def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
+def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
+                               feature_dim: int = models.REPR_DIM) -> float:
   """XLA's FLOP count of one CE gradient step, per sample."""
-  model = models.make_model(family, num_classes, conv_impl='xla')
+  model = models.make_model(family, num_classes, conv_impl='xla', repr_dim=feature_dim)
 
   def grad(p, x, y, valid):
     return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
   return _xla_flops_per_sample(model, grad, batch_size)
 
 
-def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int) -> float:
+def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int,
+                                 feature_dim: int = models.REPR_DIM) -> float:
   """XLA's FLOP count of one forward pass (logits and representation), per sample."""
-  model = models.make_model(family, num_classes, conv_impl='xla')
+  model = models.make_model(family, num_classes, conv_impl='xla', repr_dim=feature_dim)
   return _xla_flops_per_sample(
       model, lambda p, x, y, valid: model.apply({'params': p}, x), batch_size)
 
@@ -49,9 +51,13 @@ def _xla_flops_per_sample(model, fn, batch_size: int) -> float:
   return float(analysis['flops']) / batch_size
 
 
-def analytic_train_flops_per_sample(family: str, num_classes: int) -> float:
+def analytic_train_flops_per_sample(family: str, num_classes: int,
+                                    feature_dim: int = models.REPR_DIM) -> float:
   """2 FLOPs per MAC for forward, weight gradient and input gradient; conv1 needs no input
-  gradient. Elementwise ops (ReLU, pooling, softmax) are ignored."""
-  macs = models.forward_macs(family, num_classes)
+  gradient. Elementwise ops (ReLU, pooling, softmax) are ignored. 0 for a family with no
+  analytic count (those of HtFLlib's groups)."""
+  if family not in models.FAMILY_NAMES:
+    return 0.0
+  macs = models.forward_macs(family, num_classes, feature_dim)
   conv1 = 28 * 28 * 16 * 3 * 25
   return 2.0 * (3 * macs - conv1)

@@ -431,11 +431,13 @@ class Simulator:
 
   def model_flops(self, family: str) -> float:
     """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
-    return model_flops(family, self.num_classes, self.config.batch_size)
+    return model_flops(family, self.num_classes, self.config.batch_size,
+                       self.config.model.feature_dim)
 
   def forward_flops(self, family: str) -> float:
     """FLOPs of one forward pass of `family`'s model, per sample (XLA's count)."""
-    return forward_flops(family, self.num_classes, self.config.eval_batch_size)
+    return forward_flops(family, self.num_classes, self.config.eval_batch_size,
+                         self.config.model.feature_dim)
 
   def _init_group(self, g: schedule.Group, slots, seed_index: int) -> PyTree:
     """The initial parameters of the group's members at `slots` (stacked), of one seed: each
@@ -461,18 +463,20 @@ def _stacked_init(model) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def model_flops(family: str, num_classes: int, batch_size: int) -> float:
+def model_flops(family: str, num_classes: int, batch_size: int,
+                feature_dim: int = models.REPR_DIM) -> float:
   """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
-  xla = costs.xla_train_flops_per_sample(family, num_classes, batch_size)
-  analytic = costs.analytic_train_flops_per_sample(family, num_classes)
-  if not 0.9 < xla / analytic < 1.15:
+  xla = costs.xla_train_flops_per_sample(family, num_classes, batch_size, feature_dim)
+  analytic = costs.analytic_train_flops_per_sample(family, num_classes, feature_dim)
+  if analytic and not 0.9 < xla / analytic < 1.15:
     logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
                     family, xla, analytic)
   return xla
 
 
 @functools.lru_cache(maxsize=None)
-def forward_flops(family: str, num_classes: int, batch_size: int) -> float:
+def forward_flops(family: str, num_classes: int, batch_size: int,
+                  feature_dim: int = models.REPR_DIM) -> float:
   """FLOPs of one forward pass of `family`'s model, per sample (XLA's count): what the forward
   pass of a method that asks for one (Method.forward_pass) costs per training sample."""
-  return costs.xla_forward_flops_per_sample(family, num_classes, batch_size)
+  return costs.xla_forward_flops_per_sample(family, num_classes, batch_size, feature_dim)

@@ -236,6 +236,13 @@ def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
              dtype, repr_dim, pool_to)
 
 
+def feature_dim(config) -> int:
+  """d, the width of every client model's representation (`model.feature_dim`): 500 for the
+  five CNNs, 512 in HtFLlib's model groups; the header's rows hold d + 1 numbers. A method built
+  without a config (tests) gets 500."""
+  return int(getattr(getattr(config, 'model', None), 'feature_dim', REPR_DIM))
+
+
 def init_params(model: CNN, key, image_shape: Sequence[int] = (32, 32, 3)) -> Any:
   return model.init(key, jnp.zeros((1, *image_shape), jnp.float32))['params']
 
@@ -245,13 +252,13 @@ def param_count(params) -> int:
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(split_state(params)[0]))
 
 
-def forward_macs(family_name: str, num_classes: int) -> int:
+def forward_macs(family_name: str, num_classes: int, repr_dim: int = REPR_DIM) -> int:
   """Analytic multiply-accumulates of one forward pass of one 32x32 sample (docs/algorithm.md
-  §1, its table)."""
+  §1, its table), with fc2 `repr_dim` wide."""
   f = get_family(family_name)
   conv1 = 28 * 28 * 16 * (3 * 25)
   conv2 = 10 * 10 * f.c2 * (16 * 25)
-  return conv1 + conv2 + f.c2 * 25 * f.fc1 + f.fc1 * REPR_DIM + REPR_DIM * num_classes
+  return conv1 + conv2 + f.c2 * 25 * f.fc1 + f.fc1 * repr_dim + repr_dim * num_classes
 
 
 # --- The header (docs/algorithm.md §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
@@ -259,9 +266,10 @@ def forward_macs(family_name: str, num_classes: int) -> int:
 HEADER_ROW = REPR_DIM + 1  # 501 numbers per class row
 
 
-def init_header(key, num_classes: int) -> jax.Array:
-  """A fresh [num_classes, 501] header drawn exactly as a client's fc3 is (PyTorch's init)."""
-  fc3 = Dense(num_classes).init(key, jnp.zeros((1, REPR_DIM)))['params']
+def init_header(key, num_classes: int, dim: int = REPR_DIM) -> jax.Array:
+  """A fresh [num_classes, dim + 1] header drawn exactly as a client's fc3 is (PyTorch's
+  init), for `dim`-wide representations."""
+  fc3 = Dense(num_classes).init(key, jnp.zeros((1, dim)))['params']
   return header_rows({'fc3': fc3})
 
 

@@ -92,7 +92,8 @@ def make_groups(config, num_classes: int, num_clients: int, k: int,
     # Every device trains as many of a chunk's clients (padded with dummies).
     per_call = place.rows(int(min(per_call, len(members), k)))
     model, eval_model = (models.make_model(fam, num_classes, config.model.conv_impl,
-                                           config.engine.compute_dtype, forward_only=fwd)
+                                           config.engine.compute_dtype, forward_only=fwd,
+                                           repr_dim=config.model.feature_dim)
                          for fwd in (False, True))
     groups.append(Group(fam, members, model, per_call, place.rows(len(members)), eval_model))
   return groups

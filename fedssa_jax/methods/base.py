@@ -75,7 +75,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from fedssa_jax import client
+from fedssa_jax import client, models
 
 PyTree = Any
 
@@ -311,6 +311,8 @@ class Method:
     self.config = config
     self.num_clients = num_clients
     self.num_classes = num_classes
+    self.feature_dim = models.feature_dim(config)  # d: the representation's width
+    self.header_row = self.feature_dim + 1  # numbers in a header row (weights and bias)
 
   # --- configuration ---------------------------------------------------------------------------
   @classmethod
