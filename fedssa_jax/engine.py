@@ -305,7 +305,8 @@ class Simulator:
   def _train_chunk_fn(self, g: schedule.Group) -> Callable:
     """`train_chunk` for the group's model, one seed's (the store vmaps it over the seeds)."""
     train_one = functools.partial(client.local_train, apply_fn=g.model.apply,
-                                  cfg=self.train_cfg, method=self.method)
+                                  cfg=self.train_cfg, method=self.method,
+                                  train_apply=getattr(g.model, 'train_apply', None))
     local = functools.partial(local_round, method=self.method, train_one=train_one)
     if self.method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
       raise ValueError(f'{type(self.method).__name__}.forward_pass must be None or one of '
@@ -445,7 +446,7 @@ class Simulator:
     every method."""
     slots, key = np.asarray(slots), self._keys[seed_index]
     if self.config.model.init_scope == 'family':
-      family_ids = np.full(len(slots), models.FAMILY_NAMES.index(g.family))
+      family_ids = np.full(len(slots), models.ALL_FAMILY_NAMES.index(g.family))
       return _stacked_init(g.model)(_client_keys(key, STREAM_FAMILY_INIT,
                                                  jnp.asarray(family_ids)))
     return _stacked_init(g.model)(_client_keys(key, STREAM_INIT, jnp.asarray(g.members[slots])))
