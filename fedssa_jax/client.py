@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedssa_jax import augment
+from fedssa_jax import augment, models
 
 PyTree = Any
 
@@ -131,9 +131,33 @@ def batch_grads(method, apply_fn: Callable, ctx: PyTree, trainable: dict, views,
           jax.tree_util.tree_map(lambda g: g / denom, grad_sum))
 
 
+def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, ctx: PyTree,
+                         trainable: dict, views, y, valid):
+  """batch_grads for a model with batch statistics (models.StatefulModel), on the whole batch
+  in one pass, so that a step's statistics are those of its batch: (loss, #correct, accumulator
+  update, gradient, the new running statistics).
+
+  The loss's calls of the client's model run in training mode, each on the statistics the
+  previous call left (as a PyTorch model in train() mode updates its buffers at every forward),
+  over the batch's valid rows: a call on k views concatenated, [k B] rows, repeats `valid`."""
+  def loss_of(t, views, y, valid):
+    state = [model_state]
+
+    def apply_fn(variables, x):
+      out, state[0] = train_apply(variables['params'], state[0], x,
+                                  jnp.tile(valid, x.shape[0] // valid.shape[0]))
+      return out
+    loss, aux = method.loss(apply_fn, t, ctx, views, y, valid)
+    return loss, (aux, state[0])
+
+  (loss, ((correct, acc_update), new_state)), grads = jax.value_and_grad(
+      loss_of, has_aux=True)(trainable, views, y, valid)
+  return loss, correct, acc_update, grads, new_state
+
+
 def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
                 n: jax.Array, data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
-                method) -> tuple[dict, PyTree, dict]:
+                method, train_apply: Callable | None = None) -> tuple[dict, PyTree, dict]:
   """Trains one client for E epochs with `method.loss`. Returns (trainable, acc, stats).
 
   `trainable` is {'model': params, **aux}; each entry has its own optimizer (and clip), as
@@ -141,6 +165,10 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   its true count (0 for a masked dummy client, which then runs no step and stays unchanged).
   `acc` sums the loss's per-step statistics (method.init_acc() to start). stats = dict(loss_sum,
   samples, correct, steps): sums over the samples and steps actually run.
+
+  A model with batch statistics (models.StatefulModel, whose `train_apply` is given) has them in
+  its row (models.MODEL_STATE): they are no trainable parameter, and each step trains its whole
+  batch in one pass (stateful_batch_grads) and leaves the statistics it updated.
   """
   tx = make_optimizer(cfg)
   b = cfg.batch_size
@@ -148,12 +176,19 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
   steps = (n + b - 1) // b
   zero = jnp.zeros((), jnp.float32)
-  m = cfg.micro_batch if cfg.micro_batch and method.per_sample_loss else b
+  params, model_state = models.split_state(trainable['model'])
+  if model_state is not None and train_apply is None:
+    raise ValueError('A model with batch statistics trains with its train_apply.')
+  trainable = {**trainable, 'model': params}
+  # Micro-batches only for a loss that is a mean of per-sample terms, on a model whose batch
+  # statistics (if any) would not then change.
+  per_sample = method.per_sample_loss and model_state is None
+  m = cfg.micro_batch if cfg.micro_batch and per_sample else b
   if b % m:
     raise ValueError(f'engine.micro_batch={m} must divide batch_size={b}.')
 
   def grad_step(step, carry, order, aug_key):
-    trainable, opt_state, acc, stats = carry
+    (trainable, model_state), opt_state, acc, stats = carry
     pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
     valid = step * b + jnp.arange(b) < n
     idx = idx_pad[pos]
@@ -163,8 +198,12 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
         augment.augment_batch(step_key if v == 0 else jax.random.fold_in(step_key, v), x)
         if cfg.augment else x for v in range(method.num_views))
     y = data.labels[idx]
-    loss, correct, acc_update, grads = batch_grads(method, apply_fn, ctx, trainable, views,
-                                                   y, valid, micro_batch=m)
+    if model_state is None:
+      loss, correct, acc_update, grads = batch_grads(method, apply_fn, ctx, trainable, views,
+                                                     y, valid, micro_batch=m)
+    else:
+      loss, correct, acc_update, grads, model_state = stateful_batch_grads(
+          method, train_apply, model_state, ctx, trainable, views, y, valid)
     new_trainable, new_opt_state = {}, {}
     for part in trainable:  # one optimizer per model
       updates, new_opt_state[part] = tx.update(grads[part], opt_state[part], trainable[part])
@@ -177,7 +216,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
         'correct': stats['correct'] + correct,
         'steps': stats['steps'] + (count > 0),
     }
-    return new_trainable, new_opt_state, acc, stats
+    return (new_trainable, model_state), new_opt_state, acc, stats
 
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
@@ -187,8 +226,9 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   stats = {'loss_sum': zero, 'samples': jnp.zeros((), jnp.int32),
            'correct': jnp.zeros((), jnp.int32), 'steps': jnp.zeros((), jnp.int32)}
   opt_state = {part: tx.init(p) for part, p in trainable.items()}
-  trainable, _, acc, stats = jax.lax.fori_loop(
-      0, cfg.local_epochs, epoch, (trainable, opt_state, method.init_acc(), stats))
+  (trainable, model_state), _, acc, stats = jax.lax.fori_loop(
+      0, cfg.local_epochs, epoch, ((trainable, model_state), opt_state, method.init_acc(), stats))
+  trainable = {**trainable, 'model': models.join_state(trainable['model'], model_state)}
   return trainable, acc, stats
 
 

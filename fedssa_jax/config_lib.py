@@ -92,6 +92,10 @@ def _model_config() -> ml_collections.ConfigDict:
   m = ml_collections.ConfigDict()
   m.families = models.FAMILY_NAMES    # client k gets families[k % len(families)]
   m.conv_impl = 'auto'                # 'auto' (band on CPU, xla elsewhere), 'band', 'im2col', 'xla'
+  # d, the width of every client model's representation r, which the header reads (its rows
+  # hold d + 1 numbers) and prototypes share: the five CNNs' fc2 width (500 in the paper);
+  # HtFLlib's model groups use 512.
+  m.feature_dim = models.REPR_DIM
   # Initial models: 'family' (one model per family from the run's seed, which every client of
   # the family starts from, in every method: what the official code does) or 'client' (each
   # client draws its own).
@@ -286,6 +290,9 @@ def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
     _need(f in models.FAMILY_NAMES,
           f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
   _one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
+  _need(isinstance(c.model.feature_dim, int) and c.model.feature_dim >= 1,
+        f'model.feature_dim must be a positive integer, got {c.model.feature_dim!r} '
+        f'(the paper\'s CNNs: {models.REPR_DIM}; HtFLlib\'s model groups: 512).')
   _one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
 
 

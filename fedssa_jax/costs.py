@@ -15,9 +15,11 @@ from fedssa_jax import client, models
 
 
 def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
+                               feature_dim: int = models.REPR_DIM,
                                image_shape=models.IMAGE_SHAPE) -> float:
   """XLA's FLOP count of one CE gradient step, per sample of `image_shape`."""
-  model = models.make_model(family, num_classes, conv_impl='xla', image_shape=image_shape)
+  model = models.make_model(family, num_classes, conv_impl='xla', repr_dim=feature_dim,
+                            image_shape=image_shape)
 
   def grad(p, x, y, valid):
     return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
@@ -25,10 +27,12 @@ def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
 
 
 def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int,
+                                 feature_dim: int = models.REPR_DIM,
                                  image_shape=models.IMAGE_SHAPE) -> float:
   """XLA's FLOP count of one forward pass (logits and representation), per sample of
   `image_shape`."""
-  model = models.make_model(family, num_classes, conv_impl='xla', image_shape=image_shape)
+  model = models.make_model(family, num_classes, conv_impl='xla', repr_dim=feature_dim,
+                            image_shape=image_shape)
   return _xla_flops_per_sample(
       model, lambda p, x, y, valid: model.apply({'params': p}, x), batch_size)
 
@@ -54,8 +58,12 @@ def _xla_flops_per_sample(model, fn, batch_size: int) -> float:
 
 
 def analytic_train_flops_per_sample(family: str, num_classes: int,
+                                    feature_dim: int = models.REPR_DIM,
                                     image_shape=models.IMAGE_SHAPE) -> float:
   """2 FLOPs per MAC for forward, weight gradient and input gradient; conv1 needs no input
-  gradient. Elementwise ops (ReLU, pooling, softmax) are ignored."""
-  macs = models.forward_macs(family, num_classes, image_shape)
+  gradient. Elementwise ops (ReLU, pooling, softmax) are ignored. 0 for a family with no
+  analytic count (those of HtFLlib's groups)."""
+  if family not in models.FAMILY_NAMES:
+    return 0.0
+  macs = models.forward_macs(family, num_classes, feature_dim, image_shape)
   return 2.0 * (3 * macs - models.conv1_macs(image_shape))

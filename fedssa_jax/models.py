@@ -275,14 +275,23 @@ def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
              dtype, repr_dim, pool_to, tuple(int(d) for d in image_shape))
 
 
+def feature_dim(config) -> int:
+  """d, the width of every client model's representation (`model.feature_dim`): 500 for the
+  five CNNs, 512 in HtFLlib's model groups; the header's rows hold d + 1 numbers. A method built
+  without a config (tests) gets 500."""
+  return int(getattr(getattr(config, 'model', None), 'feature_dim', REPR_DIM))
+
+
 def init_params(model: CNN, key, image_shape: Sequence[int] | None = None) -> Any:
-  """`model`'s parameters for images of `image_shape` (default: the model's own image_shape)."""
-  shape = model.image_shape if image_shape is None else image_shape
+  """`model`'s parameters for images of `image_shape` (default: the model's own image_shape,
+  CIFAR's for a model without one)."""
+  shape = getattr(model, 'image_shape', IMAGE_SHAPE) if image_shape is None else image_shape
   return model.init(key, jnp.zeros((1, *shape), jnp.float32))['params']
 
 
 def param_count(params) -> int:
-  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+  """Parameters of a row (its model state, if any, is no parameter)."""
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(split_state(params)[0]))
 
 
 def conv1_macs(image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
@@ -291,15 +300,15 @@ def conv1_macs(image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
   return h1 * w1 * 16 * (image_shape[2] * KERNEL * KERNEL)
 
 
-def forward_macs(family_name: str, num_classes: int,
+def forward_macs(family_name: str, num_classes: int, repr_dim: int = REPR_DIM,
                  image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
   """Analytic multiply-accumulates of one forward pass of one sample of `image_shape` (32x32x3
-  by default: docs/algorithm.md §1, its table)."""
+  by default: docs/algorithm.md §1, its table), with fc2 `repr_dim` wide."""
   f = get_family(family_name)
   _, (h2, w2), (hp, wp) = feature_sizes(image_shape)
   conv2 = h2 * w2 * f.c2 * (16 * KERNEL * KERNEL)
-  return (conv1_macs(image_shape) + conv2 + hp * wp * f.c2 * f.fc1 + f.fc1 * REPR_DIM +
-          REPR_DIM * num_classes)
+  return (conv1_macs(image_shape) + conv2 + hp * wp * f.c2 * f.fc1 + f.fc1 * repr_dim +
+          repr_dim * num_classes)
 
 
 # --- The header (docs/algorithm.md §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
@@ -307,9 +316,10 @@ def forward_macs(family_name: str, num_classes: int,
 HEADER_ROW = REPR_DIM + 1  # 501 numbers per class row
 
 
-def init_header(key, num_classes: int) -> jax.Array:
-  """A fresh [num_classes, 501] header drawn exactly as a client's fc3 is (PyTorch's init)."""
-  fc3 = Dense(num_classes).init(key, jnp.zeros((1, REPR_DIM)))['params']
+def init_header(key, num_classes: int, dim: int = REPR_DIM) -> jax.Array:
+  """A fresh [num_classes, dim + 1] header drawn exactly as a client's fc3 is (PyTorch's
+  init), for `dim`-wide representations."""
+  fc3 = Dense(num_classes).init(key, jnp.zeros((1, dim)))['params']
   return header_rows({'fc3': fc3})
 
 
@@ -331,3 +341,58 @@ def with_header_rows(params, rows: jax.Array):
   """Returns params with fc3 replaced by the [num_classes, 501] table `rows`."""
   fc3 = {'kernel': rows[:, :-1].T, 'bias': rows[:, -1]}
   return {**params, 'fc3': fc3}
+
+
+# --- Model state: batch statistics beside the parameters (docs/algorithm.md §1) ---------------
+#
+# A model with batch normalisation keeps running statistics that are no parameters: not
+# trained by gradient, not decayed, never sent. The engine stores them in the client's row
+# beside its parameters, under MODEL_STATE, so that every population store, checkpoint, mesh
+# placement and method hook carries them as it carries the parameters; the five CNNs have none,
+# and their rows are their parameters as before. Local training splits a row (`split_state`),
+# trains the parameters with the model's training-mode apply (`StatefulModel.train_apply`, which
+# returns the new statistics) and joins them back (`join_state`); every other forward (evaluation,
+# a method's forward pass) calls `apply` on the row, which normalises with its running
+# statistics, as a PyTorch model in eval() mode does.
+
+MODEL_STATE = 'batch_stats'
+
+
+def split_state(row) -> tuple[Any, Any]:
+  """(parameters, model state) of a stored row; the state is None for a model without one."""
+  if isinstance(row, dict) and MODEL_STATE in row:
+    return {k: v for k, v in row.items() if k != MODEL_STATE}, row[MODEL_STATE]
+  return row, None
+
+
+def join_state(params, state):
+  """The stored row of `params` and model state `state` (None: `params` itself)."""
+  return params if state is None else {**params, MODEL_STATE: state}
+
+
+@dataclasses.dataclass(frozen=True)
+class StatefulModel:
+  """A Flax module with batch statistics, called as a stateless family's model is.
+
+  The module is called `module(x, train=..., mask=...)` and returns (logits, representation);
+  its batch normalisation layers keep their statistics in the 'batch_stats' collection and
+  take `mask` [B] so that padding rows of a partial batch count in no statistic. `init` gives
+  the row (parameters with the statistics under MODEL_STATE) as {'params': row}; `apply`
+  evaluates a row with its running statistics; `train_apply` runs training mode on the valid
+  rows' batch statistics and returns the updated running statistics too."""
+  module: nn.Module
+
+  def init(self, key, x):
+    variables = self.module.init(key, x, train=False)
+    return {'params': join_state(variables['params'], variables[MODEL_STATE])}
+
+  def apply(self, variables, x):
+    params, state = split_state(variables['params'])
+    return self.module.apply({'params': params, MODEL_STATE: state}, x, train=False)
+
+  def train_apply(self, params, state, x, mask):
+    """((logits, representation), new statistics) of a training-mode forward of `x` [B', ...],
+    whose statistics count the rows where `mask` [B'] is True."""
+    out, updated = self.module.apply({'params': params, MODEL_STATE: state}, x, train=True,
+                                     mask=mask, mutable=[MODEL_STATE])
+    return out, updated[MODEL_STATE]

@@ -314,6 +314,8 @@ class Method:
     self.config = config
     self.num_clients = num_clients
     self.num_classes = num_classes
+    self.feature_dim = models.feature_dim(config)  # d: the representation's width
+    self.header_row = self.feature_dim + 1  # numbers in a header row (weights and bias)
     self.image_shape = tuple(models.IMAGE_SHAPE if image_shape is None else image_shape)
 
   # --- configuration ---------------------------------------------------------------------------

@@ -110,4 +110,4 @@ class FedClassAvg(lg_fedavg.SharedHeader):
     multiply-adds forward and twice that backward per step, i.e. 3 * 2 * 4 B^2 d FLOPs per step,
     24 B d per sample with B = config.batch_size (a partial last batch is counted as full).
     Normalisation, the softmax and the proximal term are ignored."""
-    return 2.0 * own + 24.0 * self.batch_size * models.REPR_DIM
+    return 2.0 * own + 24.0 * self.batch_size * self.feature_dim

@@ -36,7 +36,6 @@ from flax import struct
 from fedssa_jax import client, models
 from fedssa_jax.methods import base, fedproto
 
-D = models.REPR_DIM
 PAIR_WEIGHTS = ('uniform', 'samples')
 EVALS = ('global_header', 'post_train')
 
@@ -105,7 +104,7 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
     self.pair_weight, self.proto_source, self.eval = c.pair_weight, c.proto_source, c.eval
     self.forward_pass = 'after' if self.proto_source == 'post_pass' else None
     self.local_epochs = int(config.local_epochs)
-    self.header_floats = models.HEADER_ROW * num_classes
+    self.header_floats = self.header_row * num_classes
 
   @property
   def eval_reads_server(self):
@@ -113,8 +112,8 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
-    return FedGHServer(head=models.init_header(key, c),
-                       uploads=jnp.zeros((n, c, D), jnp.float32),
+    return FedGHServer(head=models.init_header(key, c, self.feature_dim),
+                       uploads=jnp.zeros((n, c, self.feature_dim), jnp.float32),
                        uploads_n=jnp.zeros((n, c), jnp.float32))
 
   def download(self, params, state, server, client):

@@ -44,7 +44,6 @@ from fedssa_jax import client, models
 from fedssa_jax.methods import base
 
 MENTEE_FAMILY = 'cnn5'
-D = models.REPR_DIM
 
 
 def energy(round_index, start: float, end: float, num_rounds: int):
@@ -149,6 +148,7 @@ class FedKD(base.Method):
     self.num_rounds = int(config.num_rounds)
     self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
                                           config.engine.compute_dtype,
+                                          repr_dim=self.feature_dim,
                                           image_shape=self.image_shape)
     shapes = jax.eval_shape(lambda: models.init_params(self.mentee_model, jax.random.PRNGKey(0)))
     self.mentee_floats = models.param_count(shapes)  # P_5
@@ -164,7 +164,8 @@ class FedKD(base.Method):
                        last_rebuild=jnp.zeros((), jnp.float32))
 
   def init_client_state(self, key):
-    return {'w_h': models.torch_uniform_init(D)(key, (D, D))}
+    d = self.feature_dim
+    return {'w_h': models.torch_uniform_init(d)(key, (d, d))}
 
   def download(self, params, state, server, client):
     held = server.held[client.id]
@@ -188,7 +189,7 @@ class FedKD(base.Method):
     kl = jnp.exp(lp_s) * (lp_s - lp) + jnp.exp(lp) * (lp - lp_s)  # both directions, [B, C]
     kl = jnp.sum(jnp.where(valid[:, None], kl, 0.0)) / (n_valid * z.shape[-1])
     se = jnp.sum((h - h_s @ trainable['w_h']) ** 2, axis=-1)
-    mse = jnp.sum(jnp.where(valid, se, 0.0)) / (n_valid * D)
+    mse = jnp.sum(jnp.where(valid, se, 0.0)) / (n_valid * self.feature_dim)
     return q + (kl + 2.0 * mse) / q, (correct, {})
 
   def upload(self, trainable, acc, ctx, state, client):
@@ -213,4 +214,4 @@ class FedKD(base.Method):
   def train_flops_per_sample(self, own, flops_of):
     # Mentor and mentee forward + backward, plus h_s @ W_h: 2 FLOPs per MAC for the forward and
     # the two backward matmuls (grad of W_h and of h_s). KL/MSE elementwise work is ignored.
-    return own + flops_of(MENTEE_FAMILY) + 6.0 * D * D
+    return own + flops_of(MENTEE_FAMILY) + 6.0 * self.feature_dim ** 2

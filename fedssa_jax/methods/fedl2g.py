@@ -157,7 +157,7 @@ class FedL2G(base.Method):
     super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedl2g
     self.variant = c.variant
-    self.dim = models.REPR_DIM if self.variant == 'feat' else num_classes  # D
+    self.dim = self.feature_dim if self.variant == 'feat' else num_classes  # D
     self.server_lr = float(SERVER_LRS[self.variant] if c.server_lr is None else c.server_lr)
     self.warmup, self.weight = int(c.warmup), float(c.guide_weight)
     self.clip = float(c.server_clip)

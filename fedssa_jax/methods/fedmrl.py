@@ -44,7 +44,6 @@ from fedssa_jax.methods import base
 SHARED_FAMILY = 'cnn5'
 SHARED_MODELS = ('fc2', 'pool')
 AGGREGATIONS = ('samples', 'uniform')
-D = models.REPR_DIM
 
 
 @struct.dataclass
@@ -70,8 +69,8 @@ class FedMRL(base.Method):
 
   @classmethod
   def check_config(cls, c):
-    if isinstance(c.d1, bool) or not isinstance(c.d1, int) or not 1 <= c.d1 <= D:
-      raise ValueError(f'fedmrl.d1 must be an integer in [1, {D}], got {c.d1!r}.')
+    if isinstance(c.d1, bool) or not isinstance(c.d1, int) or not c.d1 >= 1:
+      raise ValueError(f'fedmrl.d1 must be an integer in [1, model.feature_dim], got {c.d1!r}.')
     if c.shared_model not in SHARED_MODELS:
       raise ValueError(f'fedmrl.shared_model must be one of {SHARED_MODELS}, '
                        f'got {c.shared_model!r}.')
@@ -89,8 +88,12 @@ class FedMRL(base.Method):
     self.weighted = c.aggregation == 'samples'
     self.reset_projector = bool(c.reset_projector)
     self.dtype = models.COMPUTE_DTYPES[config.engine.compute_dtype]
+    d = self.feature_dim
+    if self.d1 > d:
+      raise ValueError(f'fedmrl.d1 must be an integer in [1, model.feature_dim = {d}], got '
+                       f'{self.d1}.')
     width = ({'repr_dim': self.d1} if self.shared_kind == 'fc2'
-             else {'pool_to': self.d1})
+             else {'repr_dim': d, 'pool_to': self.d1})
     # The shared model as it trains, and as it is evaluated (the fastest forward-only
     # formulation, as the clients' evaluated models).
     self.shared_model, self.shared_eval_model = (
@@ -99,8 +102,8 @@ class FedMRL(base.Method):
         for fwd in (False, True))
     shapes = jax.eval_shape(lambda: models.init_params(self.shared_model, jax.random.PRNGKey(0)))
     self.shared_floats = models.param_count(shapes)  # P_S
-    self.projector = models.Dense(D, dtype=self.dtype)
-    self.projector_floats = (self.d1 + D) * D + D  # P_J (client state, never sent)
+    self.projector = models.Dense(d, dtype=self.dtype)
+    self.projector_floats = (self.d1 + d) * d + d  # P_J (client state, never sent)
 
   # --- state -----------------------------------------------------------------------------------
   def init_server(self, key, seen):
@@ -108,7 +111,7 @@ class FedMRL(base.Method):
     return FedMRLServer(shared=shared, inbox=base.Inbox.empty(shared, weighted=self.weighted))
 
   def init_client_state(self, key):
-    return {'proj': self.projector.init(key, jnp.zeros((1, self.d1 + D)))['params']}
+    return {'proj': self.projector.init(key, jnp.zeros((1, self.d1 + self.feature_dim)))['params']}
 
   # --- the fused forward -------------------------------------------------------------------------
   def project(self, proj, g, r):
@@ -173,9 +176,9 @@ class FedMRL(base.Method):
     # the input gradients); the pooling (pool) adds a forward and an input-gradient matmul. The
     # projector: 6 (d1 + 500) 500. h_k reads u instead of r, which costs as much. The CE terms'
     # elementwise work is ignored.
-    c, d1 = self.num_classes, self.d1
+    c, d1, d = self.num_classes, self.d1, self.feature_dim
     if self.shared_kind == 'fc2':
-      shared = flops_of(SHARED_FAMILY) + 6.0 * (D * d1 + d1 * c - D * D - D * c)
+      shared = flops_of(SHARED_FAMILY) + 6.0 * (d * d1 + d1 * c - d * d - d * c)
     else:
-      shared = flops_of(SHARED_FAMILY) + 6.0 * (d1 * c - D * c) + 4.0 * D * d1
-    return own + shared + 6.0 * (d1 + D) * D
+      shared = flops_of(SHARED_FAMILY) + 6.0 * (d1 * c - d * c) + 4.0 * d * d1
+    return own + shared + 6.0 * (d1 + d) * d

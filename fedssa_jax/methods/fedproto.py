@@ -30,7 +30,6 @@ from flax import struct
 from fedssa_jax import client, models
 from fedssa_jax.methods import base
 
-D = models.REPR_DIM
 
 
 def proto_loss(logits, rep, y, valid, protos, avail, lam):
@@ -73,7 +72,7 @@ class PrototypeUploads:
   local_epochs: int
 
   def init_acc(self):
-    return base.empty_class_sums(self.num_classes, D) if self.proto_source == 'train_pass' else {}
+    return base.empty_class_sums(self.num_classes, self.feature_dim) if self.proto_source == 'train_pass' else {}
 
   def train_pass_sums(self, rep, y, valid):
     """The loss's accumulator update: V1 class sums of r with 'train_pass', else nothing."""
@@ -84,7 +83,7 @@ class PrototypeUploads:
   def upload(self, trainable, acc, ctx, state, client):
     protos, n, held = uploaded_prototypes(acc, client.seen, self.proto_source, self.local_epochs)
     return base.Upload(trainable['model'], state, {'protos': protos, 'n': n},
-                       floats=(D * held.sum()).astype(jnp.int32))
+                       floats=(self.feature_dim * held.sum()).astype(jnp.int32))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(
@@ -136,15 +135,16 @@ class FedProto(PrototypeUploads, base.Method):
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
-    return FedProtoServer(uploads=jnp.zeros((n, c, D), jnp.float32),
+    return FedProtoServer(uploads=jnp.zeros((n, c, self.feature_dim), jnp.float32),
                           uploads_n=jnp.zeros((n, c), jnp.float32),
-                          protos=jnp.zeros((c, D), jnp.float32), avail=jnp.zeros((c,), bool))
+                          protos=jnp.zeros((c, self.feature_dim), jnp.float32),
+                          avail=jnp.zeros((c,), bool))
 
   def download(self, params, state, server, client):
     avail = server.avail
     rows = (client.seen & avail).sum() if self.inference == 'classifier' else avail.sum()
     return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
-                         floats=(D * rows).astype(jnp.int32))
+                         floats=(self.feature_dim * rows).astype(jnp.int32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])

@@ -101,9 +101,9 @@ class FedSSA(base.Method):
 
   def init_server(self, key, seen):
     n, s = seen.shape
-    row = models.HEADER_ROW
+    row = self.header_row
     if self.initial_header:  # theta^0: every class has a global row before round 0
-      global_rows, avail = models.init_header(key, s), jnp.ones((s,), bool)
+      global_rows, avail = models.init_header(key, s, self.feature_dim), jnp.ones((s,), bool)
     else:
       global_rows, avail = jnp.zeros((s, row), jnp.float32), jnp.zeros((s,), bool)
     return FedSSAServer(
@@ -118,14 +118,14 @@ class FedSSA(base.Method):
     per_element = 3 if self.fusion == 'convex' else 2  # two products and a sum, or one of each
     n_fused = fused.sum()
     return base.Download(models.with_header_rows(params, rows),
-                         floats=models.HEADER_ROW * n_fused,
-                         flops=(per_element * models.HEADER_ROW * n_fused).astype(jnp.float32))
+                         floats=self.header_row * n_fused,
+                         flops=(per_element * self.header_row * n_fused).astype(jnp.float32))
 
   def upload(self, trainable, acc, ctx, state, client):
     params = trainable['model']
     rows = jnp.where(client.seen[:, None], models.header_rows(params), 0.0)
     return base.Upload(params, state, payload=rows,
-                       floats=models.HEADER_ROW * client.seen.sum())
+                       floats=self.header_row * client.seen.sum())
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(table=base.store_rows(server.table, client_ids, payloads, active),

@@ -46,26 +46,27 @@ from flax import struct
 from fedssa_jax import models
 from fedssa_jax.methods import base, fedgh, fedproto
 
-D = models.REPR_DIM
 PROTO_TIMINGS = ('post_train', 'pre_train')
 INFERENCES = ('classifier', 'prototype')
 
 
 class TGP(nn.Module):
-  """The trainable prototype generator: class index -> a 500-d prototype."""
+  """The trainable prototype generator: class index -> a d-dimensional prototype."""
   num_classes: int
+  dim: int
 
   @nn.compact
   def __call__(self, labels):
-    x = nn.Embed(self.num_classes, D, embedding_init=jax.nn.initializers.normal(1.0),
+    x = nn.Embed(self.num_classes, self.dim, embedding_init=jax.nn.initializers.normal(1.0),
                  name='embedding')(labels)
-    x = nn.relu(models.Dense(D, name='fc1')(x))
-    return models.Dense(D, name='fc2')(x)
+    x = nn.relu(models.Dense(self.dim, name='fc1')(x))
+    return models.Dense(self.dim, name='fc2')(x)
 
 
 def tgp_protos(tgp_params, num_classes: int):
-  """T(0..C-1): every class's prototype [C, 500]."""
-  return TGP(num_classes).apply({'params': tgp_params}, jnp.arange(num_classes))
+  """T(0..C-1): every class's prototype [C, d]."""
+  dim = tgp_params['fc2']['bias'].shape[-1]
+  return TGP(num_classes, dim).apply({'params': tgp_params}, jnp.arange(num_classes))
 
 
 def margin(means, has, cap):
@@ -152,20 +153,22 @@ class FedTGP(fedproto.PrototypeUploads, base.Method):
                          'after' if c.proto_timing == 'post_train' else 'before')
     self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'
     self.local_epochs = int(config.local_epochs)
-    self.tgp_size = D * num_classes + 2 * (D * D + D)  # P_T
+    d = self.feature_dim
+    self.tgp_size = d * num_classes + 2 * (d * d + d)  # P_T
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
-    tgp = TGP(c).init(key, jnp.arange(c))['params']
-    return FedTGPServer(tgp=tgp, uploads=jnp.zeros((n, c, D), jnp.float32),
+    tgp = TGP(c, self.feature_dim).init(key, jnp.arange(c))['params']
+    d = self.feature_dim
+    return FedTGPServer(tgp=tgp, uploads=jnp.zeros((n, c, d), jnp.float32),
                         uploads_n=jnp.zeros((n, c), jnp.float32),
-                        protos=jnp.zeros((c, D), jnp.float32), avail=jnp.zeros((c,), bool))
+                        protos=jnp.zeros((c, d), jnp.float32), avail=jnp.zeros((c,), bool))
 
   def download(self, params, state, server, client):
     avail = server.avail
     rows = (client.seen & avail).sum() if self.inference == 'classifier' else avail.sum()
     return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
-                         floats=(D * rows).astype(jnp.int32))
+                         floats=(self.feature_dim * rows).astype(jnp.int32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
@@ -185,8 +188,9 @@ class FedTGP(fedproto.PrototypeUploads, base.Method):
         server.tgp, loss_fn, optax.sgd(self.lr), values, labels, weights, key,
         epochs=self.epochs, batch_size=self.batch)
     steps = steps.astype(jnp.float32)
-    per_step = 3 * (4 * c * D * D + 2 * self.batch * c * D) + 2 * self.tgp_size
-    flops = 3 * c * c * D + per_step * steps
+    d = self.feature_dim
+    per_step = 3 * (4 * c * d * d + 2 * self.batch * c * d) + 2 * self.tgp_size
+    flops = 3 * c * c * d + per_step * steps
     return base.Aggregated(
         server.replace(tgp=tgp, protos=tgp_protos(tgp, c), avail=server.avail | has.any()),
         flops=jnp.asarray(flops, jnp.float32),

@@ -67,7 +67,7 @@ class FML(base.Method):
     super().__init__(config, num_clients, num_classes, image_shape)
     self.alpha, self.beta = float(config.fml.alpha), float(config.fml.beta)
     self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl,
-                                        config.engine.compute_dtype,
+                                        config.engine.compute_dtype, repr_dim=self.feature_dim,
                                         image_shape=self.image_shape)
     shapes = jax.eval_shape(lambda: models.init_params(self.meme_model, jax.random.PRNGKey(0)))
     self.meme_floats = models.param_count(shapes)  # P_5

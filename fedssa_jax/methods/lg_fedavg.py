@@ -59,10 +59,10 @@ class SharedHeader(base.Method):
   def __init__(self, config, num_clients, num_classes, image_shape=None):
     super().__init__(config, num_clients, num_classes, image_shape)
     self.weighting = config[self.config_section].weighting
-    self.header_floats = models.HEADER_ROW * num_classes
+    self.header_floats = self.header_row * num_classes
 
   def init_server(self, key, seen):
-    header = models.init_header(key, self.num_classes)
+    header = models.init_header(key, self.num_classes, self.feature_dim)
     return SharedHeaderServer(global_header=header, inbox=base.Inbox.empty(header, weighted=True))
 
   def download(self, params, state, server, client):

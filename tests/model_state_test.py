@@ -1,0 +1,115 @@
+"""Model state (batch statistics) in local training: stored in the client's row beside its
+parameters (models.MODEL_STATE), updated by training-mode forwards over the valid rows only, the
+whole batch in one pass whatever the micro-batch, untouched by the optimizer, the same vmapped
+as one client at a time, and read (not updated) by evaluation's forward."""
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedssa_jax import client, models
+from fedssa_jax.methods import standalone
+
+SIZES = [5, 13, 0]  # uneven clients (13: a partial second batch of 8), one empty (a dummy)
+B = 8
+
+
+class TinyBN(nn.Module):
+  """conv 3x3 -> batch norm -> ReLU -> mean pool -> fc3: the smallest model with statistics."""
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x, train: bool = False, mask=None):
+    x = nn.Conv(4, (3, 3), strides=(4, 4), name='conv')(x)
+    bn_mask = None if mask is None else mask[:, None, None, None]
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, name='bn')(x, mask=bn_mask)
+    rep = nn.relu(x).mean(axis=(1, 2))
+    return nn.Dense(self.num_classes, name='fc3')(rep), rep
+
+
+MODEL = models.StatefulModel(TinyBN())
+
+
+def setup(ds, cfg):
+  idx = np.zeros((len(SIZES), max(SIZES)), np.int32)
+  for c, n in enumerate(SIZES):
+    idx[c, :n] = np.arange(n) * 3 + c
+  dd = client.DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
+                         jnp.asarray(SIZES), jnp.asarray(idx), jnp.asarray(SIZES))
+  rows = jax.vmap(functools.partial(models.init_params, MODEL))(
+      jax.random.split(jax.random.PRNGKey(0), len(SIZES)))
+  keys = jax.random.split(jax.random.PRNGKey(1), len(SIZES))
+  method = standalone.Standalone(None, len(SIZES), 10)
+
+  def train(row, key, idx, n):
+    trainable, _, stats = client.local_train(
+        {'model': row}, (), key, idx, n, dd, apply_fn=MODEL.apply, cfg=cfg, method=method,
+        train_apply=MODEL.train_apply)
+    return trainable['model'], stats
+  return dd, rows, keys, train
+
+
+def test_rows_hold_the_statistics_beside_the_parameters():
+  row = models.init_params(MODEL, jax.random.PRNGKey(0))
+  params, state = models.split_state(row)
+  assert set(row) == {'conv', 'bn', 'fc3', models.MODEL_STATE}
+  assert set(params) == {'conv', 'bn', 'fc3'}
+  np.testing.assert_array_equal(state['bn']['mean'], np.zeros(4))
+  np.testing.assert_array_equal(state['bn']['var'], np.ones(4))
+  assert models.join_state(params, state).keys() == row.keys()
+  assert models.param_count(row) == 3 * 3 * 3 * 4 + 4 + 2 * 4 + 4 * 10 + 10  # no statistic
+  # A row without statistics (the five CNNs) is its parameters.
+  assert models.split_state(params) == (params, None) and models.join_state(params, None) is params
+
+
+@pytest.mark.slow  # local training compiled, vmapped and per client
+def test_statistics_train_over_valid_rows_vmapped_as_alone_and_in_one_pass(small_ds):
+  cfg = client.TrainConfig(batch_size=B, local_epochs=1, lr=0.05, augment=False)
+  dd, rows, keys, train = setup(small_ds, cfg)
+  vm_rows, vm_stats = jax.jit(jax.vmap(train))(rows, keys, dd.train_idx, dd.train_n)
+  one = jax.jit(train)
+  for c, n in enumerate(SIZES):
+    row_c = jax.tree.map(lambda a: a[c], rows)
+    single, stats = one(row_c, keys[c], dd.train_idx[c], dd.train_n[c])
+    jax.tree.map(lambda v, s: np.testing.assert_allclose(v[c], s, rtol=2e-5, atol=1e-6),
+                 vm_rows, single)
+    assert int(vm_stats['steps'][c]) == int(stats['steps']) == -(-n // B)
+  # The dummy client is unchanged, its statistics too.
+  jax.tree.map(lambda v, r: np.testing.assert_array_equal(v[2], r[2]), vm_rows, rows)
+
+  # Client 0's one step (5 valid rows of 8): the running statistics are those of its 5 rows'
+  # convolution outputs under the initial parameters (momentum 0.9, Flax's biased variance),
+  # however the batch's rows are ordered; the padding rows count in none.
+  params, state = models.split_state(jax.tree.map(lambda a: a[0], rows))
+  x = client.augment.normalize(dd.images[dd.train_idx[0, :5]], cfg.mean, cfg.std)
+  conv = np.asarray(nn.Conv(4, (3, 3), strides=(4, 4)).apply({'params': params['conv']}, x),
+                    np.float64).reshape(-1, 4)
+  new_state = models.split_state(jax.tree.map(lambda a: a[0], vm_rows))[1]['bn']
+  np.testing.assert_allclose(new_state['mean'], 0.1 * conv.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(new_state['var'], 0.9 + 0.1 * conv.var(0), rtol=1e-5)
+
+  # Micro-batches of 4 rows would split the batch's statistics: a model with statistics trains
+  # each batch in one pass, so the run is the same.
+  micro = dataclasses.replace(cfg, micro_batch=4)
+  _, _, _, train_micro = setup(small_ds, micro)
+  micro_rows, _ = jax.jit(jax.vmap(train_micro))(rows, keys, dd.train_idx, dd.train_n)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), micro_rows, vm_rows)
+
+
+def test_evaluation_reads_the_running_statistics_and_changes_none(small_ds):
+  row = models.init_params(MODEL, jax.random.PRNGKey(0))
+  params, state = models.split_state(row)
+  state = jax.tree.map(lambda a: a + 0.5, state)  # statistics of some training
+  x = jnp.asarray(small_ds.images[:4], jnp.float32) / 255.0
+  logits, rep = MODEL.apply({'params': models.join_state(params, state)}, x)
+  want = TinyBN().apply({'params': params, 'batch_stats': state}, x, train=False)
+  np.testing.assert_allclose(logits, want[0], rtol=1e-6)
+  # By hand: (conv - mean) / sqrt(var + eps), the scale 1 and bias 0 of a fresh layer.
+  conv = nn.Conv(4, (3, 3), strides=(4, 4)).apply({'params': params['conv']}, x)
+  hand = np.maximum((conv - state['bn']['mean']) / np.sqrt(state['bn']['var'] + 1e-5), 0)
+  np.testing.assert_allclose(rep, hand.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6)
+
