@@ -276,8 +276,9 @@ def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
 
 
 def init_params(model: CNN, key, image_shape: Sequence[int] | None = None) -> Any:
-  """`model`'s parameters for images of `image_shape` (default: the model's own image_shape)."""
-  shape = model.image_shape if image_shape is None else image_shape
+  """`model`'s parameters for images of `image_shape` (default: the model's own image_shape,
+  CIFAR's for a model without one)."""
+  shape = getattr(model, 'image_shape', IMAGE_SHAPE) if image_shape is None else image_shape
   return model.init(key, jnp.zeros((1, *shape), jnp.float32))['params']
 
 

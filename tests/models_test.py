@@ -128,7 +128,7 @@ def test_the_cnns_follow_the_input_shape(shape):
   h2, w2 = h1 // 2 - 4, w1 // 2 - 4
   macs = (h1 * w1 * 16 * shape[2] * 25 + h2 * w2 * 32 * 400 + hp * wp * 32 * 500 + 500 * 500 +
           500 * 7)
-  assert models.forward_macs('cnn5', 7, shape) == macs
+  assert models.forward_macs('cnn5', 7, image_shape=shape) == macs
   if shape == (16, 16, 3):  # the shapes above; the programs below for the other two
     return
   rng = np.random.default_rng(0)
@@ -137,8 +137,8 @@ def test_the_cnns_follow_the_input_shape(shape):
   apply = lambda impl: jax.jit(model[impl].apply)({'params': params}, x)
   for a, b in zip(apply('xla'), apply('band')):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  ratio = (costs.xla_train_flops_per_sample('cnn5', 7, 8, shape) /
-           costs.analytic_train_flops_per_sample('cnn5', 7, shape))
+  ratio = (costs.xla_train_flops_per_sample('cnn5', 7, 8, image_shape=shape) /
+           costs.analytic_train_flops_per_sample('cnn5', 7, image_shape=shape))
   assert 1.0 <= ratio < 1.03
 
 
