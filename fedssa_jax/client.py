@@ -63,6 +63,11 @@ jax.tree_util.register_dataclass(
     DeviceData, data_fields=[f.name for f in dataclasses.fields(DeviceData)], meta_fields=[])
 
 
+# A step's dropout key (a model with dropout: models.StatefulModel) is fold_in(the step's
+# augmentation key, DROPOUT_STREAM), apart from its views' keys (fold_in(step key, view)).
+DROPOUT_STREAM = 1 << 16
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   # torch order: clip_grad_norm_ on the raw gradient, then SGD (or Adam) adds wd*p to it.
   if cfg.optimizer == 'sgd':
@@ -131,21 +136,24 @@ def batch_grads(method, apply_fn: Callable, ctx: PyTree, trainable: dict, views,
           jax.tree_util.tree_map(lambda g: g / denom, grad_sum))
 
 
-def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, ctx: PyTree,
-                         trainable: dict, views, y, valid):
+def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key: jax.Array,
+                         ctx: PyTree, trainable: dict, views, y, valid):
   """batch_grads for a model with batch statistics (models.StatefulModel), on the whole batch
   in one pass, so that a step's statistics are those of its batch: (loss, #correct, accumulator
   update, gradient, the new running statistics).
 
   The loss's calls of the client's model run in training mode, each on the statistics the
   previous call left (as a PyTorch model in train() mode updates its buffers at every forward),
-  over the batch's valid rows: a call on k views concatenated, [k B] rows, repeats `valid`."""
+  over the batch's valid rows (a call on k views concatenated, [k B] rows, repeats `valid`),
+  call i with dropout drawn from fold_in(`key`, i)."""
   def loss_of(t, views, y, valid):
-    state = [model_state]
+    state, calls = [model_state], [0]
 
     def apply_fn(variables, x):
       out, state[0] = train_apply(variables['params'], state[0], x,
-                                  jnp.tile(valid, x.shape[0] // valid.shape[0]))
+                                  jnp.tile(valid, x.shape[0] // valid.shape[0]),
+                                  jax.random.fold_in(key, calls[0]))
+      calls[0] += 1
       return out
     loss, aux = method.loss(apply_fn, t, ctx, views, y, valid)
     return loss, (aux, state[0])
@@ -203,7 +211,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
                                                      y, valid, micro_batch=m)
     else:
       loss, correct, acc_update, grads, model_state = stateful_batch_grads(
-          method, train_apply, model_state, ctx, trainable, views, y, valid)
+          method, train_apply, model_state, jax.random.fold_in(step_key, DROPOUT_STREAM), ctx,
+          trainable, views, y, valid)
     new_trainable, new_opt_state = {}, {}
     for part in trainable:  # one optimizer per model
       updates, new_opt_state[part] = tx.update(grads[part], opt_state[part], trainable[part])

@@ -376,11 +376,14 @@ class StatefulModel:
 
   The module is called `module(x, train=..., mask=...)` and returns (logits, representation);
   its batch normalisation layers keep their statistics in the 'batch_stats' collection and
-  take `mask` [B] so that padding rows of a partial batch count in no statistic. `init` gives
-  the row (parameters with the statistics under MODEL_STATE) as {'params': row}; `apply`
-  evaluates a row with its running statistics; `train_apply` runs training mode on the valid
-  rows' batch statistics and returns the updated running statistics too."""
+  take `mask` [B] so that padding rows of a partial batch count in no statistic; in training
+  its dropout layers (if any) draw from the 'dropout' key. `init` gives the row (parameters
+  with the statistics under MODEL_STATE) as {'params': row}; `apply` evaluates a row with its
+  running statistics; `train_apply` runs training mode on the valid rows' batch statistics
+  and returns the updated running statistics too. `image_shape`: the images it is built for
+  (init_params)."""
   module: nn.Module
+  image_shape: tuple[int, ...] = IMAGE_SHAPE
 
   def init(self, key, x):
     variables = self.module.init(key, x, train=False)
@@ -390,9 +393,9 @@ class StatefulModel:
     params, state = split_state(variables['params'])
     return self.module.apply({'params': params, MODEL_STATE: state}, x, train=False)
 
-  def train_apply(self, params, state, x, mask):
+  def train_apply(self, params, state, x, mask, key):
     """((logits, representation), new statistics) of a training-mode forward of `x` [B', ...],
-    whose statistics count the rows where `mask` [B'] is True."""
+    whose statistics count the rows where `mask` [B'] is True; `key` draws its dropout."""
     out, updated = self.module.apply({'params': params, MODEL_STATE: state}, x, train=True,
-                                     mask=mask, mutable=[MODEL_STATE])
+                                     mask=mask, rngs={'dropout': key}, mutable=[MODEL_STATE])
     return out, updated[MODEL_STATE]
