@@ -13,6 +13,9 @@
   dir      Dirichlet partition (gamma = partition.dirichlet_gamma, 0.5)
   paper    the paper's 8:1:1 per-client split instead of the reference's pools
   tiny     a few clients, rounds and steps: for tests and smoke runs
+  htfe2, htfe3, htfe5, htfe8, htfe9
+           HtFLlib's model groups HtFE-img-N (client k gets the group's family k mod N;
+           model.feature_dim 512; fedssa_jax/zoo.py)
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from fedssa_jax import data, methods, models
+from fedssa_jax import data, methods, models, zoo
 
 DATASET_DEFAULTS = {
     # number of classes, classes per client (the paper's pathological setting) and a target
@@ -198,9 +201,13 @@ def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
   elif name == 'tiny':
     c.num_clients, c.participation = 5, 0.6
     c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 3, 1, 16, 32
+  elif name in zoo.GROUPS:
+    # HtFLlib's model group HtFE-img-N (zoo.py): client k gets its family k mod |group|, every
+    # representation pooled to HtFLlib's feature_dim 512. Nothing else changes.
+    c.model.families, c.model.feature_dim = zoo.GROUPS[name], zoo.FEATURE_DIM
   else:
     raise ValueError(f'Unknown config variant {name!r}; known: hetero, homo, n10, n50, n100, '
-                     'dir, xdevice, paper, tiny.')
+                     f'dir, xdevice, paper, tiny, {", ".join(zoo.GROUPS)}.')
 
 
 def build(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
@@ -286,9 +293,9 @@ def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
     _need(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
           f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
   _need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+  names = models.all_family_names()
   for f in c.model.families:
-    _need(f in models.FAMILY_NAMES,
-          f'Unknown model family {f!r} in model.families; choose from {models.FAMILY_NAMES}.')
+    _need(f in names, f'Unknown model family {f!r} in model.families; choose from {names}.')
   _one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
   _need(isinstance(c.model.feature_dim, int) and c.model.feature_dim >= 1,
         f'model.feature_dim must be a positive integer, got {c.model.feature_dim!r} '

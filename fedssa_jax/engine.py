@@ -449,7 +449,7 @@ class Simulator:
     every method."""
     slots, key = np.asarray(slots), self._keys[seed_index]
     if self.config.model.init_scope == 'family':
-      family_ids = np.full(len(slots), models.FAMILY_NAMES.index(g.family))
+      family_ids = np.full(len(slots), models.all_family_names().index(g.family))
       return _stacked_init(g.model)(_client_keys(key, STREAM_FAMILY_INIT,
                                                  jnp.asarray(family_ids)))
     return _stacked_init(g.model)(_client_keys(key, STREAM_INIT, jnp.asarray(g.members[slots])))

@@ -270,9 +270,21 @@ def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
     if dtype not in COMPUTE_DTYPES:
       raise ValueError(f'compute dtype must be one of {tuple(COMPUTE_DTYPES)}, got {dtype!r}.')
     dtype = COMPUTE_DTYPES[dtype]
+  if family_name not in FAMILY_NAMES:  # HtFLlib's families (zoo.py), whatever the formulation
+    from fedssa_jax import zoo  # pylint: disable=g-import-not-at-top (zoo imports this module)
+    if pool_to:
+      raise ValueError(f'pool_to applies to the five CNNs, not to {family_name!r}.')
+    return StatefulModel(zoo.make_zoo_model(family_name, num_classes, repr_dim, dtype),
+                         tuple(int(d) for d in image_shape))
   feature_sizes(image_shape)  # a ValueError for images too small to build the model for
   return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl, forward_only),
              dtype, repr_dim, pool_to, tuple(int(d) for d in image_shape))
+
+
+def all_family_names() -> tuple[str, ...]:
+  """Every model family a client may have: the five CNNs, then HtFLlib's (zoo.py)."""
+  from fedssa_jax import zoo  # pylint: disable=g-import-not-at-top (zoo imports this module)
+  return FAMILY_NAMES + zoo.ZOO_FAMILY_NAMES
 
 
 def feature_dim(config) -> int:
@@ -372,7 +384,8 @@ def join_state(params, state):
 
 @dataclasses.dataclass(frozen=True)
 class StatefulModel:
-  """A Flax module with batch statistics, called as a stateless family's model is.
+  """A Flax module with batch statistics, called as a stateless family's model is (one with
+  none, HtFLlib's FedAvgCNN, is wrapped alike: its rows are its parameters).
 
   The module is called `module(x, train=..., mask=...)` and returns (logits, representation);
   its batch normalisation layers keep their statistics in the 'batch_stats' collection and
@@ -387,11 +400,12 @@ class StatefulModel:
 
   def init(self, key, x):
     variables = self.module.init(key, x, train=False)
-    return {'params': join_state(variables['params'], variables[MODEL_STATE])}
+    return {'params': join_state(variables['params'], variables.get(MODEL_STATE))}
 
   def apply(self, variables, x):
     params, state = split_state(variables['params'])
-    return self.module.apply({'params': params, MODEL_STATE: state}, x, train=False)
+    state = {} if state is None else {MODEL_STATE: state}
+    return self.module.apply({'params': params, **state}, x, train=False)
 
   def train_apply(self, params, state, x, mask, key):
     """((logits, representation), new statistics) of a training-mode forward of `x` [B', ...],

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import client, models
+from fedssa_jax import checkpoint, client, models
 from fedssa_jax.methods import standalone
+
+from conftest import make_small_sim, params_of, rounds
 
 SIZES = [5, 13, 0]  # uneven clients (13: a partial second batch of 8), one empty (a dummy)
 B = 8
@@ -113,3 +115,60 @@ def test_evaluation_reads_the_running_statistics_and_changes_none(small_ds):
   hand = np.maximum((conv - state['bn']['mean']) / np.sqrt(state['bn']['var'] + 1e-5), 0)
   np.testing.assert_allclose(rep, hand.mean(axis=(1, 2)), rtol=1e-5, atol=1e-6)
 
+
+
+# -- Through the engine: a mixed group (CNN-5 and HtFLlib's ResNet-4) --------------------------
+
+def mixed_sim(ds, method):
+  """5 clients, CNN-5 and ResNet-4 alternately, every client each round, d = 512."""
+  return make_small_sim(ds, method, **{'model.families': ('cnn5', 'resnet4'),
+                                       'model.feature_dim': 512, 'participation': 1.0,
+                                       'batch_size': 8, 'eval_batch_size': 8})
+
+
+@pytest.fixture(scope='module', params=['fedssa', 'fedproto'])
+def mixed_runs(request, small_ds, tmp_path_factory):
+  """Two rounds of `method` uninterrupted, and the same resumed from a checkpoint of round 1
+  in a new simulator: (sim, [state after each round], [infos], resumed state, its infos)."""
+  sim = mixed_sim(small_ds, request.param)
+  states, infos = [sim.init_state()], []
+  for state, info in rounds(sim, 2, states[0]):
+    states.append(state)
+    infos.append(info)
+  ckpts = checkpoint.Checkpointer(str(tmp_path_factory.mktemp('ckpt')))
+  ckpts.save(sim.saved(states[1]), {}, {})
+  again = mixed_sim(small_ds, request.param)
+  restored = again.stacked([ckpts.restore_latest(template=again.saved(states[1])).state])
+  ckpts.close()
+  resumed, (resumed_info,) = again.run_round(restored)
+  return sim, states, infos, resumed, resumed_info
+
+
+@pytest.mark.slow  # two simulators of two families, compiled and run
+def test_mixed_group_trains_the_statistics_of_its_participants(mixed_runs):
+  sim, states, infos, _, _ = mixed_runs
+  resnet = [g.family for g in sim.groups].index('resnet4')
+  assert isinstance(sim.groups[resnet].model, models.StatefulModel)
+  for k in range(sim.num_clients):
+    before, after = (params_of(sim, s.params, k) for s in states[:2])
+    assert after['fc3']['kernel'].shape == (512, 10)  # d = 512 for both families
+    stats = models.split_state(after)[1]
+    if sim.group_of[k] == resnet:  # trained: each layer's statistics left their initial 0 and 1
+      for new, old in zip(jax.tree.leaves(stats), jax.tree.leaves(models.split_state(before)[1])):
+        assert not np.allclose(new, old), k
+    else:
+      assert stats is None
+  assert all(np.isfinite(i.train_loss) and i.train_samples.sum() > 0 for i in infos)
+  # Evaluation reads the statistics: every client gets an accuracy.
+  ev = sim.evaluate(states[2])
+  assert np.all(np.isfinite(ev.accuracy)) and np.all(ev.count > 0)
+
+
+@pytest.mark.slow
+def test_mixed_group_resumes_to_the_uninterrupted_run(mixed_runs):
+  sim, states, infos, resumed, resumed_info = mixed_runs
+  for k in range(sim.num_clients):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 params_of(sim, resumed.params, k), params_of(sim, states[2].params, k))
+  np.testing.assert_allclose(resumed_info.train_loss_sum, infos[1].train_loss_sum, rtol=1e-5)
+  np.testing.assert_array_equal(resumed_info.client_up_floats, infos[1].client_up_floats)
