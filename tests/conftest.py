@@ -69,7 +69,7 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes',
 LONGEST_FILES = ('sharding_test.py', 'multihost_test.py', 'main_every_method_test.py',
                  'checkpoint_test.py', 'replicas_test.py', 'engine_test.py', 'bench_test.py',
                  'client_test.py', 'main_bad_input_test.py', 'population_test.py',
-                 'precision_test.py')
+                 'precision_test.py', 'zoo_test.py')
 
 
 @pytest.hookimpl(trylast=True)
