@@ -89,7 +89,9 @@ class BatchNorm(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, mask=None):
+    """`mask` [B] (training): the rows the batch's statistics count (a partial batch's padding
+    rows count in none, as if the batch held only its valid rows); None: every row."""
     c = x.shape[-1]
     scale = self.param('scale', nn.initializers.ones, (c,))
     bias = self.param('bias', nn.initializers.zeros, (c,))
@@ -98,12 +100,18 @@ class BatchNorm(nn.Module):
     xf = x.astype(jnp.promote_types(jnp.float32, self.dtype))  # statistics in float32 at least
     if train:
       axes = tuple(range(x.ndim - 1))
-      n = math.prod(x.shape[:-1])
-      if n < 2:
+      if math.prod(x.shape[:-1]) < 2:
         raise ValueError(f'Batch norm in training needs more than one value per channel; got '
                          f'input shape {x.shape} (PyTorch refuses it too).')
-      mean = xf.mean(axes)
-      var = jnp.square(xf - mean).mean(axes)
+      if mask is None:
+        n = math.prod(x.shape[:-1])
+        mean = xf.mean(axes)
+        var = jnp.square(xf - mean).mean(axes)
+      else:  # the valid rows' values: n = valid rows x positions per row
+        w = mask.reshape(mask.shape + (1,) * (x.ndim - 1)).astype(xf.dtype)
+        n = jnp.maximum(w.sum() * math.prod(x.shape[1:-1]), 2.0)
+        mean = (w * xf).sum(axes) / n
+        var = (w * jnp.square(xf - mean)).sum(axes) / n
       if not self.is_initializing():
         m = self.momentum
         ra_mean.value = m * ra_mean.value + (1 - m) * mean
@@ -196,8 +204,8 @@ class FedAvgCNN(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
-    del train  # no batch norm, no dropout
+  def __call__(self, x, train: bool = False, mask=None):
+    del train, mask  # no batch norm, no dropout
     x = ConvReLUPool(32, self.dtype, name='conv1')(x)
     x = ConvReLUPool(64, self.dtype, name='conv2')(x)
     x = jnp.transpose(x, (0, 3, 1, 2)).reshape(x.shape[0], -1)  # torch.flatten of NCHW
@@ -214,9 +222,9 @@ class Downsample(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     x = conv(self.features, 1, self.stride, dtype=self.dtype, name='0')(x)
-    return BatchNorm(dtype=self.dtype, name='1')(x, train)
+    return BatchNorm(dtype=self.dtype, name='1')(x, train, mask)
 
 
 class BasicBlock(nn.Module):
@@ -228,14 +236,14 @@ class BasicBlock(nn.Module):
   expansion = 1
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     d = self.dtype
     out = conv(self.planes, 3, self.stride, 1, dtype=d, name='conv1')(x)
-    out = nn.relu(BatchNorm(dtype=d, name=self.bn_names[0])(out, train))
+    out = nn.relu(BatchNorm(dtype=d, name=self.bn_names[0])(out, train, mask))
     out = conv(self.planes, 3, 1, 1, dtype=d, name='conv2')(out)
-    out = BatchNorm(dtype=d, name=self.bn_names[1])(out, train)
+    out = BatchNorm(dtype=d, name=self.bn_names[1])(out, train, mask)
     if self.stride != 1 or x.shape[-1] != self.planes:
-      x = Downsample(self.planes, self.stride, d, name='downsample')(x, train)
+      x = Downsample(self.planes, self.stride, d, name='downsample')(x, train, mask)
     return nn.relu(out + x)
 
 
@@ -247,15 +255,15 @@ class Bottleneck(nn.Module):
   expansion = 4
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     d, width, outc = self.dtype, self.planes, self.planes * self.expansion
     out = nn.relu(BatchNorm(dtype=d, name='bn1')(
-        conv(width, 1, dtype=d, name='conv1')(x), train))
+        conv(width, 1, dtype=d, name='conv1')(x), train, mask))
     out = nn.relu(BatchNorm(dtype=d, name='bn2')(
-        conv(width, 3, self.stride, 1, dtype=d, name='conv2')(out), train))
-    out = BatchNorm(dtype=d, name='bn3')(conv(outc, 1, dtype=d, name='conv3')(out), train)
+        conv(width, 3, self.stride, 1, dtype=d, name='conv2')(out), train, mask))
+    out = BatchNorm(dtype=d, name='bn3')(conv(outc, 1, dtype=d, name='conv3')(out), train, mask)
     if self.stride != 1 or x.shape[-1] != outc:
-      x = Downsample(outc, self.stride, d, name='downsample')(x, train)
+      x = Downsample(outc, self.stride, d, name='downsample')(x, train, mask)
     return nn.relu(out + x)
 
 
@@ -268,10 +276,10 @@ class Stage(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     cls = Bottleneck if self.block == 'bottleneck' else BasicBlock
     for i in range(self.blocks):
-      x = cls(self.planes, self.stride if i == 0 else 1, dtype=self.dtype, name=str(i))(x, train)
+      x = cls(self.planes, self.stride if i == 0 else 1, dtype=self.dtype, name=str(i))(x, train, mask)
     return x
 
 
@@ -287,10 +295,10 @@ class ResNet(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, mask=None):
     d = self.dtype
     x = conv(64, 7, 2, 3, dtype=d, name='conv1')(x)
-    x = nn.relu(BatchNorm(dtype=d, name='bn1')(x, train))
+    x = nn.relu(BatchNorm(dtype=d, name='bn1')(x, train, mask))
     x = max_pool(x, 3, 2, 1)
     flat = 0
     for stage, (planes, blocks) in enumerate(zip((64, 128, 256, 512), self.layers)):
@@ -298,10 +306,10 @@ class ResNet(nn.Module):
       if self.htfl:
         for i in range(blocks):
           x = BasicBlock(planes, stride if i == 0 else 1, ('bn2', 'bn3'), d,
-                         name=f'layer_{flat}')(x, train)
+                         name=f'layer_{flat}')(x, train, mask)
           flat += 1
       else:
-        x = Stage(self.block, planes, blocks, stride, d, name=f'layer{stage + 1}')(x, train)
+        x = Stage(self.block, planes, blocks, stride, d, name=f'layer{stage + 1}')(x, train, mask)
     x = x.mean(axis=(1, 2))  # AdaptiveAvgPool2d((1, 1)) + flatten
     return split_head(x, self.num_classes, self.feature_dim, d)
 
@@ -324,10 +332,10 @@ class ConvBNReLU(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     x = conv(self.features, self.kernel, self.stride, (self.kernel - 1) // 2, self.groups,
              dtype=self.dtype, name='0')(x)
-    return relu6(BatchNorm(dtype=self.dtype, name='1')(x, train))
+    return relu6(BatchNorm(dtype=self.dtype, name='1')(x, train, mask))
 
 
 class InvertedResidualConv(nn.Module):
@@ -339,15 +347,15 @@ class InvertedResidualConv(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     d, i = self.dtype, 0
     hidden = int(round(x.shape[-1] * self.expand_ratio))
     if self.expand_ratio != 1:
-      x = ConvBNReLU(hidden, 1, dtype=d, name='0')(x, train)
+      x = ConvBNReLU(hidden, 1, dtype=d, name='0')(x, train, mask)
       i = 1
-    x = ConvBNReLU(hidden, 3, self.stride, groups=hidden, dtype=d, name=str(i))(x, train)
+    x = ConvBNReLU(hidden, 3, self.stride, groups=hidden, dtype=d, name=str(i))(x, train, mask)
     x = conv(self.oup, 1, dtype=d, name=str(i + 1))(x)
-    return BatchNorm(dtype=d, name=str(i + 2))(x, train)
+    return BatchNorm(dtype=d, name=str(i + 2))(x, train, mask)
 
 
 class InvertedResidual(nn.Module):
@@ -357,9 +365,9 @@ class InvertedResidual(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     out = InvertedResidualConv(self.oup, self.stride, self.expand_ratio, self.dtype,
-                               name='conv')(x, train)
+                               name='conv')(x, train, mask)
     return x + out if self.stride == 1 and x.shape[-1] == self.oup else out
 
 
@@ -373,15 +381,15 @@ class MobileNetV2Features(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     d = self.dtype
-    x = ConvBNReLU(make_divisible(32), stride=2, dtype=d, name='0')(x, train)
+    x = ConvBNReLU(make_divisible(32), stride=2, dtype=d, name='0')(x, train, mask)
     i = 1
     for t, c, n, s in MOBILENETV2_SETTING:
       for j in range(n):
-        x = InvertedResidual(make_divisible(c), s if j == 0 else 1, t, d, name=str(i))(x, train)
+        x = InvertedResidual(make_divisible(c), s if j == 0 else 1, t, d, name=str(i))(x, train, mask)
         i += 1
-    return ConvBNReLU(make_divisible(1280), 1, dtype=d, name=str(i))(x, train)
+    return ConvBNReLU(make_divisible(1280), 1, dtype=d, name=str(i))(x, train, mask)
 
 
 class MobileNetV2(nn.Module):
@@ -392,8 +400,8 @@ class MobileNetV2(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
-    x = MobileNetV2Features(self.dtype, name='features')(x, train).mean(axis=(1, 2))
+  def __call__(self, x, train: bool = False, mask=None):
+    x = MobileNetV2Features(self.dtype, name='features')(x, train, mask).mean(axis=(1, 2))
     x = nn.Dropout(self.dropout_rate, deterministic=not train or self.dropout_rate == 0)(x)
     return split_head(x, self.num_classes, self.feature_dim, self.dtype)
 
@@ -409,10 +417,10 @@ class BasicConv2d(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     x = conv(self.features, self.kernel, self.stride, self.padding, kernel_init=googlenet_init,
              dtype=self.dtype, name='conv')(x)
-    return nn.relu(BatchNorm(epsilon=1e-3, dtype=self.dtype, name='bn')(x, train))
+    return nn.relu(BatchNorm(epsilon=1e-3, dtype=self.dtype, name='bn')(x, train, mask))
 
 
 class Branch(nn.Module):
@@ -423,11 +431,11 @@ class Branch(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     if self.pool_first:
       x = max_pool(x, 3, 1, 1, ceil_mode=True)
     for i, (features, kernel, padding) in enumerate(self.convs, start=int(self.pool_first)):
-      x = BasicConv2d(features, kernel, padding=padding, dtype=self.dtype, name=str(i))(x, train)
+      x = BasicConv2d(features, kernel, padding=padding, dtype=self.dtype, name=str(i))(x, train, mask)
     return x
 
 
@@ -442,13 +450,13 @@ class Inception(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, mask=None):
     d = self.dtype
     return jnp.concatenate([
-        BasicConv2d(self.ch1x1, 1, dtype=d, name='branch1')(x, train),
-        Branch(((self.ch3x3red, 1, 0), (self.ch3x3, 3, 1)), dtype=d, name='branch2')(x, train),
-        Branch(((self.ch5x5red, 1, 0), (self.ch5x5, 3, 1)), dtype=d, name='branch3')(x, train),
-        Branch(((self.pool_proj, 1, 0),), pool_first=True, dtype=d, name='branch4')(x, train),
+        BasicConv2d(self.ch1x1, 1, dtype=d, name='branch1')(x, train, mask),
+        Branch(((self.ch3x3red, 1, 0), (self.ch3x3, 3, 1)), dtype=d, name='branch2')(x, train, mask),
+        Branch(((self.ch5x5red, 1, 0), (self.ch5x5, 3, 1)), dtype=d, name='branch3')(x, train, mask),
+        Branch(((self.pool_proj, 1, 0),), pool_first=True, dtype=d, name='branch4')(x, train, mask),
     ], axis=-1)
 
 
@@ -474,15 +482,15 @@ class GoogLeNet(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, mask=None):
     d = self.dtype
-    x = BasicConv2d(64, 7, 2, 3, dtype=d, name='conv1')(x, train)
+    x = BasicConv2d(64, 7, 2, 3, dtype=d, name='conv1')(x, train, mask)
     x = max_pool(x, 3, 2, ceil_mode=True)                                  # maxpool1
-    x = BasicConv2d(64, 1, dtype=d, name='conv2')(x, train)
-    x = BasicConv2d(192, 3, padding=1, dtype=d, name='conv3')(x, train)
+    x = BasicConv2d(64, 1, dtype=d, name='conv2')(x, train, mask)
+    x = BasicConv2d(192, 3, padding=1, dtype=d, name='conv3')(x, train, mask)
     x = max_pool(x, 3, 2, ceil_mode=True)                                  # maxpool2
     for name, channels, pool in GOOGLENET_INCEPTIONS:
-      x = Inception(*channels, dtype=d, name=name)(x, train)
+      x = Inception(*channels, dtype=d, name=name)(x, train, mask)
       if pool:
         x = max_pool(x, *pool, ceil_mode=True)
     x = x.mean(axis=(1, 2))  # AdaptiveAvgPool2d((1, 1)) + flatten

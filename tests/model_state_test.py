@@ -14,7 +14,7 @@ import pytest
 from fedssa_jax import checkpoint, client, models
 from fedssa_jax.methods import standalone
 
-from conftest import make_small_sim, params_of, rounds
+from conftest import make_small_sim, params_of, synthetic_dataset
 
 SIZES = [5, 13, 0]  # uneven clients (13: a partial second batch of 8), one empty (a dummy)
 B = 8
@@ -126,31 +126,47 @@ def mixed_sim(ds, method):
                                        'batch_size': 8, 'eval_batch_size': 8})
 
 
-@pytest.fixture(scope='module', params=['fedssa', 'fedproto'])
-def mixed_runs(request, small_ds, tmp_path_factory):
-  """Two rounds of `method` uninterrupted, and the same resumed from a checkpoint of round 1
-  in a new simulator: (sim, [state after each round], [infos], resumed state, its infos)."""
-  sim = mixed_sim(small_ds, request.param)
-  states, infos = [sim.init_state()], []
-  for state, info in rounds(sim, 2, states[0]):
-    states.append(state)
+@pytest.fixture(scope='module')
+def few_images():
+  """100 training and 50 test images: a ResNet's training steps are slow on the tests' XLA
+  flags (level 0 runs its convolutions' gradients about 10x slower than the default does)."""
+  return synthetic_dataset(num_train=100, num_test=50)
+
+
+@pytest.fixture(scope='module')
+def mixed_runs(few_images, tmp_path_factory):
+  """Two rounds of FedSSA uninterrupted, and round 2 again in a new simulator resumed from a
+  checkpoint of round 1: every client's row (host copies) initially and after each round, the
+  rounds' infos, the evaluation after round 2, and the resumed round's rows and info."""
+  sim = mixed_sim(few_images, 'fedssa')
+  host_rows = lambda s: [params_of(sim, s.params, k) for k in range(sim.num_clients)]
+  state = sim.init_state()
+  rows, infos = [host_rows(state)], []
+  for i in range(2):
+    state, (info,) = sim.run_round(state)
+    rows.append(host_rows(state))
     infos.append(info)
+    if i == 0:
+      saved = sim.saved(state)  # host copies: the next round donates the state's buffers
+  evaluation = sim.evaluate(state)
   ckpts = checkpoint.Checkpointer(str(tmp_path_factory.mktemp('ckpt')))
-  ckpts.save(sim.saved(states[1]), {}, {})
-  again = mixed_sim(small_ds, request.param)
-  restored = again.stacked([ckpts.restore_latest(template=again.saved(states[1])).state])
+  ckpts.save(saved, {}, {})
+  again = mixed_sim(few_images, 'fedssa')
+  restored = again.stacked([ckpts.restore_latest(template=saved).state])
   ckpts.close()
   resumed, (resumed_info,) = again.run_round(restored)
-  return sim, states, infos, resumed, resumed_info
+  return dict(sim=sim, rows=rows, infos=infos, evaluation=evaluation,
+              resumed_rows=[params_of(again, resumed.params, k) for k in range(sim.num_clients)],
+              resumed_info=resumed_info)
 
 
 @pytest.mark.slow  # two simulators of two families, compiled and run
 def test_mixed_group_trains_the_statistics_of_its_participants(mixed_runs):
-  sim, states, infos, _, _ = mixed_runs
+  sim, rows, infos = mixed_runs['sim'], mixed_runs['rows'], mixed_runs['infos']
   resnet = [g.family for g in sim.groups].index('resnet4')
   assert isinstance(sim.groups[resnet].model, models.StatefulModel)
   for k in range(sim.num_clients):
-    before, after = (params_of(sim, s.params, k) for s in states[:2])
+    before, after = rows[0][k], rows[1][k]
     assert after['fc3']['kernel'].shape == (512, 10)  # d = 512 for both families
     stats = models.split_state(after)[1]
     if sim.group_of[k] == resnet:  # trained: each layer's statistics left their initial 0 and 1
@@ -160,15 +176,28 @@ def test_mixed_group_trains_the_statistics_of_its_participants(mixed_runs):
       assert stats is None
   assert all(np.isfinite(i.train_loss) and i.train_samples.sum() > 0 for i in infos)
   # Evaluation reads the statistics: every client gets an accuracy.
-  ev = sim.evaluate(states[2])
+  ev = mixed_runs['evaluation']
   assert np.all(np.isfinite(ev.accuracy)) and np.all(ev.count > 0)
 
 
 @pytest.mark.slow
 def test_mixed_group_resumes_to_the_uninterrupted_run(mixed_runs):
-  sim, states, infos, resumed, resumed_info = mixed_runs
-  for k in range(sim.num_clients):
+  for resumed, uninterrupted in zip(mixed_runs['resumed_rows'], mixed_runs['rows'][2]):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 params_of(sim, resumed.params, k), params_of(sim, states[2].params, k))
-  np.testing.assert_allclose(resumed_info.train_loss_sum, infos[1].train_loss_sum, rtol=1e-5)
-  np.testing.assert_array_equal(resumed_info.client_up_floats, infos[1].client_up_floats)
+                 resumed, uninterrupted)
+  info, want = mixed_runs['resumed_info'], mixed_runs['infos'][1]
+  np.testing.assert_allclose(info.train_loss_sum, want.train_loss_sum, rtol=1e-5)
+  np.testing.assert_array_equal(info.client_up_floats, want.client_up_floats)
+
+
+@pytest.mark.slow  # a simulator of two families, compiled and run
+def test_fedproto_round_on_a_mixed_group(few_images):
+  """FedProto's prototypes from both families, 512 wide; its evaluation (classifier and nearest
+  prototype) through the ResNet's running statistics."""
+  sim = mixed_sim(few_images, 'fedproto')
+  state, (info,) = sim.run_round(sim.init_state())
+  assert np.isfinite(info.train_loss) and info.train_samples.sum() > 0
+  np.testing.assert_array_equal(info.client_up_floats, 512 * sim.seen[0][info.cohort].sum(1))
+  assert state.server.protos.shape[-1] == 512 and bool(np.all(state.server.avail))
+  ev = sim.evaluate(state)
+  assert np.all(np.isfinite(ev.accuracy)) and set(ev.metrics) == {'prototype_accuracy'}
