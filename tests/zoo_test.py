@@ -457,3 +457,20 @@ def test_batch_norm_and_bfloat16():
   assert {a.dtype for a in jax.tree_util.tree_leaves(stats)} == {jnp.dtype(jnp.float32)}
   want = out['float32'][0][0]
   np.testing.assert_allclose(logits, want, rtol=0, atol=0.02 * np.abs(want).max())
+
+
+@pytest.mark.parametrize('kernel,stride,padding,groups', [
+    (7, 2, 3, 1), (3, 1, 1, 1), (1, 2, 0, 1), (3, 2, 1, 6), (5, 1, 0, 1)])
+def test_im2col_convolution_equals_xla_and_its_gradients(kernel, stride, padding, groups):
+  """Conv2d's two formulations (im2col on the CPU, XLA's elsewhere) compute the same function
+  and gradients from the same parameters, strided, padded and depthwise (groups = channels)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 11, 11, 6))
+  layers = {impl: zoo.Conv2d(6 if groups > 1 else 5, kernel, stride, padding, groups,
+                             use_bias=True, impl=impl) for impl in ('xla', 'im2col')}
+  params = layers['xla'].init(jax.random.PRNGKey(1), x)
+  outs = {impl: jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x))), argnums=(0, 1))(
+      params, x) for impl, m in layers.items()}
+  want_shape = layers['xla'].apply(params, x).shape
+  assert layers['im2col'].apply(params, x).shape == want_shape
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5),
+               outs['im2col'], outs['xla'])
