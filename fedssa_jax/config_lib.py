@@ -13,7 +13,7 @@
   dir      Dirichlet partition (gamma = partition.dirichlet_gamma, 0.5)
   paper    the paper's 8:1:1 per-client split instead of the reference's pools
   tiny     a few clients, rounds and steps: for tests and smoke runs
-  htfe2, htfe3, htfe5, htfe8, htfe9
+  htfe2, htfe3, htfe4, htfe5, htfe8, htfe9
            HtFLlib's model groups HtFE-img-N (client k gets the group's family k mod N;
            model.feature_dim 512; fedssa_jax/zoo.py)
 """
