@@ -572,8 +572,8 @@ ZOO_FAMILIES: dict[str, Callable[..., nn.Module]] = {
 }
 ZOO_FAMILY_NAMES = tuple(ZOO_FAMILIES)
 
-# HtFLlib's groups (system/main.py, --model_family HtFE-img-N; HtFE-img-4 too, beside the
-# 2, 3, 5, 8 and 9 of issue 28), in its order: client k gets GROUPS[g][k % len(GROUPS[g])].
+# HtFLlib's image groups (system/main.py, --model_family HtFE-img-N), in its order: client k
+# gets GROUPS[g][k % len(GROUPS[g])].
 GROUPS: dict[str, tuple[str, ...]] = {
     'htfe2': ('fedavgcnn', 'resnet18'),
     'htfe3': ('resnet10', 'resnet18', 'resnet34'),
