@@ -109,13 +109,15 @@ class BatchNorm(nn.Module):
         var = jnp.square(xf - mean).mean(axes)
       else:  # the valid rows' values: n = valid rows x positions per row
         w = mask.reshape(mask.shape + (1,) * (x.ndim - 1)).astype(xf.dtype)
-        n = jnp.maximum(w.sum() * math.prod(x.shape[1:-1]), 2.0)
-        mean = (w * xf).sum(axes) / n
-        var = (w * jnp.square(xf - mean)).sum(axes) / n
+        n = w.sum() * math.prod(x.shape[1:-1])
+        mean = (w * xf).sum(axes) / jnp.maximum(n, 1.0)
+        var = (w * jnp.square(xf - mean)).sum(axes) / jnp.maximum(n, 1.0)
       if not self.is_initializing():
+        # A partial batch of one valid value per channel (PyTorch would refuse it) leaves the
+        # running variance's update at its biased 0, not n / (n - 1) of it.
         m = self.momentum
         ra_mean.value = m * ra_mean.value + (1 - m) * mean
-        ra_var.value = m * ra_var.value + (1 - m) * var * (n / (n - 1))
+        ra_var.value = m * ra_var.value + (1 - m) * var * (n / jnp.maximum(n - 1, 1.0))
     else:
       mean, var = ra_mean.value, ra_var.value
     y = (xf - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias

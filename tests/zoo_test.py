@@ -474,3 +474,23 @@ def test_im2col_convolution_equals_xla_and_its_gradients(kernel, stride, padding
   assert layers['im2col'].apply(params, x).shape == want_shape
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5),
                outs['im2col'], outs['xla'])
+
+
+def test_batch_norm_with_a_mask_equals_the_valid_rows_alone():
+  """A partial batch's padding rows (mask False) count in no statistic: the valid rows'
+  outputs and the running statistics are those of a batch of the valid rows alone."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (5, 3, 3, 4)) * 2 + 1
+  padded = jnp.concatenate([x, 100 + jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 4))])
+  mask = jnp.arange(8) < 5
+  bn = zoo.BatchNorm()
+  variables = bn.init(jax.random.PRNGKey(2), x)
+  alone, stats_alone = bn.apply(variables, x, True, mutable=['batch_stats'])
+  masked, stats_masked = bn.apply(variables, padded, True, mask, mutable=['batch_stats'])
+  np.testing.assert_allclose(masked[:5], alone, rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), stats_masked,
+               stats_alone)
+  # By hand: momentum 0.1 towards the 45 valid values' mean and unbiased variance.
+  flat = np.asarray(x, np.float64).reshape(-1, 4)
+  np.testing.assert_allclose(stats_masked['batch_stats']['mean'], 0.1 * flat.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(stats_masked['batch_stats']['var'],
+                             0.9 + 0.1 * flat.var(0, ddof=1), rtol=1e-5)
