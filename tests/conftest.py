@@ -125,16 +125,16 @@ def small_ds():
   return synthetic_dataset()
 
 
-def make_small_sim(ds, method, **overrides):
+def make_small_sim(ds, method, workdir=None, **overrides):
   """A Simulator of 5 CNN-5 clients, K = 2, batch 16, E = 1, on `ds` (N a multiple of 5, so
-  that 2 classes each split the 10 classes)."""
+  that 2 classes each split the 10 classes); `workdir`: the disk store's."""
   from fedssa_jax import config_lib, engine  # pylint: disable=g-import-not-at-top
   c = config_lib.build('cifar10', 'hetero,tiny')
   c.method, c.model.families = method, ('cnn5',)
   c.num_clients, c.participation = 5, 0.4
   c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
   c.update_from_flattened_dict(overrides)
-  return engine.Simulator(c, ds, data.partition_from_config(c, ds))
+  return engine.Simulator(c, ds, data.partition_from_config(c, ds), workdir)
 
 
 @pytest.fixture

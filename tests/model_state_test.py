@@ -119,11 +119,12 @@ def test_evaluation_reads_the_running_statistics_and_changes_none(small_ds):
 
 # -- Through the engine: a mixed group (CNN-5 and HtFLlib's ResNet-4) --------------------------
 
-def mixed_sim(ds, method):
+def mixed_sim(ds, method, workdir=None, **more):
   """5 clients, CNN-5 and ResNet-4 alternately, every client each round, d = 512."""
-  return make_small_sim(ds, method, **{'model.families': ('cnn5', 'resnet4'),
-                                       'model.feature_dim': 512, 'participation': 1.0,
-                                       'batch_size': 8, 'eval_batch_size': 8})
+  return make_small_sim(ds, method, workdir, **more, **{
+                            'model.families': ('cnn5', 'resnet4'),
+                            'model.feature_dim': 512, 'participation': 1.0,
+                            'batch_size': 8, 'eval_batch_size': 8})
 
 
 @pytest.fixture(scope='module')
@@ -201,3 +202,22 @@ def test_fedproto_round_on_a_mixed_group(few_images):
   assert state.server.protos.shape[-1] == 512 and bool(np.all(state.server.avail))
   ev = sim.evaluate(state)
   assert np.all(np.isfinite(ev.accuracy)) and set(ev.metrics) == {'prototype_accuracy'}
+
+
+@pytest.mark.slow  # a third simulator
+def test_mixed_group_on_the_disk_store_equals_the_device_store(few_images, mixed_runs, tmp_path):
+  """The batch statistics live in the disk store's row files as the parameters do: two rounds
+  give every client's row of the device store's run."""
+  sim = mixed_sim(few_images, 'fedssa', str(tmp_path), population_store='disk')
+  state = sim.init_state()
+  for _ in range(2):
+    state, _ = sim.run_round(state)
+  for k in range(sim.num_clients):
+    g, slot = sim.group_of[k], sim.slot_of[k]
+    row = jax.tree.map(lambda a: a[0], state.params[g].read(np.array([slot])))
+    if g == [x.family for x in sim.groups].index('resnet4'):
+      assert models.split_state(row)[1] is not None
+    # Another program (the store's gather and scatter around the same step): float rounding,
+    # grown through two rounds of batch norms on batches of a few images.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-3, atol=1e-4 * float(np.abs(b).max())), row, mixed_runs['rows'][2][k])
