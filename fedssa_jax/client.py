@@ -338,5 +338,13 @@ def after_training(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.
   study_and_quiz's. Returns (its output, the study batch's and the quiz set's valid samples)."""
   study, quiz = study_and_quiz(key, train_idx, n, data, held_out=method.held_out_samples,
                                batch_size=cfg.batch_size, cfg=cfg)
+  # A model's batch statistics are no parameter the step may differentiate or move: the step
+  # sees the parameters, and the model reads its running statistics (models.MODEL_STATE).
+  params, model_state = models.split_state(trainable['model'])
+  if model_state is not None:
+    row_apply = apply_fn
+    apply_fn = lambda variables, x: row_apply(
+        {'params': models.join_state(variables['params'], model_state)}, x)
+    trainable = {**trainable, 'model': params}
   out = method.after_training(apply_fn, trainable, ctx, study, quiz, view)
   return out, study[2].sum(), quiz[2].sum()

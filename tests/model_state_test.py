@@ -117,6 +117,35 @@ def test_evaluation_reads_the_running_statistics_and_changes_none(small_ds):
 
 
 
+def test_the_step_after_training_sees_parameters_and_reads_the_statistics(small_ds):
+  """client.after_training (FedL2G's meta step) differentiates the parameters alone; the model
+  it calls normalises with the row's running statistics."""
+  row = models.init_params(MODEL, jax.random.PRNGKey(0))
+  params, state = models.split_state(row)
+  state = jax.tree.map(lambda a: a + 0.5, state)
+  seen = {}
+
+  class Probe:
+    held_out_samples = 2
+
+    def after_training(self, apply_fn, trainable, ctx, study, quiz, view):
+      seen['keys'] = set(trainable['model'])
+      loss = lambda p: apply_fn({'params': p}, study[0])[0].sum()
+      seen['logits'], seen['x'] = apply_fn({'params': trainable['model']}, study[0])[0], study[0]
+      return jax.grad(loss)(trainable['model'])
+
+  cfg = client.TrainConfig(batch_size=4, augment=False)
+  dd = client.DeviceData(jnp.asarray(small_ds.images), jnp.asarray(small_ds.labels),
+                         None, None, None, None)
+  grad, _, _ = client.after_training(
+      {'model': models.join_state(params, state)}, (), jax.random.PRNGKey(1),
+      jnp.arange(10, dtype=jnp.int32), jnp.asarray(10), dd, None, apply_fn=MODEL.apply,
+      cfg=cfg, method=Probe())
+  assert seen['keys'] == set(grad) == {'conv', 'bn', 'fc3'}
+  want = TinyBN().apply({'params': params, 'batch_stats': state}, seen['x'], train=False)[0]
+  np.testing.assert_allclose(seen['logits'], want, rtol=1e-5, atol=1e-6)
+
+
 # -- Through the engine: a mixed group (CNN-5 and HtFLlib's ResNet-4) --------------------------
 
 def mixed_sim(ds, method, workdir=None, **more):
