@@ -1,0 +1,625 @@
+"""The shared baselines run by HtFLlib's own code and by this simulator, on one partition.
+
+  python launch/against_htfllib.py --htfllib=/path/to/HtFLlib \\
+      --htfllib_python=/tmp/venv-torch/bin/python --data_dir=$HOME/tensorflow_datasets \\
+      --methods=standalone,fd,fedproto,lg_fedavg,fml,fedkd --rounds=20 --out=results/htfllib
+
+HtFLlib (github.com/TsingZ0/HtFLlib) runs unchanged from the checkout that `--htfllib` names, with
+a Python that has torch, torchvision, h5py and scikit-learn (`--htfllib_python`; a venv of its
+own keeps the system's Python as it is):
+
+  python -m venv /tmp/venv-torch --system-site-packages
+  /tmp/venv-torch/bin/pip install torch torchvision h5py scikit-learn calmsize
+
+Both sides run `configs/cifar10.py:hetero,n10` (CNN-1..5, N=10, C=100%, two classes a client) for
+`--rounds` rounds at E=1, on the CPU, one method after the other: first HtFLlib's, then
+`python -m fedssa_jax.main`. A method whose outputs are already in `--out` is not run again, so
+a run that stops resumes where it stopped.
+
+The same data. This script builds our partition (seed 0) of the offline CIFAR-10 and writes
+each client's training and test samples, normalised with the CIFAR-10 constants and laid out
+NCHW, as HtFLlib's `dataset/<name>/{train,test}/<k>.npz` in the scratch folder. HtFLlib trains
+and tests on those files; we train and test on the same index sets.
+
+The same models. The FedSSA paper's five CNNs are registered into HtFLlib at run time, as
+classes whose last layer is `fc` (500 -> 10): HtFLlib's BaseHeadSplit turns `fc` into the head
+and keeps conv1, conv2, fc1 and fc2 as the base, whose output is the 500-d representation
+(`--feature_dim 500`). Client k gets CNN-((k mod 5)+1), as here. FML's meme and FedKD's mentee
+are CNN-5 (HtFLlib's `args.global_model`), as here. `tests/against_htfllib_test.py` checks that
+each family has our parameter count, layer by layer.
+
+The same settings (`htfllib_args`, `our_overrides`). HtFLlib's optimizer is plain SGD at the
+learning rate `-lr`, fixed in its code; so our side runs plain SGD as well (momentum 0, weight
+decay 0, no clip except FML's and FedKD's 10, which HtFLlib hard-codes), without augmentation
+(HtFLlib has none), at `--lr` (default 0.05: our default step, 0.005 with momentum 0.9, is
+0.05 in plain SGD terms). Batch 512, E=1, N=10, C=100% and each method's hyperparameters are
+passed to HtFLlib from our config. FedProto is compared on the nearest global prototype, the
+accuracy HtFLlib reports for it (ours: `fedproto.inference=prototype`). What could not be
+matched is printed at the start and written to the results (`UNMATCHED`).
+
+The same metric. HtFLlib prints each client's test accuracy at the start of round r (its round
+0 is the initial models), after r rounds of training; ours, metrics.jsonl's `client_accuracy`
+after round r. The headline is the unweighted mean over clients for both; HtFLlib's own figure
+(correct / samples over all clients, the sample-weighted mean) is reported beside it.
+
+Speed: HtFLlib's per-round seconds are those it prints (its `Budget`: the evaluation at the
+round's start, the clients' training one after another and the server's step); ours are
+metrics.jsonl's `round_seconds` (training, server and the evaluation of every client). The
+steady state is the mean after the first round, which compiles here. Each side uses its
+library's default threads.
+
+What the runner changes in HtFLlib at run time (the checkout's files are untouched; Python
+writes no bytecode into it; the working folder is `<scratch>/htfllib/system`, so its data,
+model files and results land in the scratch folder):
+  - the five CNN classes are added to `flcore.trainmodel.models`, and `Server.__init__` first
+    sets `args.models` to them and `args.global_model` to CNN-5 (`-m HtFE-img-2` is passed only
+    because main.py needs a known family name; the printed HtFE-img-2 list is not used);
+  - torch.cuda.is_available() is False, and `-dev cpu`;
+  - TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1: HtFLlib saves and loads whole modules with torch.save and
+    torch.load, which torch 2.6 and later refuse by default (weights_only=True);
+  - the modules of FedKTL's three servers and FedL2G's two, which are not run here, are replaced
+    by empty ones where they cannot be imported (they need StyleGAN or Stable Diffusion files,
+    or the `higher` package); the runner's log names each one left out.
+Nothing else: HtFLlib's training, aggregation, evaluation and logging run as written.
+
+FD: HtFLlib's FD since commit ca3e29a (29 Nov 2025) gives the raw global logits to
+CrossEntropyLoss as if they were probabilities; docs/algorithm.md rejects that version. Pass the
+checkout of its parent 6e6f1ae (soft targets softmax(G[y])) as `--htfllib_fd`; without it FD
+runs from `--htfllib` as it is, and the results name the commit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import side_by_side  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+REPO = side_by_side.REPO
+CONFIG = 'configs/cifar10.py:hetero,n10'
+DATASET = 'Cifar10_fedssa_jax'  # the folder name under HtFLlib's dataset/
+Failure = side_by_side.Failure
+
+# Our method -> HtFLlib's -algo.
+ALGORITHMS = {'standalone': 'Local', 'fd': 'FD', 'fedproto': 'FedProto',
+              'lg_fedavg': 'LG-FedAvg', 'fml': 'FML', 'fedkd': 'FedKD'}
+SHARED_METHODS = tuple(ALGORITHMS)
+# HtFLlib clips the gradient norm of each model at 10 in FML and FedKD, and nowhere else.
+HTFLLIB_CLIP = {'fml': 10.0, 'fedkd': 10.0}
+
+# Differences that no argument of either side removes, by method ('*' for all).
+UNMATCHED = {
+    '*': [
+        'seeds: HtFLlib seeds torch with 0 before each client model (clients of one family start '
+        'equal, as our model.init_scope=family) and numpy with its own state; we seed JAX with '
+        '0. The initial models and the batch order therefore differ.',
+        'batch order: HtFLlib\'s training loader does not shuffle (the same batches every '
+        'round, in file order) and drops the last partial batch (up to 511 of a client\'s '
+        'samples are never trained on); ours reshuffles every epoch and trains the partial '
+        'batch.',
+        'HtFLlib reads images from .npz lists of torch tensors; ours from TFDS. The pixels are '
+        'the same (written from our arrays).',
+    ],
+    'fd': ['HtFLlib\'s FD broadcasts every class\'s global logits; ours sends each client its '
+           'seen classes\' (the same training, counted floats differ).'],
+    'fml': ['KL reduction: HtFLlib\'s nn.KLDivLoss() averages over batch x classes (1/C of the '
+            'batchmean KL that ours and the FML paper use).'],
+    'fedkd': ['HtFLlib\'s nn.KLDivLoss() averages over batch x classes (1/C of the batchmean '
+              'KL of ours); the SVD compression of the mentee\'s update follows each code.'],
+}
+
+
+def our_overrides(method: str, lr: float, rounds: int) -> list[str]:
+  """--config.* flags that set our side to HtFLlib's fixed choices, for `method`."""
+  flags = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
+           'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
+           'optimizer.weight_decay': 0.0,
+           'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
+           'checkpoint_every': rounds, 'checkpoint_keep': 1}
+  if method == 'fedproto':
+    flags['fedproto.inference'] = 'prototype'  # what HtFLlib's FedProto reports
+  return [f'--config.{k}={v}' for k, v in flags.items()]
+
+
+def our_config(method: str, lr: float, rounds: int):
+  """Our config with `our_overrides` applied (what fedssa_jax.main runs)."""
+  sys.path.insert(0, REPO)
+  from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.build('cifar10', CONFIG.split(':')[1])
+  for flag in our_overrides(method, lr, rounds):
+    key, value = flag[len('--config.'):].split('=', 1)
+    node = c
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    old = node[leaf]
+    node[leaf] = (value == 'True') if isinstance(old, bool) else type(old)(value)
+  return c
+
+
+def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str], list[str]]:
+  """HtFLlib's main.py arguments for our `config` (its method included), and the differences
+  that remain (UNMATCHED's, plus any of `config` that HtFLlib cannot express)."""
+  method = config.method
+  if method not in ALGORITHMS:
+    raise Failure(f'method {method!r} has no HtFLlib counterpart here; choose from '
+                  f'{", ".join(SHARED_METHODS)}.')
+  o = config.optimizer
+  args = ['-data', dataset, '-ncl', '10', '-m', 'HtFE-img-2', '-algo', ALGORITHMS[method],
+          '-nc', str(config.num_clients), '-jr', str(config.participation),
+          '-lbs', str(config.batch_size), '-lr', str(o.lr), '-ls', str(config.local_epochs),
+          '-gr', str(rounds), '-fd', str(config.model.feature_dim), '-eg', '1', '-t', '1',
+          '-dev', 'cpu', '-go', 'against_fedssa_jax']
+  if method == 'fd':
+    args += ['-lam', str(config.fd.lam)]
+  elif method == 'fedproto':
+    args += ['-lam', str(config.fedproto.lam)]
+  elif method == 'fml':
+    args += ['-al', str(config.fml.alpha), '-bt', str(config.fml.beta)]
+  elif method == 'fedkd':
+    args += ['-mlr', str(o.lr), '-Ts', str(config.fedkd.energy_start),
+             '-Te', str(config.fedkd.energy_end)]
+  unmatched = list(UNMATCHED['*']) + list(UNMATCHED.get(method, []))
+  if o.name != 'sgd' or o.momentum or o.weight_decay:
+    unmatched.append(f'optimizer: ours {o.name} momentum {o.momentum} weight decay '
+                     f'{o.weight_decay}; HtFLlib plain SGD.')
+  if o.clip_norm != HTFLLIB_CLIP.get(method, 0.0):
+    unmatched.append(f'gradient clip: ours {o.clip_norm or "none"}; HtFLlib '
+                     f'{HTFLLIB_CLIP.get(method) or "none"}.')
+  if config.augment:
+    unmatched.append('augmentation: ours flip, erasing and crop; HtFLlib none.')
+  if tuple(config.model.families) != ('cnn1', 'cnn2', 'cnn3', 'cnn4', 'cnn5'):
+    unmatched.append(f'models: ours {tuple(config.model.families)}; HtFLlib CNN-1..5.')
+  if method == 'lg_fedavg' and config.lg_fedavg.weighting != 'samples':
+    unmatched.append('LG-FedAvg header mean: ours uniform; HtFLlib sample-weighted.')
+  if method == 'fedproto' and config.fedproto.weighting != 'uniform':
+    unmatched.append('FedProto prototype mean: ours sample-weighted; HtFLlib uniform.')
+  if method == 'fd' and config.fd.exclude_own:
+    unmatched.append('FD: ours excludes the client\'s own logits; HtFLlib does not.')
+  return args, unmatched
+
+
+# --------------------------------------------------------------------------------------------
+# The data, as HtFLlib's files
+# --------------------------------------------------------------------------------------------
+
+def write_partition(ds, cd, root: str, dataset: str = DATASET) -> dict:
+  """Writes client k's training and test samples of partition `cd` (data.ClientData) of `ds`
+  (data.Dataset) as HtFLlib's `<root>/dataset/<dataset>/{train,test}/<k>.npz`: a pickled dict
+  {'x': float32 [n, C, H, W] normalised with ds.mean/ds.std, 'y': int64 [n]}, in index order.
+  Returns the per-client sample counts, also written as the folder's config.json."""
+  folder = os.path.join(root, 'dataset', dataset)
+  mean = np.asarray(ds.mean, np.float32)[:, None, None]
+  std = np.asarray(ds.std, np.float32)[:, None, None]
+  counts = {'train': [], 'test': []}
+  for split, idx, n in (('train', cd.train_idx, cd.train_n), ('test', cd.test_idx, cd.test_n)):
+    os.makedirs(os.path.join(folder, split), exist_ok=True)
+    for k in range(cd.num_clients):
+      rows = idx[k, :n[k]]
+      x = ds.images[rows].transpose(0, 3, 1, 2).astype(np.float32) / 255.0
+      x = (x - mean) / std
+      y = ds.labels[rows].astype(np.int64)
+      with open(os.path.join(folder, split, f'{k}.npz'), 'wb') as f:
+        np.savez(f, data={'x': x, 'y': y})
+      counts[split].append(int(n[k]))
+  info = {'num_clients': cd.num_clients, 'num_classes': ds.num_classes,
+          'written_by': 'fedssa_jax launch/against_htfllib.py', **counts}
+  with open(os.path.join(folder, 'config.json'), 'w') as f:
+    json.dump(info, f)
+  return info
+
+
+# --------------------------------------------------------------------------------------------
+# HtFLlib's output
+# --------------------------------------------------------------------------------------------
+
+_ROUND = re.compile(r'^-+Round number: (\d+)-+$')
+_CLIENT = re.compile(r'^Client (\d+): Acc: ([0-9.eE+-]+|nan), AUC: ')
+_WEIGHTED = re.compile(r'^Averaged Test Accuracy: ([0-9.eE+-]+|nan)$')
+_BUDGET = re.compile(r'^-{25,}(?: time cost -+)? ([0-9.eE+-]+)$')
+
+
+def read_htfllib_log(text: str) -> list[dict]:
+  """Each evaluated round of HtFLlib's printout: {'round': r, 'client_accuracy': [per client, in
+  id order], 'mean_accuracy': their unweighted mean, 'weighted_accuracy': HtFLlib's own figure,
+  'seconds': the round's printed time (None for a round whose time was not printed)}."""
+  rounds, cur = [], None
+  for line in text.splitlines():
+    line = line.strip()
+    m = _ROUND.match(line)
+    if m:
+      cur = {'round': int(m.group(1)), 'clients': {}, 'weighted_accuracy': None,
+             'seconds': None}
+      rounds.append(cur)
+      continue
+    if cur is None:
+      continue
+    m = _CLIENT.match(line)
+    if m:
+      cur['clients'][int(m.group(1))] = float(m.group(2))
+      continue
+    m = _WEIGHTED.match(line)
+    if m:
+      cur['weighted_accuracy'] = float(m.group(1))
+      continue
+    m = _BUDGET.match(line)
+    if m and cur['seconds'] is None:
+      cur['seconds'] = float(m.group(1))
+  for r in rounds:
+    clients = r.pop('clients')
+    ids = sorted(clients)
+    if not ids or ids != list(range(len(ids))):
+      raise Failure(f'HtFLlib\'s round {r["round"]} printed accuracies for clients {ids}, not '
+                    '0..N-1: has its printout changed?')
+    r['client_accuracy'] = [clients[k] for k in ids]
+    r['mean_accuracy'] = float(np.mean(r['client_accuracy']))
+  return rounds
+
+
+# --------------------------------------------------------------------------------------------
+# The models: HtFLlib's side is built by the runner, and checked against ours layer by layer
+# --------------------------------------------------------------------------------------------
+
+def our_layer_sizes(num_classes: int = 10) -> dict[str, dict[str, int]]:
+  """{family: {layer: parameters}} of our five CNNs (conv1, conv2, fc1, fc2; fc3 the head)."""
+  sys.path.insert(0, REPO)
+  import jax  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import models  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name in models.FAMILY_NAMES:
+    model = models.make_model(name, num_classes)
+    shapes = jax.eval_shape(lambda m=model: models.init_params(m, jax.random.PRNGKey(0)))
+    out[name] = {layer: int(sum(np.prod(v.shape) for v in jax.tree_util.tree_leaves(sub)))
+                 for layer, sub in shapes.items()}
+  return out
+
+
+_LAYERS = re.compile(r'^against_htfllib runner: (cnn\d) layers (.*)$')
+# HtFLlib's BaseHeadSplit names: base.<layer> for the extractor, head for our fc3.
+_HTFL_LAYER = {'base.conv1': 'conv1', 'base.conv2': 'conv2', 'base.fc1': 'fc1',
+               'base.fc2': 'fc2', 'head': 'fc3'}
+
+
+def check_layer_sizes(log: str, ours: dict[str, dict[str, int]]) -> None:
+  """A Failure unless each family's layer sizes, as the runner printed them from HtFLlib's
+  models ('against_htfllib runner: cnnK layers base.conv1=N ...'), equal ours."""
+  seen = {}
+  for line in log.splitlines():
+    m = _LAYERS.match(line.strip())
+    if m:
+      sizes = dict(item.split('=') for item in m.group(2).split())
+      seen[m.group(1)] = {_HTFL_LAYER.get(k, k): int(v) for k, v in sizes.items()}
+  for family, layers in ours.items():
+    if seen.get(family) != layers:
+      raise Failure(f'HtFLlib\'s {family} has layers {seen.get(family)}, ours {layers}: the '
+                    'models differ.')
+
+
+# The FedSSA paper's five CNNs for HtFLlib, written beside the runner as fedssa_cnn.py.
+CNN_MODULE = r'''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class FedSSACNN(nn.Module):
+  """The FedSSA paper's CNN: conv 5x5 16, pool, conv 5x5 c2, pool, fc1, fc2 (the representation)
+  with ReLUs, and fc, the head, which HtFLlib's BaseHeadSplit splits off."""
+
+  def __init__(self, c2, fc1, num_classes=10, dim=500):
+    super().__init__()
+    self.conv1 = nn.Conv2d(3, 16, 5)
+    self.conv2 = nn.Conv2d(16, c2, 5)
+    self.fc1 = nn.Linear(c2 * 5 * 5, fc1)
+    self.fc2 = nn.Linear(fc1, dim)
+    self.fc = nn.Linear(dim, num_classes)
+
+  def forward(self, x):
+    x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+    x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+    x = torch.flatten(x, 1)
+    x = F.relu(self.fc2(F.relu(self.fc1(x))))
+    return self.fc(x)
+'''
+
+
+# Runs HtFLlib's main.py unchanged after the run-time changes of the docstring.
+# argv: <HtFLlib's system folder> <main.py arguments...>
+RUNNER = r'''
+import os, runpy, sys, types
+sys.dont_write_bytecode = True
+system = sys.argv[1]
+sys.path.insert(0, system)
+import torch
+torch.cuda.is_available = lambda: False
+
+
+from fedssa_cnn import FedSSACNN  # a module of its own, so that torch.save can pickle it
+
+# Servers that main.py imports but that are not run here, whose imports need packages or
+# files beyond torch (StyleGAN, Stable Diffusion, `higher`): an empty module where the import fails.
+for name, cls in (('serverktl_stylegan_xl', 'FedKTL'), ('serverktl_stylegan_3', 'FedKTL'),
+                  ('serverktl_stable_diffusion', 'FedKTL'), ('serverl2g_feat', 'FedL2G'),
+                  ('serverl2g_logit', 'FedL2G')):
+  try:
+    __import__('flcore.servers.' + name)
+  except Exception as e:  # pylint: disable=broad-except
+    stub = types.ModuleType('flcore.servers.' + name)
+    setattr(stub, cls, None)
+    sys.modules['flcore.servers.' + name] = stub
+    print(f'against_htfllib runner: flcore.servers.{name} left out ({type(e).__name__}: {e})',
+          flush=True)
+import flcore.trainmodel.models as htfl_models
+import flcore.servers.serverbase as serverbase
+htfl_models.FedSSACNN = FedSSACNN
+FAMILIES = [('cnn1', 32, 2000), ('cnn2', 16, 2000), ('cnn3', 32, 1000), ('cnn4', 32, 800),
+            ('cnn5', 32, 500)]
+MODELS = [f'FedSSACNN({c2}, {fc1}, num_classes=args.num_classes, dim=args.feature_dim)'
+          for _, c2, fc1 in FAMILIES]
+_server_init = serverbase.Server.__init__
+
+
+def _init(self, args, times):
+  args.models, args.global_model = MODELS, MODELS[-1]
+  _server_init(self, args, times)
+
+
+serverbase.Server.__init__ = _init
+
+
+class _Args:
+  num_classes, feature_dim, models, global_model = 10, 500, MODELS, MODELS[-1]
+
+
+for k, (family, _, _) in enumerate(FAMILIES):
+  model = htfl_models.BaseHeadSplit(_Args(), k)
+  sizes = {}
+  for pname, p in model.named_parameters():
+    layer = pname.rsplit('.', 1)[0]
+    sizes[layer] = sizes.get(layer, 0) + p.numel()
+  print(f'against_htfllib runner: {family} layers '
+        + ' '.join(f'{k}={v}' for k, v in sizes.items()), flush=True)
+print(f'against_htfllib runner: torch {torch.__version__}, {torch.get_num_threads()} threads',
+      flush=True)
+script = os.path.join(system, 'main.py')
+sys.argv = [script] + sys.argv[2:]
+runpy.run_path(script, run_name='__main__')
+'''
+
+
+def find_htfllib(path: str, flag: str = '--htfllib') -> str:
+  """The system/ folder of an HtFLlib checkout, or a Failure naming the fix."""
+  fix = (f'clone HtFLlib (git clone https://github.com/TsingZ0/HtFLlib) and pass '
+         f'{flag}=<the clone>')
+  if not path:
+    raise Failure(f'{flag} is required: {fix}.')
+  for system in (os.path.join(path, 'system'), path):
+    if os.path.isfile(os.path.join(system, 'main.py')) and os.path.isdir(
+        os.path.join(system, 'flcore', 'servers')):
+      return os.path.abspath(system)
+  raise Failure(f'{flag}={path} holds no system/main.py with flcore/: {fix}.')
+
+
+def check_htfllib_python(python: str) -> str:
+  """The torch version of `python`, or a Failure naming how to get one."""
+  fix = ('make a venv (python -m venv /tmp/venv-torch --system-site-packages && '
+         '/tmp/venv-torch/bin/pip install torch torchvision h5py scikit-learn) and pass '
+         '--htfllib_python=/tmp/venv-torch/bin/python')
+  try:
+    out = subprocess.run(
+        [python, '-c', 'import torch, torchvision, h5py, sklearn, calmsize; print(torch.__version__)'],
+        capture_output=True, text=True, check=False)
+  except OSError as e:
+    raise Failure(f'--htfllib_python={python} cannot be run ({e.strerror}): {fix}.') from None
+  if out.returncode != 0:
+    last = (out.stderr.strip().splitlines() or ['?'])[-1]
+    raise Failure(f'--htfllib_python={python} cannot import torch, torchvision, h5py, sklearn '
+                  f'and calmsize ({last}): {fix}.')
+  return out.stdout.strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Running both sides
+# --------------------------------------------------------------------------------------------
+
+def prepare_data(args, scratch):
+  """Our partition of CIFAR-10 written as HtFLlib's files under <scratch>/htfllib (once)."""
+  root = os.path.join(scratch, 'htfllib')
+  done = os.path.join(root, 'dataset', DATASET, 'config.json')
+  if os.path.isfile(done):
+    with open(done) as f:
+      return json.load(f)
+  sys.path.insert(0, REPO)
+  from fedssa_jax import config_lib, data  # pylint: disable=g-import-not-at-top
+  config = config_lib.build('cifar10', CONFIG.split(':')[1])
+  try:
+    ds = data.load_dataset('cifar10', args.data_dir)
+  except (data.DataError, FileNotFoundError) as e:
+    raise Failure(f'--data_dir={args.data_dir}: {e}') from None
+  cd = data.partition_from_config(config, ds)
+  print(f'Writing our partition (fingerprint {data.fingerprint(cd)}) as HtFLlib\'s files under '
+        f'{root}/dataset/{DATASET}', flush=True)
+  info = write_partition(ds, cd, root)
+  info['fingerprint'] = data.fingerprint(cd)
+  with open(done, 'w') as f:
+    json.dump(info, f)
+  return info
+
+
+def run_htfllib(args, method, system, scratch):
+  log_path = os.path.join(args.out, f'htfllib_{method}.log')
+  if not os.path.isfile(log_path + '.done'):
+    config = our_config(method, args.lr, args.rounds)
+    argv, _ = htfllib_args(config, args.rounds)
+    runner = os.path.join(scratch, 'run_htfllib.py')
+    with open(runner, 'w') as f:
+      f.write(RUNNER)
+    with open(os.path.join(scratch, 'fedssa_cnn.py'), 'w') as f:
+      f.write(CNN_MODULE)
+    work = os.path.join(scratch, 'htfllib', 'system')
+    os.makedirs(work, exist_ok=True)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1', CUDA_VISIBLE_DEVICES='',
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1')
+    side_by_side._run_logged([args.htfllib_python, runner, system, *argv], log_path, work, env,
+                             f'HtFLlib ({method})')
+    os.rename(log_path, log_path + '.done')
+  with open(log_path + '.done') as f:
+    log = f.read()
+  check_layer_sizes(log, our_layer_sizes())
+  rounds = read_htfllib_log(log)
+  if len(rounds) < args.rounds + 1:
+    raise Failure(f'{log_path}.done holds {len(rounds)} evaluated rounds, not '
+                  f'{args.rounds + 1}: remove it to run HtFLlib\'s {method} again.')
+  return rounds[:args.rounds + 1]
+
+
+def run_ours(args, method, scratch):
+  workdir = os.path.join(scratch, f'ours_{method}')
+  metrics = os.path.join(args.out, f'ours_{method}.jsonl')
+  if not os.path.isfile(metrics):
+    cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={CONFIG}',
+           f'--config.data_dir={args.data_dir}', f'--config.seed={args.seed}',
+           f'--workdir={workdir}', *our_overrides(method, args.lr, args.rounds)]
+    env = dict(os.environ, JAX_PLATFORMS='cpu')
+    env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
+    side_by_side._run_logged(cmd, os.path.join(args.out, f'ours_{method}.log'), REPO, env,
+                             f'fedssa_jax.main ({method})')
+    os.replace(os.path.join(workdir, 'metrics.jsonl'), metrics)
+  with open(metrics) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return [{'round': r['round'], 'client_accuracy': r['client_accuracy'],
+           'mean_accuracy': r['mean_accuracy'], 'seconds': r['round_seconds']}
+          for r in records]
+
+
+def steady(seconds):
+  s = [t for t in seconds[1:] if t is not None]
+  return float(np.mean(s)) if s else float('nan')
+
+
+def compare(method, htfl, ours, checkpoints=(5, 10, 15, 20)):
+  """The per-method summary: both curves at `checkpoints`, their difference, and s/round."""
+  theirs = {r['round']: r for r in htfl}
+  mine = {r['round']: r for r in ours}
+  rows = []
+  for r in checkpoints:
+    if r in theirs and r in mine:
+      rows.append({'round': r, 'htfllib': theirs[r]['mean_accuracy'],
+                   'htfllib_weighted': theirs[r]['weighted_accuracy'],
+                   'ours': mine[r]['mean_accuracy'],
+                   'difference': mine[r]['mean_accuracy'] - theirs[r]['mean_accuracy']})
+  # HtFLlib's round r is the evaluation at its start plus the training r -> r + 1.
+  t_htfl = steady([r['seconds'] for r in htfl])
+  t_ours = steady([r['seconds'] for r in ours])
+  return {'method': method, 'algorithm': ALGORITHMS[method], 'rows': rows,
+          'htfllib_seconds_per_round': t_htfl, 'ours_seconds_per_round': t_ours,
+          'speedup': t_htfl / t_ours,
+          'htfllib_curve': [r['mean_accuracy'] for r in htfl],
+          'ours_curve': [None] + [r['mean_accuracy'] for r in ours]}
+
+
+def print_table(results):
+  print('\nUnweighted mean accuracy over clients (HtFLlib / ours, difference in points); '
+        's/round steady')
+  for res in results:
+    cells = '  '.join(f'r{row["round"]} {row["htfllib"]:.4f}/{row["ours"]:.4f} '
+                      f'({100 * row["difference"]:+.1f})' for row in res['rows'])
+    print(f'  {res["method"]:<11} {cells}  |  {res["htfllib_seconds_per_round"]:.1f} s vs '
+          f'{res["ours_seconds_per_round"]:.1f} s = {res["speedup"]:.1f}x', flush=True)
+
+
+def plot(results, path):
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    print('  (no matplotlib: no figure)')
+    return
+  cols = min(3, len(results))
+  rows = -(-len(results) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+  for ax, res in zip(axes.flat, results):
+    h = res['htfllib_curve']
+    ax.plot(range(len(h)), h, label='HtFLlib', color='tab:orange')
+    o = res['ours_curve']
+    ax.plot(range(1, len(o)), o[1:], label='fedssa_jax', color='tab:blue')
+    ax.set_title(f'{res["method"]} ({res["algorithm"]})')
+    ax.set_xlabel('round')
+    ax.set_ylabel('mean client accuracy')
+    ax.grid(alpha=0.3)
+  for ax in list(axes.flat)[len(results):]:
+    ax.axis('off')
+  axes.flat[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f'  figure: {path}')
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--htfllib', help='a checkout of HtFLlib (its root or system/)')
+  p.add_argument('--htfllib_fd', help='the checkout to run FD from (default: --htfllib)')
+  p.add_argument('--htfllib_python', default='python', help='a Python with torch, torchvision, '
+                 'h5py and scikit-learn')
+  p.add_argument('--data_dir', default=os.path.expanduser('~/tensorflow_datasets'),
+                 help='a TFDS data_dir holding cifar10')
+  p.add_argument('--methods', default=','.join(SHARED_METHODS),
+                 help=f'comma-separated, of {", ".join(SHARED_METHODS)}')
+  p.add_argument('--rounds', type=int, default=20)
+  p.add_argument('--lr', type=float, default=0.05, help='plain SGD learning rate, both sides')
+  p.add_argument('--seed', type=int, default=0, help='our seed (HtFLlib seeds itself)')
+  p.add_argument('--out', default='results/against_htfllib',
+                 help='logs, metrics, results.json and the figure; methods already there are '
+                 'not run again')
+  p.add_argument('--scratch', help='data and run folders (default: <out>/scratch)')
+  args = p.parse_args(argv)
+  methods = [m.strip() for m in args.methods.split(',') if m.strip()]
+  try:
+    for m in methods:
+      if m not in ALGORITHMS:
+        raise Failure(f'--methods: {m!r} is not shared with HtFLlib here; choose from '
+                      f'{", ".join(SHARED_METHODS)}.')
+    system = find_htfllib(args.htfllib)
+    fd_system = find_htfllib(args.htfllib_fd, '--htfllib_fd') if args.htfllib_fd else system
+    torch_version = check_htfllib_python(args.htfllib_python)
+    os.makedirs(args.out, exist_ok=True)
+    scratch = args.scratch or os.path.join(args.out, 'scratch')
+    os.makedirs(scratch, exist_ok=True)
+    head = lambda s: side_by_side._git_head(os.path.dirname(s), code=('system',))
+    header = {'command': ' '.join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
+              'ours_commit': side_by_side._git_head(REPO, code=('fedssa_jax', 'configs')),
+              'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
+              'torch': torch_version, 'cpus': os.cpu_count(), 'config': CONFIG,
+              'lr': args.lr, 'rounds': args.rounds, 'seed': args.seed}
+    print(json.dumps(header, indent=1), flush=True)
+    info = prepare_data(args, scratch)
+    results = []
+    for m in methods:
+      _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds), args.rounds)
+      print(f'\n{m}: not matched:\n  - ' + '\n  - '.join(unmatched), flush=True)
+      htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
+      ours = run_ours(args, m, scratch)
+      res = compare(m, htfl, ours)
+      res['unmatched'] = unmatched
+      results.append(res)
+      print_table([res])
+  except Failure as e:
+    sys.exit(f'against_htfllib: {e}')
+  print_table(results)
+  with open(os.path.join(args.out, 'results.json'), 'w') as f:
+    json.dump({**header, 'partition': info.get('fingerprint'), 'finished': time.ctime(),
+               'results': results}, f, indent=1)
+  plot(results, os.path.join(args.out, 'curves.png'))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,163 @@
+"""launch/against_htfllib.py's parts that run without torch: the partition written as HtFLlib's
+files (read back as HtFLlib reads them), the reading of HtFLlib's printout, the config mapping
+and the layer-by-layer model check. Runs neither code."""
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from conftest import load_file
+from fedssa_jax import data
+
+
+def load_script():
+  return load_file('launch/against_htfllib.py')
+
+
+def htfllib_read(root, dataset, split, k):
+  """HtFLlib's utils/data_utils.read_data and process_image, without torch."""
+  path = os.path.join(root, 'dataset', dataset, split, f'{k}.npz')
+  with open(path, 'rb') as f:
+    d = np.load(f, allow_pickle=True)['data'].tolist()
+  return np.asarray(d['x'], np.float32), np.asarray(d['y'], np.int64)
+
+
+def test_writes_each_clients_samples_as_htfllibs_files(tmp_path):
+  ah = load_script()
+  ds = data.synthetic_cifar(num_train=600, num_test=200)
+  cd = data.partition(ds, 5, 'pathological', classes_per_client=2, seed=3)
+  info = ah.write_partition(ds, cd, str(tmp_path), 'Toy')
+  assert info['train'] == cd.train_n.tolist() and info['test'] == cd.test_n.tolist()
+  assert (tmp_path / 'dataset' / 'Toy' / 'config.json').is_file()
+  mean, std = np.asarray(ds.mean), np.asarray(ds.std)
+  for k in range(5):
+    for split, idx, n in (('train', cd.train_idx, cd.train_n), ('test', cd.test_idx, cd.test_n)):
+      x, y = htfllib_read(str(tmp_path), 'Toy', split, k)
+      rows = idx[k, :n[k]]
+      assert x.shape == (n[k], 3, 32, 32) and x.dtype == np.float32
+      np.testing.assert_array_equal(y, ds.labels[rows])
+      # One pixel by hand: NCHW, (u8 / 255 - mean) / std per channel.
+      i, c, h, w = n[k] - 1, 2, 5, 7
+      want = (ds.images[rows[i], h, w, c] / 255.0 - mean[c]) / std[c]
+      assert x[i, c, h, w] == pytest.approx(want, abs=1e-5)
+      # All of it against our own normalisation, transposed.
+      ours = (ds.images[rows] / 255.0 - mean) / std
+      np.testing.assert_allclose(x, ours.transpose(0, 3, 1, 2), atol=1e-5)
+    x, y = htfllib_read(str(tmp_path), 'Toy', 'train', k)
+    assert set(np.unique(y)) == set(np.flatnonzero(cd.seen[k]))
+
+
+# HtFLlib's printout (serverbase.evaluate and FD's round timer), two clients, rounds 0 and 1.
+LOG = """\
+against_htfllib runner: cnn1 layers base.conv1=1216 base.conv2=12832 base.fc1=1602000 \
+base.fc2=1000500 head=5010
+Join ratio / total clients: 1.0 / 2
+
+-------------Round number: 0-------------
+
+Evaluate heterogeneous models
+Client 0: Acc: 0.25, AUC: 0.5
+Client 1: Acc: 0.75, AUC: 0.5
+Averaged Test Accuracy: 0.6000
+Averaged Test AUC: 0.5000
+Std Test Accuracy: 0.2500
+-------------------------------------------------- 9.5
+
+-------------Round number: 1-------------
+
+Evaluate heterogeneous models
+Client 1: Acc: 0.5, AUC: 0.9
+Client 0: Acc: 1.0, AUC: 0.9
+Averaged Test Accuracy: 0.7000
+------------------------- time cost ------------------------- 8.25
+"""
+
+
+def test_reads_per_client_accuracies_and_round_times_from_htfllibs_printout():
+  rounds = load_script().read_htfllib_log(LOG)
+  assert [r['round'] for r in rounds] == [0, 1]
+  assert rounds[0]['client_accuracy'] == [0.25, 0.75]
+  assert rounds[1]['client_accuracy'] == [1.0, 0.5]  # in client order, as printed or not
+  assert rounds[0]['mean_accuracy'] == pytest.approx(0.5)  # unweighted
+  assert rounds[0]['weighted_accuracy'] == 0.6  # HtFLlib's own (sample-weighted)
+  assert [r['seconds'] for r in rounds] == [9.5, 8.25]
+
+
+def test_a_round_without_every_client_is_a_failure():
+  ah = load_script()
+  with pytest.raises(ah.Failure, match='clients \\[1\\]'):
+    ah.read_htfllib_log(LOG.replace('Client 0: Acc: 0.25, AUC: 0.5\n', ''))
+
+
+def test_config_mapping_passes_our_values_and_lists_what_differs():
+  ah = load_script()
+  args, unmatched = ah.htfllib_args(ah.our_config('fml', 0.05, 20), 20)
+  flags = dict(zip(args[::2], args[1::2]))
+  assert flags == {'-data': ah.DATASET, '-ncl': '10', '-m': 'HtFE-img-2', '-algo': 'FML',
+                   '-nc': '10', '-jr': '1.0', '-lbs': '512', '-lr': '0.05', '-ls': '1',
+                   '-gr': '20', '-fd': '500', '-eg': '1', '-t': '1', '-dev': 'cpu',
+                   '-go': 'against_fedssa_jax', '-al': '0.5', '-bt': '0.5'}
+  assert any('KLDivLoss' in u for u in unmatched)
+  assert not any(u.startswith(('optimizer', 'gradient clip', 'augmentation')) for u in unmatched)
+  for method, extra in (('fd', {'-lam': '1.0'}), ('fedproto', {'-lam': '1.0'}),
+                        ('fedkd', {'-mlr': '0.05', '-Ts': '0.95', '-Te': '0.98'}),
+                        ('standalone', {}), ('lg_fedavg', {})):
+    args, _ = ah.htfllib_args(ah.our_config(method, 0.05, 20), 20)
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags['-algo'] == ah.ALGORITHMS[method]
+    assert {k: flags[k] for k in extra} == extra and len(flags) == 15 + len(extra)
+  # The matching flags of our side.
+  c = ah.our_config('fedkd', 0.05, 20)
+  assert (c.optimizer.momentum, c.optimizer.weight_decay, c.optimizer.clip_norm) == (0, 0, 10)
+  assert not c.augment and c.local_epochs == 1 and c.num_rounds == 20
+  assert ah.our_config('fedproto', 0.05, 20).fedproto.inference == 'prototype'
+  assert ah.our_config('fd', 0.05, 20).optimizer.clip_norm == 0
+
+
+def test_our_defaults_are_listed_as_differences():
+  ah = load_script()
+  from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.build('cifar10', 'hetero,n10')
+  c.method = 'lg_fedavg'
+  c.lg_fedavg.weighting = 'uniform'
+  _, unmatched = ah.htfllib_args(c, 20)
+  text = '\n'.join(unmatched)
+  for what in ('momentum 0.9', 'gradient clip: ours 50.0', 'augmentation',
+               'LG-FedAvg header mean'):
+    assert what in text
+  c.method = 'fedclassavg'
+  with pytest.raises(ah.Failure, match='no HtFLlib counterpart'):
+    ah.htfllib_args(c, 20)
+
+
+def test_models_are_checked_layer_by_layer():
+  ah = load_script()
+  ours = ah.our_layer_sizes()
+  # CNN-1 by hand: conv 5x5 3->16, conv 5x5 16->32, fc 800->2000, fc 2000->500, head 500->10.
+  assert ours['cnn1'] == {'conv1': 3 * 16 * 25 + 16, 'conv2': 16 * 32 * 25 + 32,
+                          'fc1': 800 * 2000 + 2000, 'fc2': 2000 * 500 + 500, 'fc3': 5010}
+  lines = '\n'.join(
+      f'against_htfllib runner: {f} layers base.conv1={s["conv1"]} base.conv2={s["conv2"]} '
+      f'base.fc1={s["fc1"]} base.fc2={s["fc2"]} head={s["fc3"]}' for f, s in ours.items())
+  ah.check_layer_sizes(lines, ours)
+  with pytest.raises(ah.Failure, match='cnn2'):
+    ah.check_layer_sizes(lines.replace('base.conv2=6416', 'base.conv2=6417'), ours)
+  with pytest.raises(ah.Failure, match='cnn5'):
+    ah.check_layer_sizes(lines.rsplit('\n', 1)[0], ours)
+
+
+def test_bad_input_gets_a_short_message(tmp_path, capsys):
+  ah = load_script()
+  for argv, what in (([f'--htfllib={tmp_path}'], 'holds no system/main.py'),
+                     (['--htfllib=x', '--methods=fedssa'], "'fedssa' is not shared")):
+    with pytest.raises(SystemExit) as exit_:
+      ah.main(argv + [f'--out={tmp_path / "out"}'])
+    message = str(exit_.value.code)
+    assert message.startswith('against_htfllib: ') and what in message and '\n' not in message
+  assert not capsys.readouterr().out
+  fake = tmp_path / 'python'
+  fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+  fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+  with pytest.raises(ah.Failure, match='pip install torch torchvision h5py'):
+    ah.check_htfllib_python(str(fake))
