@@ -1,8 +1,13 @@
-"""The shared baselines run by HtFLlib's own code and by this simulator, on one partition.
+"""The methods shared with HtFLlib, run by its own code and by this simulator, on one partition.
 
-  python launch/against_htfllib.py --htfllib=/path/to/HtFLlib \\
+  python launch/against_htfllib.py --htfllib=/path/to/HtFLlib --htfllib_fd=/path/to/HtFLlib-fd \\
       --htfllib_python=/tmp/venv-torch/bin/python --data_dir=$HOME/tensorflow_datasets \\
-      --methods=standalone,fd,fedproto,lg_fedavg,fml,fedkd --rounds=20 --out=results/htfllib
+      --methods=standalone,fd,fedproto,lg_fedavg,fml,fedkd --rounds=20 --seeds=0,1 \\
+      --out=results/against_htfllib --scratch=/tmp/against_htfllib
+
+Methods (ours -> HtFLlib's -algo): standalone -> Local, fd -> FD, fedproto -> FedProto,
+lg_fedavg -> LG-FedAvg, fml -> FML, fedkd -> FedKD, fedgh -> FedGH, fedtgp -> FedTGP,
+fedmrl -> FedMRL, fedl2g -> FedL2G-feat.
 
 HtFLlib (github.com/TsingZ0/HtFLlib) runs unchanged from the checkout that `--htfllib` names, with
 a Python that has torch, torchvision, h5py and scikit-learn (`--htfllib_python`; a venv of its
@@ -34,8 +39,16 @@ decay 0, no clip except FML's and FedKD's 10, which HtFLlib hard-codes), without
 (HtFLlib has none), at `--lr` (default 0.05: our default step, 0.005 with momentum 0.9, is
 0.05 in plain SGD terms). Batch 512, E=1, N=10, C=100% and each method's hyperparameters are
 passed to HtFLlib from our config. FedProto is compared on the nearest global prototype, the
-accuracy HtFLlib reports for it (ours: `fedproto.inference=prototype`). What could not be
-matched is printed at the start and written to the results (`UNMATCHED`).
+accuracy HtFLlib reports for it (ours: `fedproto.inference=prototype`). Where HtFLlib's code
+does what one of our documented options does, our side takes that option (`HTFLLIB_BEHAVIOUR`:
+FedTGP's pre-training prototypes and prototype accuracy, FedMRL's pooled shared model, uniform
+mean and projector that is never saved, FedL2G without warm-up, since HtFLlib prints no round
+before it), and HtFLlib's server-side training reuses the local batch (FedGH, FedTGP) and lr
+(FedTGP), as does FedL2G's quiz set. What could not be matched is printed at the start and
+written to the results (`UNMATCHED`).
+
+Seeds: `--seeds` runs our side at each seed (the partition stays seed 0's); HtFLlib seeds
+itself (torch.manual_seed(0) before every client), so it runs once.
 
 The same metric. HtFLlib prints each client's test accuracy at the start of round r (its round
 0 is the initial models), after r rounds of training; ours, metrics.jsonl's `client_accuracy`
@@ -89,10 +102,12 @@ Failure = side_by_side.Failure
 
 # Our method -> HtFLlib's -algo.
 ALGORITHMS = {'standalone': 'Local', 'fd': 'FD', 'fedproto': 'FedProto',
-              'lg_fedavg': 'LG-FedAvg', 'fml': 'FML', 'fedkd': 'FedKD'}
+              'lg_fedavg': 'LG-FedAvg', 'fml': 'FML', 'fedkd': 'FedKD', 'fedgh': 'FedGH',
+              'fedtgp': 'FedTGP', 'fedmrl': 'FedMRL', 'fedl2g': 'FedL2G-feat'}
 SHARED_METHODS = tuple(ALGORITHMS)
-# HtFLlib clips the gradient norm of each model at 10 in FML and FedKD, and nowhere else.
-HTFLLIB_CLIP = {'fml': 10.0, 'fedkd': 10.0}
+# HtFLlib clips the local gradient norm of each model at 10 in FML and FedKD and at 100 in
+# FedL2G's local training, and nowhere else.
+HTFLLIB_CLIP = {'fml': 10.0, 'fedkd': 10.0, 'fedl2g': 100.0}
 
 # Differences that no argument of either side removes, by method ('*' for all).
 UNMATCHED = {
@@ -110,21 +125,59 @@ UNMATCHED = {
     'fd': ['HtFLlib\'s FD broadcasts every class\'s global logits; ours sends each client its '
            'seen classes\' (the same training, counted floats differ).'],
     'fml': ['KL reduction: HtFLlib\'s nn.KLDivLoss() averages over batch x classes (1/C of the '
-            'batchmean KL that ours and the FML paper use).'],
-    'fedkd': ['HtFLlib\'s nn.KLDivLoss() averages over batch x classes (1/C of the batchmean '
-              'KL of ours); the SVD compression of the mentee\'s update follows each code.'],
+            'batchmean KL that ours and the FML paper use).',
+            'KL targets: HtFLlib does not detach them, so each model also gets the other\'s '
+            'loss gradients; ours (and the FML paper\'s code) detach them.'],
+    'fedkd': ['compression: HtFLlib compresses the mentee\'s parameters (conv kernels as 4-D '
+              'SVDs) and each client takes the averaged reconstruction; ours compresses the '
+              'update (conv kernels as [O, I*25]) and adds it to the global mentee.',
+              'energy schedule: HtFLlib T_t = start + (end - start) t/R; ours (t + 1)/R.'],
+    'fedgh': ['HtFLlib\'s global header starts as client 0\'s initial head; ours is drawn '
+              'from the server\'s key.',
+              'HtFLlib\'s prototype pass drops the last partial batch (its loader\'s '
+              'drop_last); ours averages every training sample.'],
+    'fedtgp': ['HtFLlib\'s prototypes leave out the last partial batch (drop_last); ours do '
+               'not.',
+               'HtFLlib takes sqrt of the prototype distances with no floor (a NaN gradient at '
+               'distance 0); ours floors them at 1e-12.',
+               'The TGP network\'s initial weights come from torch\'s RNG there, our server '
+               'key here.'],
+    'fedmrl': ['HtFLlib\'s projectors start equal on every client (torch.manual_seed(0) before '
+               'each); ours are drawn per client.'],
+    'fedl2g': ['HtFLlib uploads the guiding-vector rows whose gradient is non-zero; ours the '
+               'rows of the classes the client holds.',
+               'The study batch is drawn by each side\'s own RNG.'],
+}
+
+# What our side sets, beyond the optimizer, to do what HtFLlib's code does (each is a documented
+# option of ours; the value HtFLlib's code fixes is named in docs/algorithm.md).
+HTFLLIB_BEHAVIOUR = {
+    'fedproto': {'fedproto.inference': 'prototype'},  # HtFLlib reports the nearest prototype
+    'fedtgp': {'fedtgp.inference': 'prototype', 'fedtgp.proto_timing': 'pre_train'},
+    'fedmrl': {'fedmrl.shared_model': 'pool', 'fedmrl.aggregation': 'uniform',
+               'fedmrl.reset_projector': True},
+    # A 20-round run has no room for the 50 warm-up rounds: HtFLlib prints nothing before them.
+    'fedl2g': {'fedl2g.warmup': 0},
 }
 
 
-def our_overrides(method: str, lr: float, rounds: int) -> list[str]:
+
+def our_overrides(method: str, lr: float, rounds: int, batch_size: int = 512) -> list[str]:
   """--config.* flags that set our side to HtFLlib's fixed choices, for `method`."""
   flags = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
            'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
            'optimizer.weight_decay': 0.0,
            'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
            'checkpoint_every': rounds, 'checkpoint_keep': 1}
-  if method == 'fedproto':
-    flags['fedproto.inference'] = 'prototype'  # what HtFLlib's FedProto reports
+  flags.update(HTFLLIB_BEHAVIOUR.get(method, {}))
+  # HtFLlib's server-side training reuses the local batch size (and FedTGP's the local lr), and
+  # FedL2G's quiz set is one local batch.
+  if method == 'fedgh':
+    flags['fedgh.server_batch'] = batch_size
+  elif method == 'fedtgp':
+    flags.update({'fedtgp.server_batch': batch_size, 'fedtgp.server_lr': lr})
+  elif method == 'fedl2g':
+    flags['fedl2g.quiz_size'] = batch_size
   return [f'--config.{k}={v}' for k, v in flags.items()]
 
 
@@ -166,6 +219,22 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
   elif method == 'fedkd':
     args += ['-mlr', str(o.lr), '-Ts', str(config.fedkd.energy_start),
              '-Te', str(config.fedkd.energy_end)]
+  elif method == 'fedgh':
+    args += ['-se', str(config.fedgh.server_epochs), '-slr', str(config.fedgh.server_lr)]
+  elif method == 'fedtgp':
+    args += ['-lam', str(config.fedtgp.lam), '-se', str(config.fedtgp.server_epochs),
+             '-mart', str(config.fedtgp.margin_cap)]
+  elif method == 'fedmrl':
+    args += ['-sfd', str(config.fedmrl.d1)]
+  elif method == 'fedl2g':
+    # One study batch and one quiz batch of the local batch size (HtFLlib's -mdb, -mqb).
+    from fedssa_jax.methods import fedl2g  # pylint: disable=g-import-not-at-top
+    server_lr = config.fedl2g.server_lr
+    if server_lr is None:
+      server_lr = fedl2g.SERVER_LRS[config.fedl2g.variant]
+    args[args.index('FedL2G-feat')] = f'FedL2G-{config.fedl2g.variant}'
+    args += ['-slr', str(server_lr), '-wu',
+             str(config.fedl2g.warmup), '-mdb', '1', '-mqb', '1']
   unmatched = list(UNMATCHED['*']) + list(UNMATCHED.get(method, []))
   if o.name != 'sgd' or o.momentum or o.weight_decay:
     unmatched.append(f'optimizer: ours {o.name} momentum {o.momentum} weight decay '
@@ -480,17 +549,20 @@ def run_htfllib(args, method, system, scratch):
   return rounds[:args.rounds + 1]
 
 
-def run_ours(args, method, scratch):
-  workdir = os.path.join(scratch, f'ours_{method}')
-  metrics = os.path.join(args.out, f'ours_{method}.jsonl')
+def run_ours(args, method, scratch, seed):
+  """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
+  name = f'ours_{method}' + (f'_seed{seed}' if seed else '')
+  workdir = os.path.join(scratch, name)
+  metrics = os.path.join(args.out, f'{name}.jsonl')
   if not os.path.isfile(metrics):
     cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={CONFIG}',
-           f'--config.data_dir={args.data_dir}', f'--config.seed={args.seed}',
-           f'--workdir={workdir}', *our_overrides(method, args.lr, args.rounds)]
+           f'--config.data_dir={args.data_dir}', f'--config.seed={seed}',
+           '--config.partition.seed=0', f'--workdir={workdir}',
+           *our_overrides(method, args.lr, args.rounds)]
     env = dict(os.environ, JAX_PLATFORMS='cpu')
     env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
-    side_by_side._run_logged(cmd, os.path.join(args.out, f'ours_{method}.log'), REPO, env,
-                             f'fedssa_jax.main ({method})')
+    side_by_side._run_logged(cmd, os.path.join(args.out, f'{name}.log'), REPO, env,
+                             f'fedssa_jax.main ({method}, seed {seed})')
     os.replace(os.path.join(workdir, 'metrics.jsonl'), metrics)
   with open(metrics) as f:
     records = [json.loads(line) for line in f if line.strip()]
@@ -504,25 +576,28 @@ def steady(seconds):
   return float(np.mean(s)) if s else float('nan')
 
 
-def compare(method, htfl, ours, checkpoints=(5, 10, 15, 20)):
-  """The per-method summary: both curves at `checkpoints`, their difference, and s/round."""
+def compare(method, htfl, ours_by_seed, checkpoints=(5, 10, 15, 20)):
+  """The per-method summary: HtFLlib's curve and ours (the mean over our seeds, each seed's
+  beside it) at `checkpoints`, their difference, and the steady s/round of both (ours: the
+  first seed's run)."""
   theirs = {r['round']: r for r in htfl}
-  mine = {r['round']: r for r in ours}
+  mine = [{r['round']: r for r in ours} for ours in ours_by_seed]
   rows = []
   for r in checkpoints:
-    if r in theirs and r in mine:
+    if r in theirs and all(r in m for m in mine):
+      seeds = [m[r]['mean_accuracy'] for m in mine]
       rows.append({'round': r, 'htfllib': theirs[r]['mean_accuracy'],
                    'htfllib_weighted': theirs[r]['weighted_accuracy'],
-                   'ours': mine[r]['mean_accuracy'],
-                   'difference': mine[r]['mean_accuracy'] - theirs[r]['mean_accuracy']})
+                   'ours': float(np.mean(seeds)), 'ours_seeds': seeds,
+                   'difference': float(np.mean(seeds)) - theirs[r]['mean_accuracy']})
   # HtFLlib's round r is the evaluation at its start plus the training r -> r + 1.
   t_htfl = steady([r['seconds'] for r in htfl])
-  t_ours = steady([r['seconds'] for r in ours])
+  t_ours = steady([r['seconds'] for r in ours_by_seed[0]])
   return {'method': method, 'algorithm': ALGORITHMS[method], 'rows': rows,
           'htfllib_seconds_per_round': t_htfl, 'ours_seconds_per_round': t_ours,
           'speedup': t_htfl / t_ours,
           'htfllib_curve': [r['mean_accuracy'] for r in htfl],
-          'ours_curve': [None] + [r['mean_accuracy'] for r in ours]}
+          'ours_curves': [[None] + [r['mean_accuracy'] for r in ours] for ours in ours_by_seed]}
 
 
 def print_table(results):
@@ -549,8 +624,9 @@ def plot(results, path):
   for ax, res in zip(axes.flat, results):
     h = res['htfllib_curve']
     ax.plot(range(len(h)), h, label='HtFLlib', color='tab:orange')
-    o = res['ours_curve']
-    ax.plot(range(1, len(o)), o[1:], label='fedssa_jax', color='tab:blue')
+    for i, o in enumerate(res['ours_curves']):
+      ax.plot(range(1, len(o)), o[1:], color='tab:blue', alpha=1.0 if i == 0 else 0.4,
+              label='fedssa_jax' if i == 0 else None)
     ax.set_title(f'{res["method"]} ({res["algorithm"]})')
     ax.set_xlabel('round')
     ax.set_ylabel('mean client accuracy')
@@ -576,13 +652,18 @@ def main(argv=None):
                  help=f'comma-separated, of {", ".join(SHARED_METHODS)}')
   p.add_argument('--rounds', type=int, default=20)
   p.add_argument('--lr', type=float, default=0.05, help='plain SGD learning rate, both sides')
-  p.add_argument('--seed', type=int, default=0, help='our seed (HtFLlib seeds itself)')
+  p.add_argument('--seeds', default='0', help='our seeds, comma-separated (HtFLlib seeds '
+                 'itself); the partition is seed 0\'s for all')
   p.add_argument('--out', default='results/against_htfllib',
                  help='logs, metrics, results.json and the figure; methods already there are '
                  'not run again')
   p.add_argument('--scratch', help='data and run folders (default: <out>/scratch)')
   args = p.parse_args(argv)
   methods = [m.strip() for m in args.methods.split(',') if m.strip()]
+  try:
+    seeds = [int(v) for v in args.seeds.split(',') if v.strip()]
+  except ValueError:
+    p.error(f'--seeds must be comma-separated integers, got {args.seeds!r}')
   try:
     for m in methods:
       if m not in ALGORITHMS:
@@ -599,7 +680,7 @@ def main(argv=None):
               'ours_commit': side_by_side._git_head(REPO, code=('fedssa_jax', 'configs')),
               'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
               'torch': torch_version, 'cpus': os.cpu_count(), 'config': CONFIG,
-              'lr': args.lr, 'rounds': args.rounds, 'seed': args.seed}
+              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds}
     print(json.dumps(header, indent=1), flush=True)
     info = prepare_data(args, scratch)
     results = []
@@ -607,7 +688,7 @@ def main(argv=None):
       _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds), args.rounds)
       print(f'\n{m}: not matched:\n  - ' + '\n  - '.join(unmatched), flush=True)
       htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
-      ours = run_ours(args, m, scratch)
+      ours = [run_ours(args, m, scratch, seed) for seed in seeds]
       res = compare(m, htfl, ours)
       res['unmatched'] = unmatched
       results.append(res)

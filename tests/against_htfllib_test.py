@@ -102,6 +102,10 @@ def test_config_mapping_passes_our_values_and_lists_what_differs():
   assert not any(u.startswith(('optimizer', 'gradient clip', 'augmentation')) for u in unmatched)
   for method, extra in (('fd', {'-lam': '1.0'}), ('fedproto', {'-lam': '1.0'}),
                         ('fedkd', {'-mlr': '0.05', '-Ts': '0.95', '-Te': '0.98'}),
+                        ('fedgh', {'-se': '1', '-slr': '0.01'}),
+                        ('fedtgp', {'-lam': '10.0', '-se': '100', '-mart': '100.0'}),
+                        ('fedmrl', {'-sfd': '128'}),
+                        ('fedl2g', {'-slr': '100.0', '-wu': '0', '-mdb': '1', '-mqb': '1'}),
                         ('standalone', {}), ('lg_fedavg', {})):
     args, _ = ah.htfllib_args(ah.our_config(method, 0.05, 20), 20)
     flags = dict(zip(args[::2], args[1::2]))
@@ -113,6 +117,13 @@ def test_config_mapping_passes_our_values_and_lists_what_differs():
   assert not c.augment and c.local_epochs == 1 and c.num_rounds == 20
   assert ah.our_config('fedproto', 0.05, 20).fedproto.inference == 'prototype'
   assert ah.our_config('fd', 0.05, 20).optimizer.clip_norm == 0
+  # HtFLlib's server training reuses the local batch (and FedTGP's the local lr).
+  c = ah.our_config('fedtgp', 0.05, 20)
+  assert (c.fedtgp.server_batch, c.fedtgp.server_lr) == (512, 0.05)
+  assert (c.fedtgp.inference, c.fedtgp.proto_timing) == ('prototype', 'pre_train')
+  assert ah.our_config('fedmrl', 0.05, 20).fedmrl.reset_projector is True
+  c = ah.our_config('fedl2g', 0.05, 20)
+  assert (c.fedl2g.warmup, c.fedl2g.quiz_size, c.optimizer.clip_norm) == (0, 512, 100)
 
 
 def test_our_defaults_are_listed_as_differences():
