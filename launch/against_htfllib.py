@@ -58,7 +58,7 @@ after round r. The headline is the unweighted mean over clients for both; HtFLli
 Speed: HtFLlib's per-round seconds are those it prints (its `Budget`: the evaluation at the
 round's start, the clients' training one after another and the server's step); ours are
 metrics.jsonl's `round_seconds` (training, server and the evaluation of every client). The
-steady state is the mean after the first round, which compiles here. Each side uses its
+steady state is the median after the first round, which compiles here. Each side uses its
 library's default threads.
 
 What the runner changes in HtFLlib at run time (the checkout's files are untouched; Python
@@ -73,7 +73,10 @@ model files and results land in the scratch folder):
   - the modules of FedKTL's three servers and FedL2G's two, which are not run here, are replaced
     by empty ones where they cannot be imported (they need StyleGAN or Stable Diffusion files,
     or the `higher` package); the runner's log names each one left out.
-Nothing else: HtFLlib's training, aggregation, evaluation and logging run as written.
+Nothing else: HtFLlib's training, aggregation, evaluation and logging run as written. One
+diagnostic changes more, only when asked: `--htfllib_loader=shuffled` makes its training
+loaders reshuffle every epoch and keep the last partial batch (as ours), to measure what its
+fixed batch order and dropped samples do to a curve.
 
 FD: HtFLlib's FD since commit ca3e29a (29 Nov 2025) gives the raw global logits to
 CrossEntropyLoss as if they were probabilities; docs/algorithm.md rejects that version. Pass the
@@ -455,6 +458,18 @@ for k, (family, _, _) in enumerate(FAMILIES):
     sizes[layer] = sizes.get(layer, 0) + p.numel()
   print(f'against_htfllib runner: {family} layers '
         + ' '.join(f'{k}={v}' for k, v in sizes.items()), flush=True)
+if os.environ.get('AGAINST_HTFLLIB_LOADER') == 'shuffled':  # a diagnostic (--htfllib_loader)
+  import flcore.clients.clientbase as clientbase
+  from torch.utils.data import DataLoader
+  from utils.data_utils import read_client_data
+
+  def _load_train_data(self, batch_size=None):
+    train = read_client_data(self.dataset, self.id, is_train=True, few_shot=self.few_shot)
+    return DataLoader(train, batch_size or self.batch_size, drop_last=False, shuffle=True)
+
+  clientbase.Client.load_train_data = _load_train_data
+  print('against_htfllib runner: training loaders reshuffle every epoch and keep the last '
+        'partial batch', flush=True)
 print(f'against_htfllib runner: torch {torch.__version__}, {torch.get_num_threads()} threads',
       flush=True)
 script = os.path.join(system, 'main.py')
@@ -522,8 +537,12 @@ def prepare_data(args, scratch):
   return info
 
 
+def _suffix(args):
+  return '' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}'
+
+
 def run_htfllib(args, method, system, scratch):
-  log_path = os.path.join(args.out, f'htfllib_{method}.log')
+  log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args)}.log')
   if not os.path.isfile(log_path + '.done'):
     config = our_config(method, args.lr, args.rounds)
     argv, _ = htfllib_args(config, args.rounds)
@@ -535,7 +554,7 @@ def run_htfllib(args, method, system, scratch):
     work = os.path.join(scratch, 'htfllib', 'system')
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1', CUDA_VISIBLE_DEVICES='',
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1')
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1', AGAINST_HTFLLIB_LOADER=args.htfllib_loader)
     side_by_side._run_logged([args.htfllib_python, runner, system, *argv], log_path, work, env,
                              f'HtFLlib ({method})')
     os.rename(log_path, log_path + '.done')
@@ -572,8 +591,10 @@ def run_ours(args, method, scratch, seed):
 
 
 def steady(seconds):
+  """The median s/round after the first round (which compiles here): the median, so that a
+  round slowed by other work on the machine does not move it."""
   s = [t for t in seconds[1:] if t is not None]
-  return float(np.mean(s)) if s else float('nan')
+  return float(np.median(s)) if s else float('nan')
 
 
 def compare(method, htfl, ours_by_seed, checkpoints=(5, 10, 15, 20)):
@@ -590,6 +611,18 @@ def compare(method, htfl, ours_by_seed, checkpoints=(5, 10, 15, 20)):
                    'htfllib_weighted': theirs[r]['weighted_accuracy'],
                    'ours': float(np.mean(seeds)), 'ours_seeds': seeds,
                    'difference': float(np.mean(seeds)) - theirs[r]['mean_accuracy']})
+  # The mean over the last five rounds: single rounds swing by a few points (HtFLlib's fixed
+  # batch order makes its curve jagged), so this is the steadier figure to compare.
+  last = [r for r in checkpoints[-1:] if r in theirs and all(r in m for m in mine)]
+  if last and last[0] >= 5:
+    window = range(last[0] - 4, last[0] + 1)
+    h5 = float(np.mean([theirs[r]['mean_accuracy'] for r in window]))
+    o5 = [float(np.mean([m[r]['mean_accuracy'] for r in window])) for m in mine]
+    rows.append({'round': f'{window[0]}-{window[-1]}', 'htfllib': h5,
+                 'htfllib_weighted': float(np.mean([theirs[r]['weighted_accuracy']
+                                                    for r in window])),
+                 'ours': float(np.mean(o5)), 'ours_seeds': o5,
+                 'difference': float(np.mean(o5)) - h5})
   # HtFLlib's round r is the evaluation at its start plus the training r -> r + 1.
   t_htfl = steady([r['seconds'] for r in htfl])
   t_ours = steady([r['seconds'] for r in ours_by_seed[0]])
@@ -608,6 +641,24 @@ def print_table(results):
                       f'({100 * row["difference"]:+.1f})' for row in res['rows'])
     print(f'  {res["method"]:<11} {cells}  |  {res["htfllib_seconds_per_round"]:.1f} s vs '
           f'{res["ours_seconds_per_round"]:.1f} s = {res["speedup"]:.1f}x', flush=True)
+
+
+def markdown(results) -> str:
+  """The accuracy and speed tables, as docs/results.md shows them."""
+  pct = lambda v: f'{100 * v:+.1f}'
+  out = ['| method (HtFLlib) | rounds | HtFLlib | HtFLlib, weighted | ours | ours by seed | '
+         'ours - HtFLlib, points |', '|---|---|---|---|---|---|---|']
+  for res in results:
+    for row in res['rows']:
+      seeds = ', '.join(f'{v:.4f}' for v in row['ours_seeds'])
+      out.append(f'| {res["method"]} ({res["algorithm"]}) | {row["round"]} | '
+                 f'{row["htfllib"]:.4f} | {row["htfllib_weighted"]:.4f} | {row["ours"]:.4f} | '
+                 f'{seeds} | {pct(row["difference"])} |')
+  out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours |', '|---|---|---|---|']
+  for res in results:
+    out.append(f'| {res["method"]} | {res["htfllib_seconds_per_round"]:.1f} | '
+               f'{res["ours_seconds_per_round"]:.1f} | {res["speedup"]:.2f}x |')
+  return '\n'.join(out) + '\n'
 
 
 def plot(results, path):
@@ -652,6 +703,10 @@ def main(argv=None):
                  help=f'comma-separated, of {", ".join(SHARED_METHODS)}')
   p.add_argument('--rounds', type=int, default=20)
   p.add_argument('--lr', type=float, default=0.05, help='plain SGD learning rate, both sides')
+  p.add_argument('--htfllib_loader', default='as_written', choices=('as_written', 'shuffled'),
+                 help='a diagnostic: "shuffled" patches HtFLlib\'s training loaders to reshuffle '
+                 'every epoch and keep the last partial batch, as ours do (its logs and results '
+                 'get the suffix _shuffled)')
   p.add_argument('--seeds', default='0', help='our seeds, comma-separated (HtFLlib seeds '
                  'itself); the partition is seed 0\'s for all')
   p.add_argument('--out', default='results/against_htfllib',
@@ -680,7 +735,8 @@ def main(argv=None):
               'ours_commit': side_by_side._git_head(REPO, code=('fedssa_jax', 'configs')),
               'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
               'torch': torch_version, 'cpus': os.cpu_count(), 'config': CONFIG,
-              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds}
+              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds,
+              'htfllib_loader': args.htfllib_loader}
     print(json.dumps(header, indent=1), flush=True)
     info = prepare_data(args, scratch)
     results = []
@@ -696,10 +752,12 @@ def main(argv=None):
   except Failure as e:
     sys.exit(f'against_htfllib: {e}')
   print_table(results)
-  with open(os.path.join(args.out, 'results.json'), 'w') as f:
+  with open(os.path.join(args.out, f'results{_suffix(args)}.json'), 'w') as f:
     json.dump({**header, 'partition': info.get('fingerprint'), 'finished': time.ctime(),
                'results': results}, f, indent=1)
-  plot(results, os.path.join(args.out, 'curves.png'))
+  with open(os.path.join(args.out, f'results{_suffix(args)}.md'), 'w') as f:
+    f.write(markdown(results))
+  plot(results, os.path.join(args.out, f'curves{_suffix(args)}.png'))
 
 
 if __name__ == '__main__':

@@ -172,3 +172,25 @@ def test_bad_input_gets_a_short_message(tmp_path, capsys):
   fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
   with pytest.raises(ah.Failure, match='pip install torch torchvision h5py'):
     ah.check_htfllib_python(str(fake))
+
+
+def test_compare_puts_both_curves_side_by_side():
+  ah = load_script()
+  # HtFLlib's rounds 0..20 (round 0: the initial models); ours 1..20 at two seeds.
+  theirs = [{'round': r, 'mean_accuracy': r / 100, 'weighted_accuracy': r / 100 + 0.001,
+             'seconds': 9.0 if r != 3 else 30.0} for r in range(21)]
+  ours = [[{'round': r, 'mean_accuracy': r / 100 + d, 'seconds': 40.0 if r == 1 else 7.0}
+           for r in range(1, 21)] for d in (0.01, 0.03)]
+  res = ah.compare('fd', theirs, ours)
+  rows = {row['round']: row for row in res['rows']}
+  assert list(rows) == [5, 10, 15, 20, '16-20']
+  assert rows[20]['htfllib'] == 0.2 and rows[20]['ours_seeds'] == [0.21, 0.23]
+  assert rows[20]['difference'] == pytest.approx(0.02)
+  assert rows['16-20']['htfllib'] == pytest.approx(0.18)
+  assert rows['16-20']['ours'] == pytest.approx(0.20)
+  # Medians after the first round: a slow round (other work) does not move them.
+  assert (res['htfllib_seconds_per_round'], res['ours_seconds_per_round']) == (9.0, 7.0)
+  assert res['speedup'] == pytest.approx(9 / 7)
+  table = ah.markdown([res])
+  assert '| fd (FD) | 20 | 0.2000 | 0.2010 | 0.2200 | 0.2100, 0.2300 | +2.0 |' in table
+  assert '| fd | 9.0 | 7.0 | 1.29x |' in table
