@@ -184,7 +184,7 @@ def test_compare_puts_both_curves_side_by_side():
   res = ah.compare('fd', theirs, ours)
   rows = {row['round']: row for row in res['rows']}
   assert list(rows) == [5, 10, 15, 20, '16-20']
-  assert rows[20]['htfllib'] == 0.2 and rows[20]['ours_seeds'] == [0.21, 0.23]
+  assert rows[20]['htfllib'] == 0.2 and rows[20]['ours_seeds'] == pytest.approx([0.21, 0.23])
   assert rows[20]['difference'] == pytest.approx(0.02)
   assert rows['16-20']['htfllib'] == pytest.approx(0.18)
   assert rows['16-20']['ours'] == pytest.approx(0.20)
