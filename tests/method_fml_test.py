@@ -154,3 +154,42 @@ def test_engine_round_trip(small_sim):
   assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved
   ev = sim.evaluate(state)
   assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN
+
+
+def test_htfllib_variant_divides_kl_by_c_and_keeps_the_targets_gradients():
+  c = config_lib.base_config('cifar10')
+  c.model.conv_impl = 'im2col'
+  c.fml.alpha, c.fml.beta = 0.3, 0.6
+  c.fml.kl_reduction, c.fml.detach_targets = 'mean', False
+  method = fml.FML(c, 2, C)
+  own = models.make_model('cnn5', C, 'im2col')
+  mp, mm = random_params(own, 0), random_params(method.meme_model, 1)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(3, 32, 32, 3)), jnp.float32)
+  y = jnp.asarray([0, 2, 3], jnp.int32)
+  valid = jnp.asarray([True, True, False])
+
+  def ours(mp, mm):
+    return method.loss(own.apply, {'model': mp, 'meme': mm}, (), (x,), y, valid)[0]
+
+  def by_hand(mp, mm):  # HtFLlib's clientfml: KLDivLoss() ('mean' over B x C), no detach
+    lz = jax.nn.log_softmax(own.apply({'params': mp}, x[:2])[0])
+    lm = jax.nn.log_softmax(method.meme_model.apply({'params': mm}, x[:2])[0])
+    ce = -jnp.mean(lz[jnp.arange(2), y[:2]])
+    ce_m = -jnp.mean(lm[jnp.arange(2), y[:2]])
+    kl_loc = jnp.mean(jnp.exp(lm) * (lm - lz))   # mean over B x C
+    kl_meme = jnp.mean(jnp.exp(lz) * (lz - lm))
+    return 0.3 * ce + 0.7 * kl_loc + 0.6 * ce_m + 0.4 * kl_meme
+
+  (v1, g1), (v2, g2) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(mp, mm)
+                        for f in (ours, by_hand))
+  np.testing.assert_allclose(v1, v2, rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)
+  # With detached targets (the default) the local model's gradient differs.
+  method.detach_targets = True
+  g3 = jax.jit(jax.grad(ours))(mp, mm)
+  assert not np.allclose(g3['fc1']['kernel'], g1[0]['fc1']['kernel'])
+  with pytest.raises(ValueError, match='kl_reduction'):
+    c.fml.kl_reduction = 'sum'
+    fml.FML.check_config(c.fml)

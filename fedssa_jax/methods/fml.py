@@ -9,6 +9,8 @@ the two distilling into each other on every batch.
   batchmean reduction (mean over the valid samples) and detached targets (the decisions):
       L_loc  = alpha CE(z, y)  + (1 - alpha) KL(softmax(sg z_m) || softmax(z))
       L_meme = beta  CE(z_m, y) + (1 - beta) KL(softmax(sg z)  || softmax(z_m))
+  `fml.kl_reduction='mean'` divides each KL by C and `fml.detach_targets=False` keeps the
+  targets' gradients, as HtFLlib's FML does (docs/results.md, "Against HtFLlib").
   The loss returned is L_loc + L_meme: the two parameter sets are disjoint and the targets are
   detached, so each model's gradient is that of its own loss, and with one optimizer per model
   (client.local_train) this is the official code's two separate optimizers.
@@ -55,6 +57,11 @@ class FML(base.Method):
     c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.alpha = 0.5                # local model: alpha CE + (1 - alpha) KL(meme || local)
     c.beta = 0.5                 # meme: beta CE + (1 - beta) KL(local || meme)
+    # HtFLlib's variants, for comparing with its code: 'mean' divides each KL by C as its
+    # nn.KLDivLoss() does (batchmean is the FML paper's); detach_targets=False lets each model
+    # also take the gradient of the other's loss, as HtFLlib's undetached targets do.
+    c.kl_reduction = 'batchmean'  # 'batchmean' or 'mean'
+    c.detach_targets = True
     return c
 
   @classmethod
@@ -62,10 +69,15 @@ class FML(base.Method):
     for field in ('alpha', 'beta'):
       if not 0.0 <= c[field] <= 1.0:
         raise ValueError(f'fml.{field} must be in [0, 1], got {c[field]}.')
+    if c.kl_reduction not in ('batchmean', 'mean'):
+      raise ValueError(f"fml.kl_reduction must be 'batchmean' or 'mean' (HtFLlib's), got "
+                       f'{c.kl_reduction!r}.')
 
   def __init__(self, config, num_clients, num_classes, image_shape=None):
     super().__init__(config, num_clients, num_classes, image_shape)
     self.alpha, self.beta = float(config.fml.alpha), float(config.fml.beta)
+    self.kl_scale = 1.0 if config.fml.kl_reduction == 'batchmean' else 1.0 / num_classes
+    self.detach_targets = bool(config.fml.detach_targets)
     self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl,
                                         config.engine.compute_dtype, repr_dim=self.feature_dim,
                                         image_shape=self.image_shape)
@@ -86,10 +98,9 @@ class FML(base.Method):
     z_m, _ = self.meme_model.apply({'params': trainable['meme']}, x)
     ce, correct = client.ce_and_correct(z, y, valid)
     ce_m, _ = client.ce_and_correct(z_m, y, valid)
-    loss_loc = self.alpha * ce + (1 - self.alpha) * kl_batchmean(
-        jax.lax.stop_gradient(z_m), z, valid)
-    loss_meme = self.beta * ce_m + (1 - self.beta) * kl_batchmean(
-        jax.lax.stop_gradient(z), z_m, valid)
+    sg = jax.lax.stop_gradient if self.detach_targets else (lambda v: v)
+    loss_loc = self.alpha * ce + (1 - self.alpha) * self.kl_scale * kl_batchmean(sg(z_m), z, valid)
+    loss_meme = self.beta * ce_m + (1 - self.beta) * self.kl_scale * kl_batchmean(sg(z), z_m, valid)
     return loss_loc + loss_meme, (correct, {})
 
   def upload(self, trainable, acc, ctx, state, client):
