@@ -494,19 +494,10 @@ def find_htfllib(path: str, flag: str = '--htfllib') -> str:
 def check_htfllib_python(python: str) -> str:
   """The torch version of `python`, or a Failure naming how to get one."""
   fix = ('make a venv (python -m venv /tmp/venv-torch --system-site-packages && '
-         '/tmp/venv-torch/bin/pip install torch torchvision h5py scikit-learn) and pass '
+         '/tmp/venv-torch/bin/pip install torch torchvision h5py scikit-learn calmsize) and pass '
          '--htfllib_python=/tmp/venv-torch/bin/python')
-  try:
-    out = subprocess.run(
-        [python, '-c', 'import torch, torchvision, h5py, sklearn, calmsize; print(torch.__version__)'],
-        capture_output=True, text=True, check=False)
-  except OSError as e:
-    raise Failure(f'--htfllib_python={python} cannot be run ({e.strerror}): {fix}.') from None
-  if out.returncode != 0:
-    last = (out.stderr.strip().splitlines() or ['?'])[-1]
-    raise Failure(f'--htfllib_python={python} cannot import torch, torchvision, h5py, sklearn '
-                  f'and calmsize ({last}): {fix}.')
-  return out.stdout.strip()
+  return side_by_side.check_python(python, 'torch, torchvision, h5py, sklearn, calmsize',
+                                   '--htfllib_python', fix)
 
 
 # --------------------------------------------------------------------------------------------

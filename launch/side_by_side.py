@@ -153,22 +153,26 @@ def find_official(path: str) -> str:
   raise Failure(f'--official={path} holds no FedSSA/{SCRIPT}: {fix}.')
 
 
+def check_python(python: str, modules: str, flag: str, fix: str) -> str:
+  """The torch version of `python` (which must import the comma-separated `modules`), or a
+  Failure that names `flag` and how to get such a Python (`fix`)."""
+  try:
+    out = subprocess.run([python, '-c', f'import {modules}; print(torch.__version__)'],
+                         capture_output=True, text=True, check=False)
+  except OSError as e:
+    raise Failure(f'{flag}={python} cannot be run ({e.strerror}): {fix}.') from None
+  if out.returncode != 0:
+    last = (out.stderr.strip().splitlines() or ['?'])[-1]
+    raise Failure(f'{flag}={python} cannot import {modules} ({last}): {fix}.')
+  return out.stdout.strip()
+
+
 def check_official_python(python: str) -> str:
   """The torch version of `python`, or a Failure naming how to get one with torch."""
   fix = ('make a venv with torch and torchvision (python -m venv /tmp/venv-torch '
          '--system-site-packages && /tmp/venv-torch/bin/pip install torch torchvision) and pass '
          '--official_python=/tmp/venv-torch/bin/python')
-  try:
-    out = subprocess.run(
-        [python, '-c', 'import torch, torchvision, tqdm; print(torch.__version__)'],
-        capture_output=True, text=True, check=False)
-  except OSError as e:
-    raise Failure(f'--official_python={python} cannot be run ({e.strerror}): {fix}.') from None
-  if out.returncode != 0:
-    last = (out.stderr.strip().splitlines() or ['?'])[-1]
-    raise Failure(f'--official_python={python} cannot import torch, torchvision and tqdm '
-                  f'({last}): {fix}.')
-  return out.stdout.strip()
+  return check_python(python, 'torch, torchvision, tqdm', '--official_python', fix)
 
 
 def write_cifar_pickles(data_dir: str, out: str) -> None:
