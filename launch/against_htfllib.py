@@ -89,7 +89,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
