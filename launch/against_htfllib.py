@@ -33,7 +33,7 @@ and keeps conv1, conv2, fc1 and fc2 as the base, whose output is the 500-d repre
 are CNN-5 (HtFLlib's `args.global_model`), as here. `tests/against_htfllib_test.py` checks that
 each family has our parameter count, layer by layer.
 
-The same settings (`htfllib_args`, `our_overrides`). HtFLlib's optimizer is plain SGD at the
+The same settings (`htfllib_args`, `our_settings`). HtFLlib's optimizer is plain SGD at the
 learning rate `-lr`, fixed in its code; so our side runs plain SGD as well (momentum 0, weight
 decay 0, no clip except FML's and FedKD's 10, which HtFLlib hard-codes), without augmentation
 (HtFLlib has none), at `--lr` (default 0.05: our default step, 0.005 with momentum 0.9, is
@@ -111,7 +111,7 @@ SHARED_METHODS = tuple(ALGORITHMS)
 # FedL2G's local training, and nowhere else.
 HTFLLIB_CLIP = {'fml': 10.0, 'fedkd': 10.0, 'fedl2g': 100.0}
 
-# Differences that no argument of either side removes, by method ('*' for all).
+# Differences that remain in the comparison, by method ('*' for all).
 UNMATCHED = {
     '*': [
         'seeds: HtFLlib seeds torch with 0 before each client model (clients of one family start '
@@ -126,10 +126,13 @@ UNMATCHED = {
     ],
     'fd': ['HtFLlib\'s FD broadcasts every class\'s global logits; ours sends each client its '
            'seen classes\' (the same training, counted floats differ).'],
+    # Our defaults, the FML paper's; fml.kl_reduction=mean and fml.detach_targets=False are
+    # HtFLlib's (docs/results.md ran them as a diagnostic).
     'fml': ['KL reduction: HtFLlib\'s nn.KLDivLoss() averages over batch x classes (1/C of the '
-            'batchmean KL that ours and the FML paper use).',
+            'batchmean KL that ours and the FML paper use; ours with fml.kl_reduction=mean).',
             'KL targets: HtFLlib does not detach them, so each model also gets the other\'s '
-            'loss gradients; ours (and the FML paper\'s code) detach them.'],
+            'loss gradients; ours (and the FML paper\'s code) detach them (ours with '
+            'fml.detach_targets=False).'],
     'fedkd': ['compression: HtFLlib compresses the mentee\'s parameters (conv kernels as 4-D '
               'SVDs) and each client takes the averaged reconstruction; ours compresses the '
               'update (conv kernels as [O, I*25]) and adds it to the global mentee.',
@@ -163,39 +166,41 @@ HTFLLIB_BEHAVIOUR = {
 }
 
 
-
-def our_overrides(method: str, lr: float, rounds: int, batch_size: int = 512) -> list[str]:
-  """--config.* flags that set our side to HtFLlib's fixed choices, for `method`."""
-  flags = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
-           'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
-           'optimizer.weight_decay': 0.0,
-           'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
-           'checkpoint_every': rounds, 'checkpoint_keep': 1}
-  flags.update(HTFLLIB_BEHAVIOUR.get(method, {}))
+def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512) -> dict:
+  """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`."""
+  settings = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
+              'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
+              'optimizer.weight_decay': 0.0,
+              'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
+              'checkpoint_every': rounds, 'checkpoint_keep': 1}
+  settings.update(HTFLLIB_BEHAVIOUR.get(method, {}))
   # HtFLlib's server-side training reuses the local batch size (and FedTGP's the local lr), and
   # FedL2G's quiz set is one local batch.
   if method == 'fedgh':
-    flags['fedgh.server_batch'] = batch_size
+    settings['fedgh.server_batch'] = batch_size
   elif method == 'fedtgp':
-    flags.update({'fedtgp.server_batch': batch_size, 'fedtgp.server_lr': lr})
+    settings.update({'fedtgp.server_batch': batch_size, 'fedtgp.server_lr': lr})
   elif method == 'fedl2g':
-    flags['fedl2g.quiz_size'] = batch_size
-  return [f'--config.{k}={v}' for k, v in flags.items()]
+    settings['fedl2g.quiz_size'] = batch_size
+  return settings
+
+
+def our_overrides(method: str, lr: float, rounds: int) -> list[str]:
+  """our_settings as fedssa_jax.main's --config.* flags."""
+  return [f'--config.{k}={v}' for k, v in our_settings(method, lr, rounds).items()]
 
 
 def our_config(method: str, lr: float, rounds: int):
-  """Our config with `our_overrides` applied (what fedssa_jax.main runs)."""
+  """Our config with `our_settings` applied (what fedssa_jax.main runs)."""
   sys.path.insert(0, REPO)
   from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.build('cifar10', CONFIG.split(':')[1])
-  for flag in our_overrides(method, lr, rounds):
-    key, value = flag[len('--config.'):].split('=', 1)
-    node = c
+  for key, value in our_settings(method, lr, rounds).items():
     *parents, leaf = key.split('.')
+    node = c
     for p in parents:
       node = node[p]
-    old = node[leaf]
-    node[leaf] = (value == 'True') if isinstance(old, bool) else type(old)(value)
+    node[leaf] = value
   return c
 
 
