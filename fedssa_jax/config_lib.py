@@ -15,7 +15,7 @@
   tiny     a few clients, rounds and steps: for tests and smoke runs
   htfe2, htfe3, htfe4, htfe5, htfe8, htfe9
            HtFLlib's model groups HtFE-img-N (client k gets the group's family k mod N;
-           model.feature_dim 512; fedssa_jax/zoo.py)
+           model.feature_dim 512; fedssa_jax/models/zoo.py)
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from fedssa_jax import data, methods, models, zoo
+from fedssa_jax import data, methods, models
+from fedssa_jax.errors import ConfigError, DataError
+from fedssa_jax.models import zoo
 
 DATASET_DEFAULTS = {
     # number of classes, classes per client (the paper's pathological setting) and a target
@@ -156,7 +158,7 @@ def _engine_config() -> ml_collections.ConfigDict:
   e.matmul_precision = 'default'
   # Mixed precision: 'float32', or 'bfloat16' to run the models' forward and backward in
   # bfloat16 (for GPUs/TPUs). Parameters, optimizer state, gradients, losses and the server's
-  # aggregation stay float32 either way (fedssa_jax/models.py).
+  # aggregation stay float32 either way (fedssa_jax/models/cnn.py).
   e.compute_dtype = 'float32'
   # Devices of the `clients` mesh axis, over which each group's client axis is sharded:
   # 0 = every local device, 1 = one device (no sharding), n = the first n local devices.
@@ -239,10 +241,6 @@ def _default(dataset: str, field: str):
   return node
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work, with the fix in its message."""
-
-
 def _need(ok, msg) -> None:
   if not ok:
     raise ConfigError(msg)
@@ -286,7 +284,7 @@ def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
   facts = dataset_facts(c)
   try:
     data.check_image_size(c.dataset, facts.image_shape, c.image_size)
-  except data.DataError as e:
+  except DataError as e:
     raise ConfigError(str(e)) from None
   _one_of('method', c.method, methods.METHODS)
   for field, value in _numbers(c.to_dict()):

@@ -4,7 +4,7 @@
       --config.num_rounds=20 --config.local_epochs=1
 
 Rerunning a command with the same --workdir resumes the run from its newest checkpoint; while a
-run is going, its workdir is locked (fedssa_jax/workdir_lock.py). SIGTERM or SIGINT stop a run
+run is going, its workdir is locked (fedssa_jax/run/workdir_lock.py). SIGTERM or SIGINT stop a run
 after the current round and its checkpoint, with exit status 75 (train.EXIT_PREEMPTED): the
 handlers are this command's (console.StopRequests), installed around the training call only.
 
@@ -13,11 +13,11 @@ one paragraph that says what to do, without a traceback; --verbose (or FEDSSA_VE
 tracebacks and every library's logs. Exit statuses: EXIT_* below and in docs/operations.md.
 
 Several processes (hosts, or one per accelerator) run the same command and join through
-jax.distributed: see --distributed and fedssa_jax/distributed.py.
+jax.distributed: see --distributed and fedssa_jax/engine/distributed.py.
 """
 import sys
 
-from fedssa_jax import console
+from fedssa_jax.run import console
 
 if __name__ == '__main__' and not console.verbose_requested(sys.argv):
   console.import_tensorflow_quietly()
@@ -30,7 +30,9 @@ import traceback
 from absl import flags
 from ml_collections import config_flags
 
-from fedssa_jax import checkpoint, config_lib, data, distributed, train, workdir_lock
+from fedssa_jax.engine import distributed
+from fedssa_jax.errors import ConfigError, DataError
+from fedssa_jax.run import checkpoint, train, workdir_lock
 
 EXIT_FAILED = 1       # the run failed: it diverged, a checkpoint could not be written, or a bug
 EXIT_BAD_INPUT = 2    # a config, command line, data set, workdir or checkpoint that cannot work
@@ -40,8 +42,8 @@ EXIT_INTERRUPTED = 130  # a second SIGINT: stopped at once, after the last check
 
 # Errors that are the user's to fix, each with its exit status; their message is the whole story.
 USER_ERRORS = (
-    (config_lib.ConfigError, EXIT_BAD_INPUT),
-    (data.DataError, EXIT_BAD_INPUT),
+    (ConfigError, EXIT_BAD_INPUT),
+    (DataError, EXIT_BAD_INPUT),
     (checkpoint.CheckpointError, EXIT_BAD_INPUT),
     (workdir_lock.WorkdirLocked, EXIT_LOCKED),
     (train.DivergenceError, EXIT_FAILED),
@@ -64,7 +66,7 @@ def define_flags(flag_values: flags.FlagValues) -> None:
                     flag_values=flag_values)
   flags.DEFINE_bool('verbose', False, 'Tracebacks for every error, and every library\'s logs '
                     '(also FEDSSA_VERBOSE=1).', flag_values=flag_values)
-  # Many processes (fedssa_jax/distributed.py): each flag falls back to its FEDSSA_* variable.
+  # Many processes (fedssa_jax/engine/distributed.py): each flag falls back to its FEDSSA_* variable.
   flags.DEFINE_enum('distributed', 'auto', list(distributed.MODES),
                     'jax.distributed.initialize: auto (when an address below or SLURM/Open MPI '
                     'tasks say so), on (always; with no address JAX detects SLURM, Open MPI, '
@@ -88,7 +90,7 @@ def run(flag_values: flags.FlagValues):
   config = flag_values.config
   if flag_values.seeds is None:
     if flag_values.seed_workdirs is not None:
-      raise config_lib.ConfigError('--seed_workdirs goes with --seeds (one workdir per seed).')
+      raise ConfigError('--seed_workdirs goes with --seeds (one workdir per seed).')
     logging.info('Running %s on %s (%s), outputs in %s', config.method, config.dataset,
                  flag_values['config'].config_filename, flag_values.workdir)
     with console.StopRequests() as stop:
@@ -97,7 +99,7 @@ def run(flag_values: flags.FlagValues):
   workdirs = ([replica_workdir(flag_values.workdir, s) for s in seeds]
               if flag_values.seed_workdirs is None else list(flag_values.seed_workdirs))
   if len(workdirs) != len(seeds):
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'--seed_workdirs names {len(workdirs)} workdirs for {len(seeds)} --seeds: give one '
         'per seed, in the same order.')
   logging.info('Running %s on %s (%s), seeds %s packed, outputs in %s', config.method,
@@ -114,7 +116,7 @@ def seeds_of(values: list[str]) -> list[int]:
   except ValueError:
     seeds = None
   if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'--seeds={",".join(values)} must be distinct non-negative integers, e.g. --seeds=0,1,2.')
   return seeds
 

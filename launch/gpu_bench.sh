@@ -13,7 +13,7 @@ SECTIONS=${SECTIONS:-training,rounds,padding}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt" || true
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
-python -m fedssa_jax.bench --out="$OUT/bench.json" --sections="$SECTIONS" | tee "$OUT/bench.md"
+python -m fedssa_jax.run.bench --out="$OUT/bench.json" --sections="$SECTIONS" | tee "$OUT/bench.md"
 for cfg in hetero,n100 hetero,n10; do
   python launch/time_rounds.py --config="configs/cifar10.py:$cfg" --synthetic \
     --config.local_epochs=5 --rounds="$ROUNDS" --eval_every=50 | tee "$OUT/rounds_$cfg.txt"

@@ -2,7 +2,7 @@
 
   python launch/profile_ops.py --family=cnn1 [--batch=512 --micro_batch=64 --top=25]
 
-Traces the engine's training call (`fedssa_jax.bench.train_call`, one client, synthetic
+Traces the engine's training call (`fedssa_jax.run.bench.train_call`, one client, synthetic
 CIFAR-shaped data) with XLA:CPU's per-op trace events, and prints each compiled op's time per
 training step and share of the call, its count per step, its result shape and, for matmuls
 (plain dots or library fusions that hold one), the matmul's shape and GFLOP/s. Op names are those
@@ -29,7 +29,8 @@ if __name__ == '__main__':  # XLA reads its flags when the backend starts: befor
 from absl import app, flags
 import jax
 
-from fedssa_jax import bench, data, models
+from fedssa_jax import data, models
+from fedssa_jax.run import bench
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS

@@ -1,7 +1,7 @@
 """Packed seeds against separate processes: training throughput on one device, and the time of
 the paper's grid projected from it.
 
-For each compute dtype, `engine.clients_per_call` and R in `--replicas`: R seeds (0..R-1) of the
+For each compute dtype, `simulator.clients_per_call` and R in `--replicas`: R seeds (0..R-1) of the
 config on synthetic CIFAR-shaped data (the same work as the data set), packed into the same
 compiled calls (one Simulator of R seeds; R = 1 is a plain run). One round compiles,
 then `--rounds` rounds of training and server are timed; evaluation is timed apart, once. With
@@ -11,7 +11,7 @@ their images/s add up.
 
 Each row gives s/round, training images/s, the FLOP/s achieved by XLA's count of the families'
 training steps (RoundInfo.client_flops), and that rate's share of two references: the matmul
-rate measured here in the row's dtype (float32 at the config's `engine.matmul_precision`, which
+rate measured here in the row's dtype (float32 at the config's `simulator.matmul_precision`, which
 on recent NVIDIA GPUs means TF32 under 'default'), and the chip's datasheet peak where it is
 known. Then the paper's grid (Tables 1 and 2: 8 methods x 2 data sets x 3 (N, C) x {hetero,
 homo}, 500 rounds each, 3 seeds: 288 runs) as FLOPs of client training, and its time at each
@@ -37,7 +37,9 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
-from fedssa_jax import bench, config_lib, console, data, engine, methods
+from fedssa_jax import config_lib, data, methods
+from fedssa_jax.engine import simulator
+from fedssa_jax.run import bench, console
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file with variants.', lock_config=True)
@@ -98,7 +100,7 @@ def timed_rounds(run_round, state, rounds: int, wait=None):
 
 def packed_row(ds, dtype: str, per_call: int, r: int) -> dict:
   configs = [row_config(dtype, per_call, s) for s in range(r)]
-  sim = engine.Simulator(configs[0], ds, [data.partition_from_config(c, ds) for c in configs],
+  sim = simulator.Simulator(configs[0], ds, [data.partition_from_config(c, ds) for c in configs],
                          seeds=range(r))
   state, wall, _, _, samples, flops = timed_rounds(sim.run_round, sim.init_state(),
                                                     FLAGS.rounds)
@@ -148,7 +150,7 @@ def processes_row(dtype: str, per_call: int, r: int) -> dict:
 
 def child(ds) -> None:
   c = row_config(FLAGS.dtypes[0], int(FLAGS.per_call[0]), FLAGS.child_seed)
-  sim = engine.Simulator(c, ds, data.partition_from_config(c, ds))
+  sim = simulator.Simulator(c, ds, data.partition_from_config(c, ds))
 
   def wait():
     open(os.path.join(FLAGS.barrier, f'ready{FLAGS.child_seed}'), 'w').close()
@@ -179,7 +181,7 @@ def grid_flops() -> dict:
       partitions[key] = data.partition_from_config(c, datasets[classes]).train_n
     train_n = partitions[key]
     method = methods.get_method(c.method)(c, len(train_n), classes)
-    flops_of = lambda f, classes=classes, c=c: engine.model_flops(f, classes, c.batch_size)
+    flops_of = lambda f, classes=classes, c=c: simulator.model_flops(f, classes, c.batch_size)
     per_family = {f: method.train_flops_per_sample(flops_of(f), flops_of)
                   for f in c.model.families}
     per_sample = np.array([per_family[c.model.families[i % len(c.model.families)]]

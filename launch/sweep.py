@@ -3,7 +3,7 @@
   python launch/sweep.py --sweep=small --data_dir=$HOME/tensorflow_datasets
   python launch/sweep.py --sweep=table2 --dry_run            # print the commands
   python launch/sweep.py --sweep=table2 --mode=slurm         # write jobs, print how to submit
-  python -m fedssa_jax.report --sweep_dir=runs/sweeps/small  # tables and plots
+  python -m fedssa_jax.run.report --sweep_dir=runs/sweeps/small  # tables and plots
 
 Every run has its own workdir, `<sweep_dir>/<run name>`. A run whose summary.json exists is
 skipped; any other run is started, and one that was interrupted resumes from its newest
@@ -26,8 +26,8 @@ from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from fedssa_jax import workdir_lock  # pylint: disable=wrong-import-position  (no JAX)
-EXIT_PREEMPTED = 75  # fedssa_jax.train.EXIT_PREEMPTED (not imported: this script loads no JAX)
+from fedssa_jax.run import workdir_lock  # pylint: disable=wrong-import-position  (no JAX)
+EXIT_PREEMPTED = 75  # fedssa_jax.run.train.EXIT_PREEMPTED (not imported: this script loads no JAX)
 EXIT_LOCKED = 73     # fedssa_jax.main.EXIT_LOCKED: another process runs in the workdir
 
 flags.DEFINE_string('sweep', None, 'A sweep name from configs/sweeps.py.')
@@ -277,7 +277,7 @@ def main(argv):
       print(f'{len(unfinished)} runs did not finish: {", ".join(unfinished)}. Rerun the same '
             'command to resume them.')
       return 1
-    print(f'All {len(runs)} runs done. Report: python -m fedssa_jax.report '
+    print(f'All {len(runs)} runs done. Report: python -m fedssa_jax.run.report '
           f'--sweep_dir={sweep_dir}')
     return 0
   paths = write_jobs(FLAGS.mode, jobs, sweep_dir, FLAGS.slurm_option, FLAGS.tpu_repo)

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
-from fedssa_jax import config_lib, data, engine
+from fedssa_jax import config_lib, data
+from fedssa_jax.engine import simulator
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file with variants.', lock_config=True)
@@ -41,7 +42,7 @@ def jpeg_cifar10(path):
 
 def time_method(c, ds):
   t0 = time.time()
-  sim = engine.Simulator(c, ds, data.partition_from_config(c, ds))
+  sim = simulator.Simulator(c, ds, data.partition_from_config(c, ds))
   state = sim.init_state()
   jax.block_until_ready(state)
   print(f'{c.method}: backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '

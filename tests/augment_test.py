@@ -1,4 +1,4 @@
-"""Training augmentation (fedssa_jax.augment): normalisation against hand-computed values, and
+"""Training augmentation (fedssa_jax.data.augment): normalisation against hand-computed values, and
 each augmented image taken apart again into its flip, erased box and crop offset, which must be
 those of docs/algorithm.md §2: flip p = 0.5, erasing p = 0.5 of one box of 4% to 20% of the
 image with aspect ratio in [0.5, 2], a crop of the image zero-padded by 4."""
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import augment, data
+from fedssa_jax import data
+from fedssa_jax.data import augment
 
 H = W = 32
 N = 512  # images in the batch that is taken apart

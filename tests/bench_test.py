@@ -2,7 +2,7 @@
 and rounds after the first compile nothing."""
 import pytest
 
-from fedssa_jax import bench
+from fedssa_jax.run import bench
 
 # The benchmark compiles many programs (slow: `pytest -m "not slow"` leaves it out).
 pytestmark = pytest.mark.slow

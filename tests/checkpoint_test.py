@@ -4,10 +4,10 @@ The end-to-end tests run the command line of `python -m fedssa_jax.main` on a ti
 TFDS cifar10 written here. Most call main.run_cli in this process (a subprocess would add
 seconds of imports and nothing else): the uninterrupted reference, the resumes, the two seeds,
 the corrupt-checkpoint fallback and the divergence (a NaN put in by monkeypatching
-engine.Simulator.run_round). Only the runs that a real SIGKILL or SIGTERM stops are subprocesses
+simulator.Simulator.run_round). Only the runs that a real SIGKILL or SIGTERM stops are subprocesses
 (a subprocess cannot see tfds.testing.mock_data, hence the prepared data). Every run has the same
 flags, so all of them (subprocesses too, through the persistent XLA cache of conftest) share the
-programs the first run compiles. The runs compute at their config's engine.matmul_precision,
+programs the first run compiles. The runs compute at their config's simulator.matmul_precision,
 which replaces conftest's 'highest' here, so this process and a subprocess compute the same.
 """
 import contextlib
@@ -26,7 +26,9 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import checkpoint, engine, main, train
+from fedssa_jax import main
+from fedssa_jax.engine import schedule, simulator
+from fedssa_jax.run import checkpoint, train
 
 from conftest import logged_seed, write_tiny_tfds_cifar10
 
@@ -200,14 +202,14 @@ def test_same_seed_gives_identical_outputs_and_another_seed_differs(env, uninter
 
 
 def put_a_nan_after_round(monkeypatch, nan_round):
-  """Patches engine.Simulator.run_round to put NaN into the parameters of one client of the
+  """Patches simulator.Simulator.run_round to put NaN into the parameters of one client of the
   cohort of round `nan_round` before it trains, so that its training diverges. Prints which
   client and family."""
-  run_round = engine.Simulator.run_round
+  run_round = simulator.Simulator.run_round
 
   def run_round_with_a_nan(sim, state):
     if state.round + 1 == nan_round:
-      cohort = engine.sample_cohort(sim.config.seed, state.round, sim.num_clients, sim.k)
+      cohort = schedule.sample_cohort(sim.config.seed, state.round, sim.num_clients, sim.k)
       client = int(cohort[-1])
       g, slot = sim.group_of[client], sim.slot_of[client]
       params = list(state.params)
@@ -216,7 +218,7 @@ def put_a_nan_after_round(monkeypatch, nan_round):
       print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
     return run_round(sim, state)
 
-  monkeypatch.setattr(engine.Simulator, 'run_round', run_round_with_a_nan)
+  monkeypatch.setattr(simulator.Simulator, 'run_round', run_round_with_a_nan)
 
 
 def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path, monkeypatch):

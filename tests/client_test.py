@@ -7,7 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from fedssa_jax import augment, client, data, models
+from fedssa_jax import data, models
+from fedssa_jax.data import augment
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import training
 from fedssa_jax.methods import standalone
 
 SIZES = [5, 13, 0, 20]  # uneven clients, one empty (a dummy)
@@ -18,7 +21,7 @@ def setup(ds, cfg):
   idx = np.zeros((4, max(SIZES)), np.int32)
   for c, n in enumerate(SIZES):
     idx[c, :n] = cd.train_idx[c, :n] if n <= cd.train_n[c] else np.arange(n)
-  dd = client.DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
+  dd = DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
                          jnp.asarray(SIZES), jnp.asarray(idx), jnp.asarray(SIZES))
   model = models.make_model('cnn5', 10, 'im2col')
   params = jax.vmap(functools.partial(models.init_params, model))(
@@ -27,7 +30,7 @@ def setup(ds, cfg):
   method = standalone.Standalone(None, 4, 10)  # plain cross-entropy
 
   def train(params, key, idx, n, dd):
-    trainable, _, stats = client.local_train({'model': params}, (), key, idx, n, dd,
+    trainable, _, stats = training.local_train({'model': params}, (), key, idx, n, dd,
                                              apply_fn=model.apply, cfg=cfg, method=method)
     return trainable['model'], stats
   return dd, model, params, keys, train
@@ -41,7 +44,7 @@ def tree_allclose(a, b, **kw):
 @pytest.mark.slow  # local training compiled, vmapped and per client
 @pytest.mark.parametrize('use_augment', [True, False])
 def test_vmapped_group_equals_singletons(small_ds, use_augment):
-  cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=use_augment,
+  cfg = training.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=use_augment,
                            clip_norm=1.0, weight_decay=1e-3)
   dd, _, params, keys, train = setup(small_ds, cfg)
   vm_params, vm_stats = jax.jit(jax.vmap(train, in_axes=(0, 0, 0, 0, None)))(
@@ -64,7 +67,7 @@ def test_micro_batched_steps_equal_whole_batches(small_ds):
   """Gradients summed over 4-row passes (only those holding valid samples) are the batch's."""
   got = {}
   for micro in (0, 4):
-    cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, micro_batch=micro,
+    cfg = training.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, micro_batch=micro,
                              clip_norm=1.0, weight_decay=1e-3)
     dd, _, params, keys, train = setup(small_ds, cfg)
     got[micro] = jax.jit(jax.vmap(train, in_axes=(0, 0, 0, 0, None)))(
@@ -89,7 +92,7 @@ def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
   buf = jax.tree_util.tree_map(np.zeros_like, params)
   for e in range(cfg.local_epochs):
     k_order, _ = jax.random.split(jax.random.fold_in(key, e))
-    order = np.asarray(client.epoch_order(k_order, n, padded))[:n]
+    order = np.asarray(training.epoch_order(k_order, n, padded))[:n]
     for start in range(0, n, b):
       sel = idx_row[order[start:start + b]]   # the last batch is partial
       g = grad_of_mean_ce(params, images[sel], ds.labels[sel])
@@ -104,7 +107,7 @@ def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
 @pytest.mark.slow  # local training compiled, vmapped and per client
 @pytest.mark.parametrize('clip_norm', [0.5, 1e6])  # clipping active, and never active
 def test_matches_plain_torch_style_sgd(small_ds, clip_norm):
-  cfg = client.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
+  cfg = training.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
                            clip_norm=clip_norm, weight_decay=1e-2, mean=small_ds.mean,
                            std=small_ds.std)
   dd, model, params, keys, train = setup(small_ds, cfg)
@@ -119,6 +122,6 @@ def test_matches_plain_torch_style_sgd(small_ds, clip_norm):
 
 
 def test_epoch_order_is_a_permutation_of_the_valid_positions():
-  order = np.asarray(client.epoch_order(jax.random.PRNGKey(0), 13, 16))
+  order = np.asarray(training.epoch_order(jax.random.PRNGKey(0), 13, 16))
   assert sorted(order[:13]) == list(range(13)) and sorted(order[13:]) == [13, 14, 15]
 

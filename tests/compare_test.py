@@ -1,4 +1,4 @@
-"""fedssa_jax.compare: the table's cells from hand-made summaries, and run_comparison's runs,
+"""fedssa_jax.run.compare: the table's cells from hand-made summaries, and run_comparison's runs,
 reuse of finished runs, --rerun and early failure on a typo; a real comparison through its
 command line, with main's quiet console."""
 import json
@@ -9,7 +9,8 @@ import sys
 from absl import flags
 import pytest
 
-from fedssa_jax import compare, config_lib, console, data, train
+from fedssa_jax import config_lib, data
+from fedssa_jax.run import compare, console, train
 
 from conftest import synthetic_dataset
 
@@ -114,7 +115,7 @@ def test_a_real_comparison_tabulates_the_runs_summaries(tmp_path, monkeypatch, c
   config = config_lib.build('cifar10', 'hetero,tiny')
   config.model.families, config.num_rounds = ('cnn5',), 1
   workdir = str(tmp_path / 'cmp')
-  argv = ['fedssa_jax.compare', f'--config={ROOT}/configs/tiny.py', f'--workdir={workdir}',
+  argv = ['fedssa_jax.run.compare', f'--config={ROOT}/configs/tiny.py', f'--workdir={workdir}',
           '--methods=standalone,fedssa', '--config.model.families=("cnn5",)',
           '--config.num_rounds=1']
   monkeypatch.setattr(sys, 'argv', argv)  # config_flags reads the --config.* overrides there

@@ -128,13 +128,14 @@ def small_ds():
 def make_small_sim(ds, method, workdir=None, **overrides):
   """A Simulator of 5 CNN-5 clients, K = 2, batch 16, E = 1, on `ds` (N a multiple of 5, so
   that 2 classes each split the 10 classes); `workdir`: the disk store's."""
-  from fedssa_jax import config_lib, engine  # pylint: disable=g-import-not-at-top
+  from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.engine import simulator
   c = config_lib.build('cifar10', 'hetero,tiny')
   c.method, c.model.families = method, ('cnn5',)
   c.num_clients, c.participation = 5, 0.4
   c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 2, 1, 16, 16
   c.update_from_flattened_dict(overrides)
-  return engine.Simulator(c, ds, data.partition_from_config(c, ds), workdir)
+  return simulator.Simulator(c, ds, data.partition_from_config(c, ds), workdir)
 
 
 @pytest.fixture
@@ -167,7 +168,7 @@ def assert_floats_each_way(info, floats):
 def capturing_round_infos(monkeypatch):
   """{(packed, seed): [RoundInfo of each round]}, filled as runs log their rounds (train's
   console line): packed is whether the run was a replica of packed seeds."""
-  from fedssa_jax import outputs  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import outputs  # pylint: disable=g-import-not-at-top
   infos = {}
   log_round = outputs.log_round
 
@@ -210,7 +211,7 @@ def assert_same_last_checkpoint(workdir_a, workdir_b, rounds, what=''):
   float rounding: rtol 1e-3, and atol 1e-6 or 1e-5 of the array's largest magnitude, whichever
   is larger (an element near 0 of an array of large values carries their rounding: FedL2G's
   guiding vectors, N(0, 1) moved by steps of lr 100)."""
-  from fedssa_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import checkpoint  # pylint: disable=g-import-not-at-top
   states = [checkpoint.Checkpointer(os.path.join(w, 'checkpoints')).restore_latest()
             for w in (workdir_a, workdir_b)]
   assert states[0].step == states[1].step == rounds, what

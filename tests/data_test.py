@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import data
+from fedssa_jax.data import datasets
 from conftest import synthetic_dataset
 
 
@@ -165,11 +166,11 @@ def test_facts_use_the_builders_split_sizes_where_it_has_them(monkeypatch):
   """A prepared data set's metadata gives its training-set size (config_lib.validate checks
   num_clients against it); an unprepared builder's does not, and the check is skipped."""
   assert data.dataset_facts('kmnist').train_examples is None
-  info = types.SimpleNamespace(features=data._builder('kmnist', None).info.features,
+  info = types.SimpleNamespace(features=datasets._builder('kmnist', None).info.features,
                                splits={'train': types.SimpleNamespace(num_examples=60)})
   prepared = types.SimpleNamespace(name='kmnist', data_dir='/prepared', info=info,
                                    is_prepared=lambda: True)
-  monkeypatch.setattr(data, '_builder', lambda name, data_dir: prepared)
+  monkeypatch.setattr(datasets, '_builder', lambda name, data_dir: prepared)
   facts = data.dataset_facts('kmnist', '/prepared')
   assert (facts.num_classes, facts.image_shape, facts.train_examples) == (10, (28, 28, 1), 60)
 

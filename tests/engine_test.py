@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data, engine, evaluation
+from fedssa_jax import config_lib, data
+from fedssa_jax.engine import evaluation, schedule, simulator
 from fedssa_jax.methods import base
 
 ROUNDS = 3
@@ -22,7 +23,7 @@ def small_config(method='fedssa', clients_per_call=1):
 
 def run(config, ds):
   """Rounds evaluated as the training loop does (each from the previous evaluation)."""
-  sim = engine.Simulator(config, ds, data.partition_from_config(config, ds))
+  sim = simulator.Simulator(config, ds, data.partition_from_config(config, ds))
   state = sim.init_state()
   infos, ev = [], None
   for _ in range(config.num_rounds):
@@ -153,7 +154,7 @@ def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
 def test_initial_models_per_family_or_per_client(small_ds, scope):
   config = small_config()
   config.model.init_scope = scope
-  sim = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
+  sim = simulator.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
   params = sim.seed_state(sim.init_state()).params
   kernels = [np.asarray(p['conv1']['kernel']) for p in params]  # same shape in both families
   distinct = {k.tobytes() for group in kernels for k in group}
@@ -163,7 +164,7 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
     assert len(distinct) == len(kernels) == 2
     # The family's model is its own draw: the same whichever families the run has.
     config.model.families = ('cnn4',)
-    sim4 = engine.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
+    sim4 = simulator.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
     np.testing.assert_array_equal(sim4.init_state().params[0]['conv1']['kernel'][0, 0],
                                   kernels[1][0])
 
@@ -183,11 +184,11 @@ def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
 
 
 def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
-  a = engine.sample_cohort(0, 5, 100, 10)
+  a = schedule.sample_cohort(0, 5, 100, 10)
   assert len(set(a.tolist())) == 10 and (np.diff(a) > 0).all()
-  np.testing.assert_array_equal(a, engine.sample_cohort(0, 5, 100, 10))
-  assert not np.array_equal(a, engine.sample_cohort(0, 6, 100, 10))
-  assert engine.cohort_size(100, 0.1) == 10 and engine.cohort_size(10, 0.01) == 1
+  np.testing.assert_array_equal(a, schedule.sample_cohort(0, 5, 100, 10))
+  assert not np.array_equal(a, schedule.sample_cohort(0, 6, 100, 10))
+  assert schedule.cohort_size(100, 0.1) == 10 and schedule.cohort_size(10, 0.01) == 1
 
 
 @pytest.mark.slow  # simulators compiled and run

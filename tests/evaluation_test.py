@@ -5,7 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, evaluation, train
+from fedssa_jax import config_lib
+from fedssa_jax.engine import evaluation
+from fedssa_jax.run import train
 from conftest import synthetic_dataset
 
 # A whole run, compiled (slow: `pytest -m "not slow"` leaves it out).

@@ -7,7 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, guards, train
+from fedssa_jax import config_lib
+from fedssa_jax.run import guards, train
 
 from conftest import load_file
 

@@ -20,7 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fedssa_jax import config_lib, main, outputs, workdir_lock
+from fedssa_jax import config_lib, main
+from fedssa_jax.run import outputs, workdir_lock
 
 from conftest import write_tiny_tfds_cifar10
 from validation_test import save_checkpoints

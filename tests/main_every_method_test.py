@@ -14,8 +14,8 @@ import pytest
 import tensorflow_datasets as tfds
 from absl import flags
 
-from fedssa_jax import methods, models, schedule
-from fedssa_jax import main as main_lib
+from fedssa_jax import main as main_lib, methods, models
+from fedssa_jax.engine import schedule
 
 from conftest import (assert_same_last_checkpoint, assert_same_records, assert_same_round_infos,
                       capturing_round_infos)

@@ -14,7 +14,7 @@ from absl import flags
 
 from ml_collections import config_flags
 
-from fedssa_jax import console, train
+from fedssa_jax.run import console, train
 
 from conftest import REPO as ROOT, load_file
 

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import client, config_lib, models
+from fedssa_jax import config_lib, models
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import training
 from fedssa_jax.methods import base, fedgh
 
 from conftest import client_view, log_softmax, make_small_sim
@@ -36,10 +38,10 @@ def test_forward_pass_equals_per_sample_loop():
   labels = rng.integers(0, C, size=30).astype(np.int32)
   train_idx = np.stack([rng.permutation(30)[:19] for _ in range(3)]).astype(np.int32)
   n = np.array([19, 11, 0], np.int32)  # a partial last batch of 8, and a dummy
-  data = client.DeviceData(images=jnp.asarray(images), labels=jnp.asarray(labels),
+  data = DeviceData(images=jnp.asarray(images), labels=jnp.asarray(labels),
                            train_idx=jnp.asarray(train_idx), train_n=jnp.asarray(n),
                            test_idx=jnp.asarray(train_idx), test_n=jnp.asarray(n))
-  cfg = client.TrainConfig()
+  cfg = training.TrainConfig()
   w = rng.normal(size=(3 * 32 * 32, D)).astype(np.float32) * 0.02
 
   def apply_fn(variables, x):  # r = relu(x W_k), and some logits
@@ -47,7 +49,7 @@ def test_forward_pass_equals_per_sample_loop():
     return rep[:, :C], rep
 
   stats = lambda logits, rep, y, valid: base.class_sums(rep, y, valid, C)
-  one = lambda p, idx, k: client.forward_pass_sums(p, idx, k, data, apply_fn=apply_fn, cfg=cfg,
+  one = lambda p, idx, k: training.forward_pass_sums(p, idx, k, data, apply_fn=apply_fn, cfg=cfg,
                                                   batch_size=8, stats_fn=stats)
   params = {'w': jnp.asarray(np.stack([w, 2 * w, w]))}  # each client its own model
   got = jax.jit(jax.vmap(one))(params, data.train_idx, data.train_n)

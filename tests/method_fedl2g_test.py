@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import client, config_lib, engine, models
+from fedssa_jax import config_lib, models
+
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import simulator, training
+from fedssa_jax.engine.schedule import STREAM_STUDY
+from fedssa_jax.engine.state import ChunkInputs
 from fedssa_jax.methods import base, fedl2g
-from fedssa_jax.schedule import STREAM_STUDY
-from fedssa_jax.state import ChunkInputs
 
 from conftest import client_view, log_softmax, make_small_sim
 
@@ -193,9 +196,9 @@ def test_study_batch_and_quiz_set():
   images = np.arange(m, dtype=np.uint8)[:, None, None, None] * np.ones((1, 32, 32, 3), np.uint8)
   labels = np.arange(m, dtype=np.int32)  # a sample's label is its index
   row = np.random.default_rng(4).permutation(m).astype(np.int32)
-  cfg = client.TrainConfig(mean=(0.0,) * 3, std=(1.0,) * 3)
-  fn = jax.jit(lambda key, n: client.study_and_quiz(
-      key, jnp.asarray(row), n, client.DeviceData(jnp.asarray(images), jnp.asarray(labels),
+  cfg = training.TrainConfig(mean=(0.0,) * 3, std=(1.0,) * 3)
+  fn = jax.jit(lambda key, n: training.study_and_quiz(
+      key, jnp.asarray(row), n, DeviceData(jnp.asarray(images), jnp.asarray(labels),
                                                   None, None, None, None),
       held_out=q, batch_size=b, cfg=cfg))
   for n, key in ((40, 0), (40, 1), (17, 2), (6, 3)):
@@ -220,7 +223,7 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
   width = 12
   rows = np.arange(3 * width, dtype=np.int32).reshape(3, width)
   train_n = np.array([12, 7, 3], np.int32)
-  data_ = client.DeviceData(None, None, jnp.asarray(rows), jnp.asarray(train_n), None, None)
+  data_ = DeviceData(None, None, jnp.asarray(rows), jnp.asarray(train_n), None, None)
   seen = jnp.asarray(np.ones((3, C), bool))
   server = method.init_server(jax.random.PRNGKey(0), seen)
 
@@ -233,7 +236,7 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
            'key': jax.random.key_data(key)}
     return out, jnp.minimum(jnp.maximum(n - 4, 0), 8), jnp.minimum(n, 4)
 
-  local = jax.jit(functools.partial(engine.local_round, method=method, train_one=train_one,
+  local = jax.jit(functools.partial(simulator.local_round, method=method, train_one=train_one,
                                     after_one=after_one, step_flops_per_sample=3.0))
   for t in (1, 2):
     inputs = ChunkInputs(slots=None, ids=jnp.arange(3), active=jnp.asarray([True, True, False]),

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, methods, models, population, schedule
+from fedssa_jax import config_lib, methods, models
+from fedssa_jax.engine import population, schedule
+from fedssa_jax.engine.placement import Placement
 from fedssa_jax.methods import base, fedmrl
-from fedssa_jax.placement import Placement
 
 from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, make_small_sim,
                       params_of, random_params, rounds)

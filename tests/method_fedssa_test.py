@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import client, config_lib, engine, models
+from fedssa_jax import config_lib, models
+
+from fedssa_jax.engine import schedule, training
 from fedssa_jax.methods import fedssa
 
 from conftest import aggregate, client_view, make_small_sim, params_of, rounds, synthetic_dataset
@@ -128,13 +130,13 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   params = [params_of(sim, state.params, k) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
-  glob = np.array(models.init_header(jax.random.fold_in(sim.root_keys[0], engine.STREAM_SERVER), s))
+  glob = np.array(models.init_header(jax.random.fold_in(sim.root_keys[0], schedule.STREAM_SERVER), s))
   g, data_ = sim.groups[0], sim.seed_data[0]
-  train = jax.jit(functools.partial(client.local_train, apply_fn=g.model.apply,
+  train = jax.jit(functools.partial(training.local_train, apply_fn=g.model.apply,
                                     cfg=sim.train_cfg, method=sim.method))
   uploads = {}
   for t, (state, info) in enumerate(rounds(sim, 3, state)):
-    cohort = engine.sample_cohort(sim.config.seed, t, n, sim.k)
+    cohort = schedule.sample_cohort(sim.config.seed, t, n, sim.k)
     np.testing.assert_array_equal(info.cohort, cohort)
     mu = 0.5 * math.cos(t * math.pi / 4) if t <= 2 else 0.0
     down = 0
@@ -144,7 +146,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
         rows[c] = mu * rows[c] + (glob[c] if fusion == 'reference' else (1 - mu) * glob[c])
         down += 501
       key = jax.random.fold_in(
-          jax.random.fold_in(jax.random.fold_in(sim.root_keys[0], engine.STREAM_TRAIN), t), k)
+          jax.random.fold_in(jax.random.fold_in(sim.root_keys[0], schedule.STREAM_TRAIN), t), k)
       trained, _, _ = train({'model': models.with_header_rows(params[k], rows)}, (), key,
                             data_.train_idx[k], data_.train_n[k], data_)
       params[k] = jax.tree.map(np.asarray, trained['model'])

@@ -11,8 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import checkpoint, client, models
+from fedssa_jax import models
+from fedssa_jax.data import augment
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import training
 from fedssa_jax.methods import standalone
+from fedssa_jax.run import checkpoint
 
 from conftest import make_small_sim, params_of, synthetic_dataset
 
@@ -40,7 +44,7 @@ def setup(ds, cfg):
   idx = np.zeros((len(SIZES), max(SIZES)), np.int32)
   for c, n in enumerate(SIZES):
     idx[c, :n] = np.arange(n) * 3 + c
-  dd = client.DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
+  dd = DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
                          jnp.asarray(SIZES), jnp.asarray(idx), jnp.asarray(SIZES))
   rows = jax.vmap(functools.partial(models.init_params, MODEL))(
       jax.random.split(jax.random.PRNGKey(0), len(SIZES)))
@@ -48,7 +52,7 @@ def setup(ds, cfg):
   method = standalone.Standalone(None, len(SIZES), 10)
 
   def train(row, key, idx, n):
-    trainable, _, stats = client.local_train(
+    trainable, _, stats = training.local_train(
         {'model': row}, (), key, idx, n, dd, apply_fn=MODEL.apply, cfg=cfg, method=method,
         train_apply=MODEL.train_apply)
     return trainable['model'], stats
@@ -70,7 +74,7 @@ def test_rows_hold_the_statistics_beside_the_parameters():
 
 @pytest.mark.slow  # local training compiled, vmapped and per client
 def test_statistics_train_over_valid_rows_vmapped_as_alone_and_in_one_pass(small_ds):
-  cfg = client.TrainConfig(batch_size=B, local_epochs=1, lr=0.05, augment=False)
+  cfg = training.TrainConfig(batch_size=B, local_epochs=1, lr=0.05, augment=False)
   dd, rows, keys, train = setup(small_ds, cfg)
   vm_rows, vm_stats = jax.jit(jax.vmap(train))(rows, keys, dd.train_idx, dd.train_n)
   one = jax.jit(train)
@@ -87,7 +91,7 @@ def test_statistics_train_over_valid_rows_vmapped_as_alone_and_in_one_pass(small
   # convolution outputs under the initial parameters (momentum 0.9, Flax's biased variance),
   # however the batch's rows are ordered; the padding rows count in none.
   params, state = models.split_state(jax.tree.map(lambda a: a[0], rows))
-  x = client.augment.normalize(dd.images[dd.train_idx[0, :5]], cfg.mean, cfg.std)
+  x = augment.normalize(dd.images[dd.train_idx[0, :5]], cfg.mean, cfg.std)
   conv = np.asarray(nn.Conv(4, (3, 3), strides=(4, 4)).apply({'params': params['conv']}, x),
                     np.float64).reshape(-1, 4)
   new_state = models.split_state(jax.tree.map(lambda a: a[0], vm_rows))[1]['bn']
@@ -134,10 +138,10 @@ def test_the_step_after_training_sees_parameters_and_reads_the_statistics(small_
       seen['logits'], seen['x'] = apply_fn({'params': trainable['model']}, study[0])[0], study[0]
       return jax.grad(loss)(trainable['model'])
 
-  cfg = client.TrainConfig(batch_size=4, augment=False)
-  dd = client.DeviceData(jnp.asarray(small_ds.images), jnp.asarray(small_ds.labels),
+  cfg = training.TrainConfig(batch_size=4, augment=False)
+  dd = DeviceData(jnp.asarray(small_ds.images), jnp.asarray(small_ds.labels),
                          None, None, None, None)
-  grad, _, _ = client.after_training(
+  grad, _, _ = training.after_training(
       {'model': models.join_state(params, state)}, (), jax.random.PRNGKey(1),
       jnp.arange(10, dtype=jnp.int32), jnp.asarray(10), dd, None, apply_fn=MODEL.apply,
       cfg=cfg, method=Probe())

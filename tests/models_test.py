@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import costs, models
+from fedssa_jax import models
+from fedssa_jax.engine import costs
 
 # docs/algorithm.md §1: params (S=10), params (S=100), forward MACs per sample (S=10)
 SPEC = {

@@ -25,11 +25,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 NO_EVENTS = 'MULTIHOST_RUN_NO_EVENTS'
 if __name__ == '__main__' and os.environ.get(NO_EVENTS):
-  # Before anything imports fedssa_jax.train: without CLU's writers (and the TensorFlow they
+  # Before anything imports fedssa_jax.run.train: without CLU's writers (and the TensorFlow they
   # import, several CPU seconds a process), the run takes train.py's branch for an image
   # without CLU and writes no TensorBoard events; the rest of the run is the same.
   sys.modules['clu.metric_writers'] = sys.modules['clu.periodic_actions'] = None
-from fedssa_jax import distributed  # noqa: E402
+from fedssa_jax.engine import distributed  # noqa: E402
 
 
 def run_config(rounds):
@@ -51,7 +51,10 @@ def run(workdir, rounds, signal_round=None):
   process can call it."""
   import jax  # pylint: disable=g-import-not-at-top
   import conftest  # pylint: disable=g-import-not-at-top  (full float32 matmuls, the data set)
-  from fedssa_jax import console, evaluation, outputs, train  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import console  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.engine import evaluation  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import outputs  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import train  # pylint: disable=g-import-not-at-top
 
   config = run_config(rounds)
   workdir = os.path.abspath(str(workdir))
@@ -135,7 +138,7 @@ def main(workdir, rounds, signal_round=None):
   # Before anything touches a JAX backend, as main.run does.
   distributed.initialize(distributed.settings())
   every_process_writes_the_compilation_cache()
-  from fedssa_jax import train  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import train  # pylint: disable=g-import-not-at-top
   result = run(workdir, rounds, signal_round)
   print('RESULT ' + json.dumps(result), flush=True)
   sys.exit(train.EXIT_PREEMPTED if result['preempted'] else 0)

@@ -21,7 +21,9 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, distributed, train
+from fedssa_jax import config_lib
+from fedssa_jax.engine import distributed
+from fedssa_jax.run import train
 
 import multihost_run
 from conftest import cpu_devices_env

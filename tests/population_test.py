@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, engine, population, train
+from fedssa_jax import config_lib
+from fedssa_jax.engine import population, simulator
+from fedssa_jax.run import train
 
 from conftest import assert_same_records, synthetic_dataset
 
@@ -62,7 +64,7 @@ def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tm
                                                              monkeypatch):
   """Round 3 writes its clients' rows after the checkpoint of round 2 (the only one kept); the
   crash comes before round 3's checkpoint. Resuming must read round 2's rows, untouched."""
-  real = engine.Simulator.run_round
+  real = simulator.Simulator.run_round
 
   def crash_after_round_3(self, state):
     state, infos = real(self, state)
@@ -70,11 +72,11 @@ def test_disk_store_resumes_after_a_crash_between_checkpoints(ds, device_run, tm
       raise KeyboardInterrupt('simulated crash')
     return state, infos
 
-  monkeypatch.setattr(engine.Simulator, 'run_round', crash_after_round_3)
+  monkeypatch.setattr(simulator.Simulator, 'run_round', crash_after_round_3)
   with pytest.raises(KeyboardInterrupt):
     train.train_and_evaluate(small_config(population_store='disk'), str(tmp_path), dataset=ds)
   assert os.listdir(tmp_path / 'checkpoints') == ['2']
-  monkeypatch.setattr(engine.Simulator, 'run_round', real)
+  monkeypatch.setattr(simulator.Simulator, 'run_round', real)
   train.train_and_evaluate(small_config(population_store='disk'), str(tmp_path), dataset=ds)
   assert_same_records(records(str(tmp_path)), device_run, 'disk, resumed')
   # The checkpoint holds slot maps, not the population.
@@ -135,4 +137,4 @@ def test_disk_store_needs_a_workdir(ds):
   from fedssa_jax import data  # pylint: disable=g-import-not-at-top
   c = small_config(population_store='disk')
   with pytest.raises(config_lib.ConfigError, match='workdir'):
-    engine.Simulator(c, ds, data.partition_from_config(c, ds))
+    simulator.Simulator(c, ds, data.partition_from_config(c, ds))

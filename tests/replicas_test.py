@@ -1,4 +1,4 @@
-"""Packed seeds (engine.Simulator's seed axis, train.train_replicas): replica r of a packed run
+"""Packed seeds (simulator.Simulator's seed axis, train.train_replicas): replica r of a packed run
 equals the run of its seed alone, with each replica's own partition (padded index rows); chunk lists of
 replicas with different cohorts are aligned with all-inactive chunks; a stopped packed run
 resumes to the same records; what is not supported is refused by name. Every method packed
@@ -13,7 +13,10 @@ import pytest
 
 from conftest import assert_same_last_checkpoint, assert_same_records, assert_same_round_infos
 from conftest import capturing_round_infos
-from fedssa_jax import client, config_lib, console, data, engine, guards, main, schedule, train
+from fedssa_jax import config_lib, data, main
+
+from fedssa_jax.engine import schedule, simulator, training
+from fedssa_jax.run import console, guards, train
 
 SEEDS = (0, 3)
 ROUNDS = 2
@@ -26,8 +29,8 @@ def test_epoch_order_is_invariant_to_the_padding_width():
   # stay that of its run alone (jax_threefry_partitionable: a longer draw starts the same).
   key = jax.random.PRNGKey(7)
   for n, short, long in [(5, 16, 48), (16, 16, 32), (0, 16, 64), (33, 48, 512)]:
-    a = np.asarray(client.epoch_order(key, n, short))
-    b = np.asarray(client.epoch_order(key, n, long))
+    a = np.asarray(training.epoch_order(key, n, short))
+    b = np.asarray(training.epoch_order(key, n, long))
     np.testing.assert_array_equal(a[:n], b[:n])
     np.testing.assert_array_equal(np.sort(b[:n]), np.arange(n))
 
@@ -73,13 +76,13 @@ def capturing_evaluations(monkeypatch):
   """{(phase, seed): [Evaluation of each round]}, as runs evaluate; phase: the list's one item,
   set by the caller before each run."""
   evals, phase = {}, ['']
-  evaluate = engine.Simulator.evaluate
+  evaluate = simulator.Simulator.evaluate
 
   def capture(sim, state, previous=None, seed_index=0):
     ev = evaluate(sim, state, previous, seed_index)
     evals.setdefault((phase[0], sim.seeds[seed_index]), []).append(ev)
     return ev
-  monkeypatch.setattr(engine.Simulator, 'evaluate', capture)
+  monkeypatch.setattr(simulator.Simulator, 'evaluate', capture)
   return evals, phase
 
 

@@ -1,11 +1,13 @@
-"""fedssa_jax.report on synthetic run folders with known values."""
+"""fedssa_jax.run.report on synthetic run folders with known values."""
 import json
 import os
 
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, evaluation, report
+from fedssa_jax import config_lib
+from fedssa_jax.engine import evaluation
+from fedssa_jax.run import plots, report, runs
 
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
@@ -125,16 +127,16 @@ def test_method_labels_read_each_methods_own_section():
   for method, field, value in (('fedgh', 'eval', 'post_train'), ('fedtgp', 'lam', 1.0)):
     c.method = method
     d = c.to_dict()
-    assert report.method_label(d, 'hetero') == method
+    assert runs.method_label(d, 'hetero') == method
     d['fedproto']['lam'] = 2.0  # another method's section: not this one's label
     d[method][field] = value
-    assert report.method_label(d, 'hetero') == f'{method} ({field}={value})'
-  styles = report.line_styles(list(report.METHOD_ORDER))
-  assert len({s['color'] for s in styles.values()}) == len(report.METHOD_ORDER)
+    assert runs.method_label(d, 'hetero') == f'{method} ({field}={value})'
+  styles = plots.line_styles(list(runs.METHOD_ORDER))
+  assert len({s['color'] for s in styles.values()}) == len(runs.METHOD_ORDER)
 
 
 def test_line_styles_variants_take_their_methods_colour_dashed():
-  styles = report.line_styles(['fedssa', 'fedssa (mu0=0.0)', 'fedssa (scope=participants)',
+  styles = plots.line_styles(['fedssa', 'fedssa (mu0=0.0)', 'fedssa (scope=participants)',
                                'standalone', 'standalone (lr=0.01)'])
   assert styles['fedssa']['linestyle'] == '-' and styles['standalone']['linestyle'] == '-'
   assert styles['fedssa (mu0=0.0)']['color'] == styles['fedssa']['color']
@@ -161,25 +163,25 @@ def test_plots_and_index(sweep):
 
 
 def test_series_keeps_the_rounds_every_run_recorded():
-  runs = [report.Run(path='', config={}, derived={}, summary={}, metrics=m, setting=None,
-                     method='fedssa', seed=s)
+  recorded = [runs.Run(path='', config={}, derived={}, summary={}, metrics=m, setting=None,
+                         method='fedssa', seed=s)
           for s, m in enumerate([
               [{'round': 1, 'header_norm_max': 2.0}, {'round': 2, 'header_norm_max': 4.0},
                {'round': 3, 'header_norm_max': 8.0}],
               [{'round': 2, 'header_norm_max': 6.0}, {'round': 3, 'header_norm_max': None},
                {'round': 4, 'header_norm_max': 1.0}]])]
-  rounds, values = report.series(runs, 'header_norm_max')
+  rounds, values = plots.series(recorded, 'header_norm_max')
   assert rounds == [2] and values.tolist() == [[4.0], [6.0]]
-  assert report.series(runs, 'train_loss')[0] == []
+  assert plots.series(recorded, 'train_loss')[0] == []
 
 
 def test_box_plots_show_fedssa_and_the_two_best_others():
   summaries = {m: [type('R', (), {'summary': {'final_mean_accuracy': a}})()]
                for m, a in (('fedssa', 0.5), ('fd', 0.9), ('fml', 0.1), ('fedkd', 0.8))}
-  assert report.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
+  assert plots.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
   # Variants (ablations, controls) are not "other methods".
   summaries['fedssa (mu0=0.0)'] = summaries['fd (lam=2.0)'] = summaries['fd'] * 2
-  assert report.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
+  assert plots.boxplot_methods(summaries) == ['fedssa', 'fd', 'fedkd']
 
 
 @pytest.mark.slow  # t-SNE fits and plots

@@ -21,7 +21,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402  (full float32 matmuls, the synthetic data set)
 import engine_test  # noqa: E402  (the small configs)
-from fedssa_jax import checkpoint, data, engine  # noqa: E402
+from fedssa_jax import data  # noqa: E402
+from fedssa_jax.engine import simulator
+from fedssa_jax.run import checkpoint
 
 
 def make_config(method, rounds, families, mesh_devices, store='device', seed=0):
@@ -105,7 +107,7 @@ def replicas_on_the_mesh(ds, rounds, families, seed0_alone, seeds=(0, 15)):
   configs = [make_config('fedssa', rounds, families, 0, seed=seed) for seed in seeds]
   config0, result0 = seed0_alone
   assert configs[0].to_dict() == config0.to_dict(), 'seed 0 alone must be the packed config'
-  sim = engine.Simulator(configs[0], ds, [data.partition_from_config(c, ds) for c in configs],
+  sim = simulator.Simulator(configs[0], ds, [data.partition_from_config(c, ds) for c in configs],
                          seeds=seeds)
   state = sim.init_state()
   infos, evs = [[] for _ in seeds], [None] * len(seeds)

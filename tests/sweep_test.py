@@ -113,7 +113,7 @@ def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, 
 def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
   """A run whose workdir another process holds (another sweep, a user) is not started; one that
   got past that check is refused by the run itself (exit status 73), and both are reported."""
-  from fedssa_jax import workdir_lock  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import workdir_lock  # pylint: disable=g-import-not-at-top
   held, raced = tmp_path / 'held', tmp_path / 'raced'
   held.mkdir()
   marker = tmp_path / 'started'

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from fedssa_jax import checkpoint, config_lib, console, data, train
+from fedssa_jax import config_lib, data
+from fedssa_jax.run import checkpoint, console, train
 
 from conftest import load_file, synthetic_dataset
 

@@ -1,4 +1,4 @@
-"""HtFLlib's image families (fedssa_jax/zoo.py) against their PyTorch definitions.
+"""HtFLlib's image families (fedssa_jax/models/zoo.py) against their PyTorch definitions.
 
 The numbers below come from HtFLlib's own models, built as its clients build them
 (`BaseHeadSplit` on each `system/main.py` string) with torch 2.14.1 and torchvision 0.29.1, by
@@ -17,7 +17,8 @@ import optax
 import pytest
 
 from conftest import load_file
-from fedssa_jax import models, zoo
+from fedssa_jax import models
+from fedssa_jax.models import zoo
 
 ref = load_file('tests/data/make_zoo_torch_outputs.py', 'make_zoo_torch_outputs')
 OUTPUTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'zoo_torch_outputs.npz')

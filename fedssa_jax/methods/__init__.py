@@ -1,4 +1,10 @@
-"""Federated methods. Each is one module implementing methods.base.Method."""
+"""Federated methods: each one module implementing the hooks of `base.Method`.
+
+Above models and data; below the config (which assembles every method's section) and the
+engine (which calls the hooks). `base` is the interface the engine drives and the typed data the
+hooks exchange; `losses` and the shared helpers are what the methods' objectives are made of;
+no method imports another. `METHODS` registers them by name (`get_method`).
+"""
 from fedssa_jax.methods.base import (AFTER_TRAINING, FORWARD_PASS, FORWARD_PASS_TIMES, Aggregated,
                                      ClientView, Download, Method, Upload)
 from fedssa_jax.methods.fd import FD

@@ -29,7 +29,7 @@ one model family) and then once on the server:
 - `method.forward_pass` ('before' or 'after'; None, the default, runs none) asks for one more
   pass over the client's training split, before local training (on d.params) or after it (on
   the trained model): a forward of the model as evaluated (unaugmented, eval-size batches, no
-  gradient; client.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
+  gradient; training.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
   valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes).
   Its sums reach `upload` in the accumulator, under the key FORWARD_PASS (init_acc is then a
   dict), and its FLOPs (a forward over n_k samples) count as the client's extra FLOPs.
@@ -66,7 +66,7 @@ checkpointed and sharded.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +75,9 @@ import numpy as np
 import optax
 from flax import struct
 
-from fedssa_jax import client, models
-
-PyTree = Any
+from fedssa_jax import models
+from fedssa_jax.methods import losses
+from fedssa_jax.types import PyTree
 
 # numpy, not jax: importing a method must not start a backend (jax.distributed comes first).
 ZERO_I = np.zeros((), np.int32)
@@ -275,7 +275,7 @@ class Method:
   config_section: str | None = None
   num_views = 1  # augmented views of each training batch the loss receives
   # Is the loss a mean of per-sample terms? Then a step's gradient may be summed over smaller
-  # passes (client.TrainConfig.micro_batch). False for a loss that couples a batch's samples
+  # passes (training.TrainConfig.micro_batch). False for a loss that couples a batch's samples
   # (contrastive pairs, batch statistics). No default: every method declares it.
   per_sample_loss: bool
   # A forward pass over the client's training split around local training (the module
@@ -353,7 +353,7 @@ class Method:
     """The local objective on one batch. `trainable` is {'model': params, **aux}; `views` holds
     `num_views` augmented copies of the batch [B, H, W, C]; `valid` [B] masks padding.
     Returns (loss, (correct, accumulator update))."""
-    loss, correct = client.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
+    loss, correct = losses.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, {})
 
   def forward_pass_stats(self, logits, rep, y, valid) -> PyTree:

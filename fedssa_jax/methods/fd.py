@@ -25,15 +25,14 @@ import ml_collections
 import optax
 from flax import struct
 
-from fedssa_jax import client
-from fedssa_jax.methods import base
+from fedssa_jax.methods import base, losses
 
 
 def distill_loss(logits, y, valid, targets, has_target, lam):
   """mean_i [CE(z_i, y_i) + lam * g[y_i] * CE(softmax(G[y_i]), softmax(z_i))] and #correct.
 
   targets [C, C] (row c is G[c]) and has_target [C] (g) are constants (§6 V3: a lookup)."""
-  ce, correct = client.ce_and_correct(logits, y, valid)
+  ce, correct = losses.ce_and_correct(logits, y, valid)
   soft = jax.nn.softmax(jax.lax.stop_gradient(targets)[y], axis=-1)
   dist = optax.softmax_cross_entropy(logits, soft) * has_target.astype(logits.dtype)[y]
   dist = jnp.sum(jnp.where(valid, dist, 0.0)) / jnp.maximum(valid.sum(), 1)

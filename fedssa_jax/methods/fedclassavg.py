@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import lg_fedavg
+from fedssa_jax import models
+from fedssa_jax.methods import lg_fedavg, losses
 
 
 def supcon(u, y, valid, tau: float, base_tau: float, normalize: bool):
@@ -99,7 +99,7 @@ class FedClassAvg(lg_fedavg.SharedHeader):
     params = trainable['model']
     b = y.shape[0]
     logits, rep = apply_fn({'params': params}, jnp.concatenate(views, axis=0))  # [2B, ...]
-    ce, correct = client.ce_and_correct(logits[:b], y, valid)
+    ce, correct = losses.ce_and_correct(logits[:b], y, valid)
     sc = supcon(rep, jnp.concatenate([y, y]), jnp.concatenate([valid, valid]),
                 self.tau, self.base_tau, self.normalize)
     return sc + ce + 0.5 * self.mu * proximal(params, ctx), (correct, {})

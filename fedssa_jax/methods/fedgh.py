@@ -33,8 +33,8 @@ import ml_collections
 import optax
 from flax import struct
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import base, fedproto
+from fedssa_jax import models
+from fedssa_jax.methods import base, fedproto, losses
 
 PAIR_WEIGHTS = ('uniform', 'samples')
 EVALS = ('global_header', 'post_train')
@@ -122,7 +122,7 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
-    loss, correct = client.ce_and_correct(logits, y, valid)
+    loss, correct = losses.ce_and_correct(logits, y, valid)
     return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):

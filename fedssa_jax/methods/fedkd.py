@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import struct
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import base
+from fedssa_jax import models
+from fedssa_jax.methods import base, losses
 
 MENTEE_FAMILY = 'cnn5'
 
@@ -181,8 +181,8 @@ class FedKD(base.Method):
     x = views[0]
     z, h = apply_fn({'params': trainable['model']}, x)
     z_s, h_s = self.mentee_model.apply({'params': trainable['mentee']}, x)
-    ce, correct = client.ce_and_correct(z, y, valid)
-    ce_s, _ = client.ce_and_correct(z_s, y, valid)
+    ce, correct = losses.ce_and_correct(z, y, valid)
+    ce_s, _ = losses.ce_and_correct(z_s, y, valid)
     q = ce + ce_s
     n_valid = jnp.maximum(valid.sum(), 1)
     lp, lp_s = jax.nn.log_softmax(z), jax.nn.log_softmax(z_s)

@@ -42,8 +42,7 @@ import ml_collections
 from flax import struct
 from ml_collections import config_dict
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import base
+from fedssa_jax.methods import base, losses
 
 VARIANTS = ('feat', 'logit')
 # The tuned server lr of each variant (TsingZ0/FedL2G system/total.sh), for server_lr None.
@@ -58,7 +57,7 @@ def guided(logits, rep, variant: str):
 def guided_loss(logits, rep, y, valid, vectors, weight, variant: str):
   """mean CE + weight / (B D) * sum_i ||phi_i - V[y_i]||^2 over the valid samples, and #correct
   (V as given: the training loss passes sg V, the meta step's inner loss V itself)."""
-  ce, correct = client.ce_and_correct(logits, y, valid)
+  ce, correct = losses.ce_and_correct(logits, y, valid)
   phi = guided(logits, rep, variant)
   sq = jnp.where(valid, jnp.sum((phi - vectors[y]) ** 2, axis=-1), 0.0)
   return ce + weight * sq.sum() / (jnp.maximum(valid.sum(), 1) * phi.shape[-1]), correct
@@ -78,7 +77,7 @@ def inner_step(apply_fn, params, vectors, study, *, lr, weight, variant: str):
 def quiz_loss(apply_fn, params, quiz):
   """Mean CE of the model on the quiz set."""
   x, y, valid = quiz
-  return client.cross_entropy_loss(apply_fn, params, x, y, valid)[0]
+  return losses.cross_entropy_loss(apply_fn, params, x, y, valid)[0]
 
 
 def meta_gradient(apply_fn, params, vectors, study, quiz, *, lr, weight, variant: str):

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import struct
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import base
+from fedssa_jax import models
+from fedssa_jax.methods import base, losses
 
 SHARED_FAMILY = 'cnn5'
 SHARED_MODELS = ('fc2', 'pool')
@@ -133,9 +133,9 @@ class FedMRL(base.Method):
     _, r = apply_fn({'params': trainable['model']}, x)
     _, g = self.shared_model.apply({'params': trainable['shared']}, x)
     u = self.project(trainable['proj'], g, r)
-    ce_f, correct = client.ce_and_correct(models.apply_header(trainable['model'], u, self.dtype),
+    ce_f, correct = losses.ce_and_correct(models.apply_header(trainable['model'], u, self.dtype),
                                           y, valid)
-    ce_g, _ = client.ce_and_correct(self.shared_logits(trainable['shared'], u), y, valid)
+    ce_g, _ = losses.ce_and_correct(self.shared_logits(trainable['shared'], u), y, valid)
     return ce_f + ce_g, (correct, {})
 
   def upload(self, trainable, acc, ctx, state, client):

@@ -27,14 +27,13 @@ import jax.numpy as jnp
 import ml_collections
 from flax import struct
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import base
+from fedssa_jax.methods import base, losses
 
 
 
 def proto_loss(logits, rep, y, valid, protos, avail, lam):
   """mean CE + lam / (B d) * sum_i g[y_i] ||r_i - P[y_i]||^2 over valid samples, and #correct."""
-  ce, correct = client.ce_and_correct(logits, y, valid)
+  ce, correct = losses.ce_and_correct(logits, y, valid)
   sq = jnp.sum((rep - jax.lax.stop_gradient(protos)[y]) ** 2, axis=-1)
   sq = jnp.where(valid & avail[y], sq, 0.0)
   return ce + lam * sq.sum() / (jnp.maximum(valid.sum(), 1) * rep.shape[-1]), correct

@@ -13,7 +13,7 @@ the two distilling into each other on every batch.
   targets' gradients, as HtFLlib's FML does (docs/results.md, "Against HtFLlib").
   The loss returned is L_loc + L_meme: the two parameter sets are disjoint and the targets are
   detached, so each model's gradient is that of its own loss, and with one optimizer per model
-  (client.local_train) this is the official code's two separate optimizers.
+  (training.local_train) this is the official code's two separate optimizers.
 - Server: meme_g = unweighted mean of the participants' memes (an inbox sum and count written by
   server_receive, read only by server_aggregate); a round without participants keeps the old one.
 - Inference: the local f_k (docs/algorithm.md §5). Client state: none; the meme is re-downloaded
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import struct
 
-from fedssa_jax import client, models
-from fedssa_jax.methods import base
+from fedssa_jax import models
+from fedssa_jax.methods import base, losses
 
 MEME_FAMILY = 'cnn5'
 
@@ -96,8 +96,8 @@ class FML(base.Method):
     x = views[0]
     z, _ = apply_fn({'params': trainable['model']}, x)
     z_m, _ = self.meme_model.apply({'params': trainable['meme']}, x)
-    ce, correct = client.ce_and_correct(z, y, valid)
-    ce_m, _ = client.ce_and_correct(z_m, y, valid)
+    ce, correct = losses.ce_and_correct(z, y, valid)
+    ce_m, _ = losses.ce_and_correct(z_m, y, valid)
     sg = jax.lax.stop_gradient if self.detach_targets else (lambda v: v)
     loss_loc = self.alpha * ce + (1 - self.alpha) * self.kl_scale * kl_batchmean(sg(z_m), z, valid)
     loss_meme = self.beta * ce_m + (1 - self.beta) * self.kl_scale * kl_batchmean(sg(z), z_m, valid)

@@ -20,15 +20,16 @@ population: each process holds only its devices' rows. Host values enter the mes
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fedssa_jax import config_lib, distributed
+from fedssa_jax.engine import distributed
+from fedssa_jax.errors import ConfigError
+from fedssa_jax.types import PyTree
 
-PyTree = Any
 CLIENTS = 'clients'  # the mesh axis over which client axes are sharded
 SHARDED = P(CLIENTS)  # a per_device argument with a leading client axis, each device its rows
 REPLICATED = P()      # ... one that every device holds whole
@@ -48,7 +49,7 @@ def make_mesh(mesh_devices: int) -> jax.sharding.Mesh | None:
   if jax.process_count() > 1:
     devices = jax.devices()
     if mesh_devices not in (0, len(devices)):
-      raise config_lib.ConfigError(
+      raise ConfigError(
           f'engine.mesh_devices={mesh_devices}, but with {jax.process_count()} processes the '
           f'mesh spans all {len(devices)} of their devices. Use 0, or start fewer processes or '
           'devices per process (--local_device_ids).')
@@ -56,7 +57,7 @@ def make_mesh(mesh_devices: int) -> jax.sharding.Mesh | None:
   devices = jax.local_devices()
   n = mesh_devices or len(devices)
   if n > len(devices):
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'engine.mesh_devices={mesh_devices}, but this process has {len(devices)} '
         f'{jax.default_backend()} devices. Use 0 (all of them) or at most {len(devices)}.')
   return None if n == 1 else jax.sharding.Mesh(np.array(devices[:n]), (CLIENTS,))

@@ -26,21 +26,22 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import client, config_lib, costs, data, evaluation, methods, models, population
-from fedssa_jax import schedule
-from fedssa_jax.placement import REPLICATED, SHARDED, Placement, over_replicas
-from fedssa_jax.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
+from fedssa_jax import data, methods, models
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import costs, evaluation, population, schedule, training
+from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
+from fedssa_jax.engine.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
                                  STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
                                  STREAM_TRAIN, cohort_size, sample_cohort)
-from fedssa_jax.state import ChunkInputs, Costs, RoundInfo, RunState
-
-PyTree = Any
+from fedssa_jax.engine.state import ChunkInputs, Costs, RoundInfo, RunState
+from fedssa_jax.errors import ConfigError
+from fedssa_jax.types import PyTree
 
 
 # Under a mesh, each device trains its share of a chunk's clients (local_round's arguments).
@@ -56,9 +57,9 @@ def _client_keys(root_key: jax.Array, stream, client_ids: jax.Array) -> jax.Arra
   return jax.vmap(lambda c: jax.random.fold_in(stream_key, c))(client_ids)
 
 
-def train_config(config, ds: data.Dataset) -> client.TrainConfig:
+def train_config(config, ds: data.Dataset) -> training.TrainConfig:
   o = config.optimizer
-  return client.TrainConfig(
+  return training.TrainConfig(
       batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
       lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
       adam_b1=o.adam_b1, adam_b2=o.adam_b2, micro_batch=micro_batch(config),
@@ -81,9 +82,9 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
                 step_flops_per_sample: float = 0.0):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
-  client.local_train for the family's model; `pass_one`, client.forward_pass_sums for its
+  training.local_train for the family's model; `pass_one`, training.forward_pass_sums for its
   evaluated model, runs where the method asks for a forward pass (`method.forward_pass`), which
-  costs `pass_flops_per_sample` FLOPs per training sample; `after_one`, client.after_training
+  costs `pass_flops_per_sample` FLOPs per training sample; `after_one`, training.after_training
   for its model, runs the method's step after training (`method.after_training`), which costs
   `method.after_training_steps` CE training steps of `step_flops_per_sample` FLOPs per study
   and quiz sample. Without them (the default), nothing of them is traced; nor of the held-out
@@ -164,18 +165,18 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
 def check_seeds(config, seeds, widths) -> None:
   """Raises ConfigError, naming the fix, if `seeds` of `config` cannot run packed."""
   if len(set(seeds)) != len(seeds):
-    raise config_lib.ConfigError(f'Packed seeds must differ, got {list(seeds)}.')
+    raise ConfigError(f'Packed seeds must differ, got {list(seeds)}.')
   if len(seeds) > 1 and config.population_store != 'device':
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f"Packed seeds (--seeds) need population_store='device', not "
         f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
         'one (one command per seed, without --seeds).')
   # local_train's shuffles stay those of each seed alone when the training index rows are
-  # padded to a common width: client.epoch_order draws uniform numbers over the padded length,
+  # padded to a common width: training.epoch_order draws uniform numbers over the padded length,
   # and with jax_threefry_partitionable (the default since JAX 0.5) the first n of a longer
   # draw are the same numbers (tests/replicas_test.py checks it).
   if len(set(widths)) > 1 and not jax.config.jax_threefry_partitionable:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         'Packed seeds with per-seed partitions need jax_threefry_partitionable (JAX\'s '
         'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
 
@@ -210,7 +211,7 @@ class Simulator:
     self.root_keys = place.replicate(jnp.stack(self._keys))
     images, labels = place.replicate((jnp.asarray(ds.images), jnp.asarray(ds.labels)))
     # Each seed's own data (its evaluation's), and the stacked training data of every seed.
-    self.seed_data = [place.replicate(client.DeviceData(
+    self.seed_data = [place.replicate(DeviceData(
         images=images, labels=labels, train_idx=jnp.asarray(c.train_idx),
         train_n=jnp.asarray(c.train_n), test_idx=jnp.asarray(c.test_idx),
         test_n=jnp.asarray(c.test_n))) for c in cds]
@@ -307,7 +308,7 @@ class Simulator:
 
   def _train_chunk_fn(self, g: schedule.Group) -> Callable:
     """`train_chunk` for the group's model, one seed's (the store vmaps it over the seeds)."""
-    train_one = functools.partial(client.local_train, apply_fn=g.model.apply,
+    train_one = functools.partial(training.local_train, apply_fn=g.model.apply,
                                   cfg=self.train_cfg, method=self.method,
                                   train_apply=getattr(g.model, 'train_apply', None))
     local = functools.partial(local_round, method=self.method, train_one=train_one)
@@ -320,7 +321,7 @@ class Simulator:
     if self.method.after_training is not None:
       local = functools.partial(
           local, after_one=functools.partial(
-              client.after_training, apply_fn=g.model.apply, cfg=self.train_cfg,
+              training.after_training, apply_fn=g.model.apply, cfg=self.train_cfg,
               method=self.method),
           step_flops_per_sample=self.model_flops(g.family))
     return functools.partial(train_chunk, method=self.method,
@@ -331,7 +332,7 @@ class Simulator:
     most the longest training split, rounded up to 8, as evaluation cuts test batches)."""
     max_train = self.data.train_idx.shape[-1]
     return functools.partial(
-        client.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=self.train_cfg,
+        training.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=self.train_cfg,
         batch_size=min(self.config.eval_batch_size, -(-max_train // 8) * 8),
         stats_fn=self.method.forward_pass_stats)
 

@@ -1,6 +1,6 @@
 """The benchmark harness: speed figures, each beside a reference measured in the same run.
 
-  python -m fedssa_jax.bench [--quick] [--out=bench.json]
+  python -m fedssa_jax.run.bench [--quick] [--out=bench.json]
 
 Prints one table per section and writes all figures as JSON:
 - roofline: the machine's matmul rate (large jitted float32 matmuls), the reference for every
@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import client, config_lib, costs, data, engine, models
+from fedssa_jax import config_lib, data, models
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import costs, simulator, training
 from fedssa_jax.methods import standalone
 
 FLAGS = flags.FLAGS
@@ -92,17 +94,17 @@ def train_call(family: str, batch: int, clients: int, steps: int, ds: data.Datas
   each, with forward/backward passes of `micro_batch` rows (0: the whole batch). Returns
   (call, args, images): the jitted call, its arguments, and the samples a call trains on."""
   model = models.make_model(family, ds.num_classes)
-  cfg = client.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std,
+  cfg = training.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std,
                            micro_batch=micro_batch)
   n = batch * steps
   idx = np.stack([np.arange(n) + c * n for c in range(clients)]).astype(np.int32)
-  dd = client.DeviceData(jnp.asarray(ds.images[:clients * n]), jnp.asarray(ds.labels[:clients * n]),
+  dd = DeviceData(jnp.asarray(ds.images[:clients * n]), jnp.asarray(ds.labels[:clients * n]),
                          jnp.asarray(idx), jnp.full((clients,), n), jnp.asarray(idx),
                          jnp.full((clients,), n))
   keys = jax.random.split(jax.random.PRNGKey(0), clients)
   params = jax.vmap(functools.partial(models.init_params, model))(keys)
   method = standalone.Standalone(None, clients, ds.num_classes)
-  train = functools.partial(client.local_train, apply_fn=model.apply, cfg=cfg, method=method)
+  train = functools.partial(training.local_train, apply_fn=model.apply, cfg=cfg, method=method)
   call = jax.jit(jax.vmap(lambda p, k, i, n: train({'model': p}, (), k, i, n, dd)))
   return call, (params, keys, dd.train_idx, dd.train_n), clients * n
 
@@ -119,7 +121,7 @@ def train_throughput(family: str, batch: int, clients: int, steps: int, roofline
           'images_per_s': images_per_s, 'flops_per_s': flops, 'roofline_share': flops / roofline}
 
 
-def padding_share(sim: engine.Simulator, rounds: int, per_call: int | None = None) -> float:
+def padding_share(sim: simulator.Simulator, rounds: int, per_call: int | None = None) -> float:
   """Share of the training rows computed that are padding, over the cohorts of `rounds` rounds.
 
   A vmapped chunk runs its largest client's step count for all its slots; within a step it runs
@@ -146,7 +148,7 @@ def peak_memory() -> dict:
   return {'peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def masked_train_seconds(sim: engine.Simulator, state, rounds: int) -> float:
+def masked_train_seconds(sim: simulator.Simulator, state, rounds: int) -> float:
   """Seconds per round of the training calls' work besides training: the same compiled calls
   on the chunks of the last `rounds` rounds (run already, so compiled) with every client
   masked, so that no step runs (`Simulator.train_chunks`). The calls take the state's arrays
@@ -184,7 +186,7 @@ def round_phases(arg: str, rounds: int, ds: data.Dataset, compiles: CompileCount
   c.update_from_flattened_dict(overrides)
   with config_lib.matmul_precision(c):
     timer = PhaseTimer()
-    sim = engine.Simulator(c, ds, data.partition_from_config(c, ds), phase=timer)
+    sim = simulator.Simulator(c, ds, data.partition_from_config(c, ds), phase=timer)
     state = sim.init_state()
     before = compiles.count, compiles.seconds
     t0 = time.perf_counter()
@@ -242,9 +244,9 @@ def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAME
 
 
 def _training(out, quick, ds, roof, families):
-  # Batch 512 as the engine runs it on this backend (in passes of engine.micro_batch's auto
+  # Batch 512 as the engine runs it on this backend (in passes of simulator.micro_batch's auto
   # rows), batch 64, and batch 512 in one pass for one client.
-  passes = engine.micro_batch(config_lib.build('cifar10', 'hetero'))
+  passes = simulator.micro_batch(config_lib.build('cifar10', 'hetero'))
   cases = ([('cnn5', 64, 2, 2, 0)] if quick else  # quick: one vmapped group
            [(f, b, k, max(2, 2048 // b), m) for f in families
             for b, m in ((512, passes), (64, 0)) for k in (1, 2, 5, 10)]
@@ -287,7 +289,7 @@ def _padding(out, quick, ds):
     if gamma is not None:
       c.partition.dirichlet_gamma = gamma
     kind = f'dirichlet {gamma}' if gamma is not None else c.partition.kind
-    sim = engine.Simulator(c, ds, data.partition_from_config(c, ds))
+    sim = simulator.Simulator(c, ds, data.partition_from_config(c, ds))
     row = {'config': f'cifar10:{arg}', 'partition': kind,
            'padded_share': padding_share(sim, 20),
            'padded_share_vmapped': padding_share(sim, 20, -(-sim.k // len(sim.groups)))}

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from fedssa_jax import augment, client
-from fedssa_jax.placement import REPLICATED, SHARDED
+from fedssa_jax.data import augment
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine.placement import REPLICATED, SHARDED
+from fedssa_jax.engine.training import TrainConfig
+from fedssa_jax.types import PyTree
 
 # Clients per evaluation call when evaluating a subset, or from a host or disk store.
 EVAL_BLOCK = 32
@@ -34,6 +38,39 @@ REPRESENTATIONS_FILE = 'representations.npz'
 # a method that reads the client state adds its rows, STATE_SPEC, after them).
 ROWS_SPECS = (SHARDED, SHARDED, SHARDED, REPLICATED, REPLICATED)
 STATE_SPEC = SHARDED
+
+
+def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData, *,
+             apply_fn: Callable, cfg: TrainConfig, eval_batch_size: int,
+             extra_fn: Callable | None = None, extra_names: tuple[str, ...] = ()):
+  """One client's test results: correct, count, and the sum/number of per-batch accuracies.
+
+  The per-batch sums give the reference code's metric (mean of per-batch accuracies).
+  `extra_fn(logits, rep, y, valid)` returns further int32 counts named `extra_names` (summed).
+  """
+  b = eval_batch_size
+  padded_len = -(-test_idx.shape[0] // b) * b
+  idx_pad = jnp.pad(test_idx, (0, padded_len - test_idx.shape[0]))
+
+  def body(step, acc):
+    idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
+    valid = step * b + jnp.arange(b) < n
+    x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
+    logits, rep = apply_fn({'params': params}, x)
+    y = data.labels[idx]
+    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+    batch_acc = correct / jnp.maximum(valid.sum(), 1)
+    extra = extra_fn(logits, rep, y, valid) if extra_fn else {}
+    return (acc[0] + correct, acc[1] + batch_acc, acc[2] + 1,
+            jax.tree_util.tree_map(jnp.add, acc[3], extra))
+
+  batches = (n + b - 1) // b
+  extra0 = {name: jnp.zeros((), jnp.int32) for name in extra_names}
+  correct, batch_acc_sum, num_batches, extra = jax.lax.fori_loop(
+      0, batches, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32),
+                         jnp.zeros((), jnp.int32), extra0))
+  return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
+          'num_batches': num_batches, **extra}
 
 
 @struct.dataclass
@@ -56,7 +93,7 @@ class Evaluator:
   and `representations(state, seed_index, data)`. Takes what evaluation needs: the method, the
   groups and their store, the placement and the training config (normalisation)."""
 
-  def __init__(self, method, groups: list, store, placement, train_cfg: client.TrainConfig,
+  def __init__(self, method, groups: list, store, placement, train_cfg: TrainConfig,
                group_of: np.ndarray, slot_of: np.ndarray, *, eval_batch_size: int,
                clients_per_call: int = 0, phase=None):
     self.method, self.groups, self.store, self.placement = method, groups, store, placement
@@ -90,7 +127,7 @@ class Evaluator:
     reads it."""
     method, cfg, per_call = self.method, self.train_cfg, self._per_call(g)
 
-    def evaluate_rows(group_params, cids, valid, server, data_: client.DeviceData,
+    def evaluate_rows(group_params, cids, valid, server, data_: DeviceData,
                       state_rows=None):
       # No client has more than max_test samples, so a smaller batch than that gives the same
       # per-batch results with less padding.
@@ -103,7 +140,7 @@ class Evaluator:
         extra = functools.partial(method.eval_extra, server, cid)
         # A padding row has no test sample, so its test loop runs no batch (one row at a time,
         # as on the CPU, it costs nothing).
-        return client.evaluate(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
+        return evaluate_client(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
                                data_, apply_fn=self._forward(g, state, server, cid), cfg=cfg,
                                eval_batch_size=eval_batch, extra_fn=extra,
                                extra_names=method.eval_metrics)
@@ -135,7 +172,7 @@ class Evaluator:
                 min(size, len(slots) - i)) for i in range(0, len(slots), size)]
     return jobs
 
-  def evaluate(self, state, seed_index: int, data: client.DeviceData, evaluated_ids: np.ndarray,
+  def evaluate(self, state, seed_index: int, data: DeviceData, evaluated_ids: np.ndarray,
                cohort, previous: Evaluation | None = None) -> Evaluation:
     """Seed `seed_index`'s evaluated clients' (`evaluated_ids`) test results with their models
     of `state` (every seed's), on that seed's `data`; `cohort(t)` is its round t's cohort.
@@ -181,7 +218,7 @@ class Evaluator:
   def _rep_call(self, g):
     cfg, method = self.train_cfg, self.method
 
-    def rows_reps(group_params, cids, valid, server, data_: client.DeviceData, state_rows=None):
+    def rows_reps(group_params, cids, valid, server, data_: DeviceData, state_rows=None):
       del valid
       def one(args):
         params, cid, *state = args
@@ -195,7 +232,7 @@ class Evaluator:
     return self.store.eval_call(g, self.placement.per_device(rows_reps, self._specs()),
                                 with_state=self.reads_state)
 
-  def representations(self, state, seed_index: int, data: client.DeviceData
+  def representations(self, state, seed_index: int, data: DeviceData
                       ) -> dict[str, np.ndarray]:
     """Runs each client's evaluated model (method.eval_params, through method.eval_forward) over
     its padded test split, in blocks of clients, from any store."""
@@ -216,7 +253,7 @@ class Evaluator:
     return {'representations': np.concatenate(reps)[order],
             'labels': np.concatenate(labels)[order], 'client': np.concatenate(clients)[order]}
 
-  def save_representations(self, state, seed_index: int, data: client.DeviceData,
+  def save_representations(self, state, seed_index: int, data: DeviceData,
                            workdir: str) -> str:
     """Writes the file from process 0; every process must call it (`representations` is
     collective when the clients span several processes)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedssa_jax import client, models
+from fedssa_jax import models
+from fedssa_jax.methods import losses
 
 
 def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
@@ -22,7 +23,7 @@ def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
                             image_shape=image_shape)
 
   def grad(p, x, y, valid):
-    return jax.grad(lambda p: client.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
+    return jax.grad(lambda p: losses.cross_entropy_loss(model.apply, p, x, y, valid)[0])(p)
   return _xla_flops_per_sample(model, grad, batch_size)
 
 

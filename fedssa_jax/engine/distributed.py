@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
+from fedssa_jax.errors import ConfigError
 
-from fedssa_jax import config_lib
 
 MODES = ('auto', 'on', 'off')
 ENV = {'coordinator_address': 'FEDSSA_COORDINATOR_ADDRESS',
@@ -62,7 +62,7 @@ def _int(name: str, value) -> int | None:
   try:
     return int(value)
   except (TypeError, ValueError):
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'--{name} (or ${ENV[name]}) must be an integer, not {value!r}.') from None
 
 
@@ -74,7 +74,7 @@ def settings(mode: str = 'auto', coordinator_address: str | None = None,
   environment variable; raises ConfigError on a combination that cannot work."""
   environ = os.environ if environ is None else environ
   if mode not in MODES:
-    raise config_lib.ConfigError(f'--distributed={mode!r}: use one of {", ".join(MODES)}.')
+    raise ConfigError(f'--distributed={mode!r}: use one of {", ".join(MODES)}.')
   given = {'coordinator_address': coordinator_address, 'num_processes': num_processes,
            'process_id': process_id, 'local_device_ids': local_device_ids}
   for name, var in ENV.items():
@@ -90,14 +90,14 @@ def settings(mode: str = 'auto', coordinator_address: str | None = None,
 
   named = [f'--{k} (${ENV[k]})' for k in ENV if getattr(s, k) is not None]
   if mode == 'off' and s.explicit:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'--distributed=off, but {", ".join(named)} given: drop them for a single-process run, '
         'or use --distributed=auto to join the other processes.')
   if s.num_processes is not None and s.num_processes < 1:
-    raise config_lib.ConfigError(f'--num_processes={s.num_processes}: use 1 or more.')
+    raise ConfigError(f'--num_processes={s.num_processes}: use 1 or more.')
   if s.process_id is not None and s.num_processes is not None and not (
       0 <= s.process_id < s.num_processes):
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'--process_id={s.process_id} with --num_processes={s.num_processes}: process ids run '
         f'from 0 to {s.num_processes - 1}.')
   if s.explicit and not _cluster_detected(environ):
@@ -105,7 +105,7 @@ def settings(mode: str = 'auto', coordinator_address: str | None = None,
     missing = [f'--{k}' for k in ('coordinator_address', 'num_processes', 'process_id')
                if getattr(s, k) is None]
     if missing:
-      raise config_lib.ConfigError(
+      raise ConfigError(
           f'Joining other processes needs --coordinator_address, --num_processes and '
           f'--process_id (or ${ENV["coordinator_address"]}, ${ENV["num_processes"]} and '
           f'${ENV["process_id"]}); {", ".join(missing)} missing. Outside SLURM, Open MPI or a '
@@ -147,7 +147,7 @@ def initialize(s: Settings) -> bool:
   except (RuntimeError, ValueError) as e:
     how = ('with ' + ', '.join(f'{k}={v!r}' for k, v in kwargs.items())) if kwargs else (
         'with nothing given, so JAX looked for SLURM, Open MPI, Kubernetes or a Cloud TPU slice')
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'jax.distributed.initialize failed {how}: {e}. Give --coordinator_address (process 0\'s '
         'host:port, reachable from every process), --num_processes and --process_id, or run a '
         'single process with --distributed=off.') from e

@@ -31,7 +31,9 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fedssa_jax import config_lib, distributed
+from fedssa_jax import config_lib
+from fedssa_jax.engine import distributed
+from fedssa_jax.errors import ConfigError
 
 # Config fields that may differ between a checkpoint and the run that resumes it: they change
 # neither what the run computes nor which metrics it records (the engine's batching changes only
@@ -111,7 +113,7 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
   """
   layout = saved_meta.get('state_format', 1)
   if layout != STATE_FORMAT:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'Cannot resume the run in {where}: its checkpoints hold the run\'s state in layout '
         f'{layout}, and this code reads layout {STATE_FORMAT} (since layout 2 each method\'s '
         'server state is a typed dataclass, not a dict). Finish the run with the code that '
@@ -128,7 +130,7 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
   refused = [f'{k}: checkpoint {show(saved, k)}, now {show(now, k)}' for k in differ
              if k not in MUTABLE_ON_RESUME and k not in added]
   if refused:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'Cannot resume the run in {where}: its config differs in fields that change the '
         f'run\'s meaning: {"; ".join(refused)}. Rerun with the checkpoint\'s values, or use a new '
         f'--workdir for a new run. Fields that may change on resume: '

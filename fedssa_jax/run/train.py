@@ -28,9 +28,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedssa_jax import checkpoint, config_lib, data, distributed, engine, guards, outputs
-from fedssa_jax import workdir_lock
-from fedssa_jax.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
+from fedssa_jax import config_lib, data
+from fedssa_jax.engine import distributed, simulator
+from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
+from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
+from fedssa_jax.errors import ConfigError, DataError
 
 # The exit status of a run stopped by SIGTERM or SIGINT after checkpointing (sysexits.h's
 # EX_TEMPFAIL: a temporary failure, retry later). Rerunning the same command resumes it.
@@ -50,7 +52,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   throughout. `stop`, if given, is asked after every round whether a stop was requested (its
   `signal_name` set, e.g. console.StopRequests, which main installs); the run then checkpoints
   and raises Preempted; the function installs no signal handlers, log handlers or hooks of its
-  own. Raises ConfigError, data.DataError or checkpoint.CheckpointError for
+  own. Raises ConfigError, DataError or checkpoint.CheckpointError for
   input that cannot work, workdir_lock.WorkdirLocked if another process runs in `workdir`,
   DivergenceError on a NaN, inf or a blown-up loss, and checkpoint.CheckpointWriteError when a
   checkpoint cannot be written.
@@ -80,7 +82,7 @@ def _without_seed(config) -> dict:
 def train_replicas(configs: list, workdirs: list[str], dataset: data.Dataset | None = None,
                    stop: Any = None) -> list[dict]:
   """Runs of one config that differ only in their seed, packed into the same compiled calls
-  (engine.Simulator's seed axis), each writing what it would write alone (config.json,
+  (simulator.Simulator's seed axis), each writing what it would write alone (config.json,
   metrics.jsonl, summary.json, checkpoints) into its own workdir. Returns their summaries.
 
   Each workdir resumes from its newest checkpoint; they must be at the same round. A seed that
@@ -93,12 +95,12 @@ def train_replicas(configs: list, workdirs: list[str], dataset: data.Dataset | N
   for config in configs:
     config_lib.validate(config)
     if _without_seed(config) != _without_seed(configs[0]):
-      raise config_lib.ConfigError(
+      raise ConfigError(
           'Packed runs must differ only in their seed; these configs differ in other fields.')
   if len({os.path.realpath(w) for w in workdirs}) != len(workdirs):
-    raise config_lib.ConfigError(f'Packed seeds need a workdir each, got {workdirs}.')
+    raise ConfigError(f'Packed seeds need a workdir each, got {workdirs}.')
   # Before anything is loaded or written.
-  engine.check_seeds(configs[0], [c.seed for c in configs], widths=[])
+  simulator.check_seeds(configs[0], [c.seed for c in configs], widths=[])
   for workdir in workdirs:
     check_workdir_writable(workdir)
   with contextlib.ExitStack() as stack:
@@ -131,7 +133,7 @@ def check_workdir_writable(workdir: str) -> None:
     with tempfile.TemporaryFile(dir=workdir):
       pass
   except OSError as e:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'--workdir={workdir!r} is not a writable folder ({e.strerror or e}). Choose a folder '
         'you can write to, or fix its permissions.') from e
 
@@ -183,7 +185,7 @@ def _simulator(configs, workdirs, dataset, ckpts):
     if latest[-1] is not None:
       checkpoint.check_resumable(latest[-1][1], config, os.path.dirname(k.directory))
       if latest[-1][0] > config.num_rounds:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f'The checkpoint in {k.directory} is of round {latest[-1][0]}, past num_rounds='
             f'{config.num_rounds}. Set --config.num_rounds to at least {latest[-1][0]}, or use '
             'a new --workdir.')
@@ -194,11 +196,11 @@ def _simulator(configs, workdirs, dataset, ckpts):
   fingerprints = [data.fingerprint(cd) for cd in cds]
   for meta, fp, k, c in zip(latest, fingerprints, ckpts, configs):
     if meta is not None and meta[1]['partition_fingerprint'] != fp:
-      raise data.DataError(
+      raise DataError(
           f'The data partition ({fp}) differs from the one of the checkpoint in {k.directory} '
           f'({meta[1]["partition_fingerprint"]}): data_dir={c.data_dir!r} holds other data than '
           'the run started with. Point --config.data_dir at that data, or use a new --workdir.')
-  sim = engine.Simulator(c0, ds, cds, workdir=workdirs[0], seeds=[c.seed for c in configs])
+  sim = simulator.Simulator(c0, ds, cds, workdir=workdirs[0], seeds=[c.seed for c in configs])
   for i, (config, workdir, cd) in enumerate(zip(configs, workdirs, cds)):
     if jax.process_index() == 0:
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
@@ -210,7 +212,7 @@ def _simulator(configs, workdirs, dataset, ckpts):
           all(meta is None for meta in latest))
 
 
-def _derived(sim: engine.Simulator, cd: data.ClientData, i: int) -> dict:
+def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
   """What config.json records of seed i's run beyond its config."""
   evaluated = sim.evaluated_ids[i]
   return {
@@ -227,14 +229,14 @@ def _derived(sim: engine.Simulator, cd: data.ClientData, i: int) -> dict:
   }
 
 
-def _initial_state(sim: engine.Simulator, ckpts, workdirs, fresh: bool):
+def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
   """Every seed's state, restored from its newest checkpoint (all of the same round), or fresh;
   and each one's outputs.Progress. `fresh`: no seed has a checkpoint (read once, before)."""
   state = sim.init_state(fresh=fresh)
   restored = [k.restore_latest(template=sim.saved(state, i)) for i, k in enumerate(ckpts)]
   rounds = [0 if r is None else r.step for r in restored]
   if len(set(rounds)) > 1:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         'Packed seeds resume together, from checkpoints of the same round, but their '
         'workdirs are at different rounds: ' +
         ', '.join(f'{w} at round {n}' for w, n in zip(workdirs, rounds)) +
@@ -251,7 +253,7 @@ def _initial_state(sim: engine.Simulator, ckpts, workdirs, fresh: bool):
   return state, [outputs.Progress.from_checkpoint(r.progress) for r in restored]
 
 
-def _run_rounds(sim: engine.Simulator, state, runs: list[outputs.SeedOutputs], stop):
+def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs], stop):
   """Rounds until num_rounds: the round of every seed, then, seed by seed, its guards,
   evaluation and record, and then its checkpoint and console line. A signal (`stop`) to any
   process stops all of them after the same round (its save is collective), checkpointed.
@@ -312,7 +314,7 @@ def _evaluate_or_fail(sim, state, i: int, runs, info, t0: float, last: bool) -> 
     logging.error('%s%s', run.prefix, e)
 
 
-def _evaluate_and_record(sim: engine.Simulator, state, i: int, run: outputs.SeedOutputs, info,
+def _evaluate_and_record(sim: simulator.Simulator, state, i: int, run: outputs.SeedOutputs, info,
                          t0: float, last: bool) -> None:
   """Seed i's round after training: the divergence guards, the evaluation and the metrics
   record (kept in `run.last_record`: the record, or None when the round is not evaluated)."""

@@ -27,7 +27,7 @@ Three formulations compute the same function from the same parameters:
   matmul of its 5 input rows against a banded matrix made from the kernel (`banded_conv`). It
   multiplies some zeros, but its matmuls are wider than im2col's skinny [.., 75] @ [75, 16] and
   its patches are fewer: on the 2-core CPU, CNN-1's forward and backward step is about 1.5x
-  faster than im2col's (`python -m fedssa_jax.bench`).
+  faster than im2col's (`python -m fedssa_jax.run.bench`).
 ``conv_impl='auto'`` picks band for training on the CPU and xla elsewhere (and for evaluation).
 tests/models_test.py checks that all three agree.
 
@@ -41,7 +41,6 @@ to the float32 parameters come back float32. ``dtype=jnp.float32`` (the default)
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -49,9 +48,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedssa_jax.models.layers import (IMAGE_SHAPE, Dense, cast, feature_pool,
+                                      torch_uniform_init)
+
 REPR_DIM = 500
 KERNEL = 5
-IMAGE_SHAPE = (32, 32, 3)  # CIFAR's (height, width, channels): the default input shape
+
 # The smallest side the two 5x5 VALID convolutions and 2x2 pools take: (16 - 4) // 2 = 6 -> 2
 # -> 1 row after conv2's pool.
 MIN_IMAGE_SIZE = 16
@@ -79,17 +81,6 @@ def get_family(name: str) -> Family:
     if f.name == name:
       return f
   raise ValueError(f'Unknown model family {name!r}; choose one of {FAMILY_NAMES}.')
-
-
-def torch_uniform_init(fan_in: int):
-  """PyTorch's default Conv2d/Linear init: U(-1/sqrt(fan_in), +1/sqrt(fan_in))
-  (docs/algorithm.md §1)."""
-  bound = 1.0 / math.sqrt(fan_in)
-
-  def init(key, shape, dtype=jnp.float32):
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-  return init
 
 
 CONV_IMPLS = ('auto', 'xla', 'im2col', 'band')
@@ -151,11 +142,6 @@ def banded_conv(x, kernel, tile: int):
   return y.reshape(b, h, w, features)
 
 
-def cast(dtype, *xs):
-  """`xs` in `dtype` (the compute dtype); arrays already in it are returned as they are."""
-  return tuple(x if x.dtype == dtype else x.astype(dtype) for x in xs)
-
-
 class Conv5x5(nn.Module):
   """5x5 VALID convolution with an HWIO kernel, in any of the formulations, computed in `dtype`."""
   features: int
@@ -195,20 +181,6 @@ def max_pool_2x2(x, conv_impl: str):
   return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
-class Dense(nn.Module):
-  """Fully connected layer, computed in `dtype` (the parameters stay float32)."""
-  features: int
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    fan_in = x.shape[-1]
-    kernel = self.param('kernel', torch_uniform_init(fan_in), (fan_in, self.features))
-    bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
-    x, kernel, bias = cast(self.dtype, x, kernel, bias)
-    return x @ kernel + bias
-
-
 class CNN(nn.Module):
   """One FedSSA CNN family. Returns (logits, representation), both float32.
 
@@ -243,69 +215,6 @@ class CNN(nn.Module):
     return cast(jnp.float32, logits, rep)
 
 
-def feature_pool(rep, width: int) -> jax.Array:
-  """PyTorch's AdaptiveAvgPool1d(width) over the last axis of `rep` [B, D] (docs/algorithm.md,
-  FedMRL): output i is the mean of inputs floor(i D / width) .. ceil((i + 1) D / width) - 1,
-  windows that overlap where width does not divide D. One matmul with a constant matrix."""
-  d = rep.shape[-1]
-  pool = np.zeros((d, width), np.float32)
-  for i in range(width):
-    lo, hi = i * d // width, -(-(i + 1) * d // width)
-    pool[lo:hi, i] = 1.0 / (hi - lo)
-  return rep @ jnp.asarray(pool, rep.dtype)
-
-
-COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-
-
-def make_model(family_name: str, num_classes: int, conv_impl: str = 'auto',
-               dtype: Any = jnp.float32, forward_only: bool = False,
-               repr_dim: int = REPR_DIM, pool_to: int = 0,
-               image_shape: Sequence[int] = IMAGE_SHAPE) -> CNN:
-  """`family_name`'s CNN; `dtype` is its compute dtype (a dtype, or a COMPUTE_DTYPES name);
-  `forward_only`: the model is not differentiated (picks 'auto''s formulation); `repr_dim` and
-  `pool_to` as CNN's (a method's own model; client models keep the defaults); `image_shape`:
-  the (height, width, channels) of its input images (CIFAR's by default)."""
-  if isinstance(dtype, str):
-    if dtype not in COMPUTE_DTYPES:
-      raise ValueError(f'compute dtype must be one of {tuple(COMPUTE_DTYPES)}, got {dtype!r}.')
-    dtype = COMPUTE_DTYPES[dtype]
-  if family_name not in FAMILY_NAMES:  # HtFLlib's families (zoo.py), whatever the formulation
-    from fedssa_jax import zoo  # pylint: disable=g-import-not-at-top (zoo imports this module)
-    if pool_to:
-      raise ValueError(f'pool_to applies to the five CNNs, not to {family_name!r}.')
-    return StatefulModel(zoo.make_zoo_model(family_name, num_classes, repr_dim, dtype),
-                         tuple(int(d) for d in image_shape))
-  feature_sizes(image_shape)  # a ValueError for images too small to build the model for
-  return CNN(get_family(family_name), num_classes, resolve_conv_impl(conv_impl, forward_only),
-             dtype, repr_dim, pool_to, tuple(int(d) for d in image_shape))
-
-
-def all_family_names() -> tuple[str, ...]:
-  """Every model family a client may have: the five CNNs, then HtFLlib's (zoo.py)."""
-  from fedssa_jax import zoo  # pylint: disable=g-import-not-at-top (zoo imports this module)
-  return FAMILY_NAMES + zoo.ZOO_FAMILY_NAMES
-
-
-def feature_dim(config) -> int:
-  """d, the width of every client model's representation (`model.feature_dim`): 500 for the
-  five CNNs, 512 in HtFLlib's model groups; the header's rows hold d + 1 numbers. A method built
-  without a config (tests) gets 500."""
-  return int(getattr(getattr(config, 'model', None), 'feature_dim', REPR_DIM))
-
-
-def init_params(model: CNN, key, image_shape: Sequence[int] | None = None) -> Any:
-  """`model`'s parameters for images of `image_shape` (default: the model's own image_shape,
-  CIFAR's for a model without one)."""
-  shape = getattr(model, 'image_shape', IMAGE_SHAPE) if image_shape is None else image_shape
-  return model.init(key, jnp.zeros((1, *shape), jnp.float32))['params']
-
-
-def param_count(params) -> int:
-  """Parameters of a row (its model state, if any, is no parameter)."""
-  return sum(int(x.size) for x in jax.tree_util.tree_leaves(split_state(params)[0]))
-
-
 def conv1_macs(image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
   """Multiply-accumulates of conv1 on one sample of `image_shape` (28 * 28 * 16 * 75 at 32x32x3)."""
   (h1, w1), _, _ = feature_sizes(image_shape)
@@ -325,35 +234,6 @@ def forward_macs(family_name: str, num_classes: int, repr_dim: int = REPR_DIM,
 
 # --- The header (docs/algorithm.md §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
 
-HEADER_ROW = REPR_DIM + 1  # 501 numbers per class row
-
-
-def init_header(key, num_classes: int, dim: int = REPR_DIM) -> jax.Array:
-  """A fresh [num_classes, dim + 1] header drawn exactly as a client's fc3 is (PyTorch's
-  init), for `dim`-wide representations."""
-  fc3 = Dense(num_classes).init(key, jnp.zeros((1, dim)))['params']
-  return header_rows({'fc3': fc3})
-
-
-def header_rows(params) -> jax.Array:
-  """fc3 as [num_classes, 501]: row s holds class s's weights and bias."""
-  fc3 = params['fc3']
-  return jnp.concatenate([fc3['kernel'].T, fc3['bias'][:, None]], axis=1)
-
-
-def apply_header(params, rep, dtype: Any = jnp.float32) -> jax.Array:
-  """The header alone: logits (float32) of representations `rep` [B, D] under params' fc3, as
-  the model computes them (in the compute dtype `dtype`), e.g. for a representation the model
-  did not make itself."""
-  return Dense(params['fc3']['bias'].shape[0], dtype=dtype).apply(
-      {'params': params['fc3']}, rep).astype(jnp.float32)
-
-
-def with_header_rows(params, rows: jax.Array):
-  """Returns params with fc3 replaced by the [num_classes, 501] table `rows`."""
-  fc3 = {'kernel': rows[:, :-1].T, 'bias': rows[:, -1]}
-  return {**params, 'fc3': fc3}
-
 
 # --- Model state: batch statistics beside the parameters (docs/algorithm.md §1) ---------------
 #
@@ -367,49 +247,3 @@ def with_header_rows(params, rows: jax.Array):
 # a method's forward pass) calls `apply` on the row, which normalises with its running
 # statistics, as a PyTorch model in eval() mode does.
 
-MODEL_STATE = 'batch_stats'
-
-
-def split_state(row) -> tuple[Any, Any]:
-  """(parameters, model state) of a stored row; the state is None for a model without one."""
-  if isinstance(row, dict) and MODEL_STATE in row:
-    return {k: v for k, v in row.items() if k != MODEL_STATE}, row[MODEL_STATE]
-  return row, None
-
-
-def join_state(params, state):
-  """The stored row of `params` and model state `state` (None: `params` itself)."""
-  return params if state is None else {**params, MODEL_STATE: state}
-
-
-@dataclasses.dataclass(frozen=True)
-class StatefulModel:
-  """A Flax module with batch statistics, called as a stateless family's model is (one with
-  none, HtFLlib's FedAvgCNN, is wrapped alike: its rows are its parameters).
-
-  The module is called `module(x, train=..., mask=...)` and returns (logits, representation);
-  its batch normalisation layers keep their statistics in the 'batch_stats' collection and
-  take `mask` [B] so that padding rows of a partial batch count in no statistic; in training
-  its dropout layers (if any) draw from the 'dropout' key. `init` gives the row (parameters
-  with the statistics under MODEL_STATE) as {'params': row}; `apply` evaluates a row with its
-  running statistics; `train_apply` runs training mode on the valid rows' batch statistics
-  and returns the updated running statistics too. `image_shape`: the images it is built for
-  (init_params)."""
-  module: nn.Module
-  image_shape: tuple[int, ...] = IMAGE_SHAPE
-
-  def init(self, key, x):
-    variables = self.module.init(key, x, train=False)
-    return {'params': join_state(variables['params'], variables.get(MODEL_STATE))}
-
-  def apply(self, variables, x):
-    params, state = split_state(variables['params'])
-    state = {} if state is None else {MODEL_STATE: state}
-    return self.module.apply({'params': params, **state}, x, train=False)
-
-  def train_apply(self, params, state, x, mask, key):
-    """((logits, representation), new statistics) of a training-mode forward of `x` [B', ...],
-    whose statistics count the rows where `mask` [B'] is True; `key` draws its dropout."""
-    out, updated = self.module.apply({'params': params, MODEL_STATE: state}, x, train=True,
-                                     mask=mask, rngs={'dropout': key}, mutable=[MODEL_STATE])
-    return out, updated[MODEL_STATE]

@@ -1,6 +1,6 @@
 """Runs several methods on one config and seed, and tabulates them side by side.
 
-  python -m fedssa_jax.compare --config=configs/cifar10.py:hetero,n10 --workdir=runs/cmp \
+  python -m fedssa_jax.run.compare --config=configs/cifar10.py:hetero,n10 --workdir=runs/cmp \
       --methods=fedssa,standalone,fd,fedproto,fml,fedkd,lg_fedavg,fedclassavg \
       --config.num_rounds=20 --config.local_epochs=1
 
@@ -9,7 +9,7 @@ Every method runs with the same data, partition, models, seed and evaluation, ea
 (pass --rerun to force), so an interrupted comparison continues where it stopped. The table goes
 to `workdir/comparison.md` and the console.
 
-The console is main's (fedssa_jax/console.py): quiet unless --verbose or FEDSSA_VERBOSE=1.
+The console is main's (fedssa_jax/run/console.py): quiet unless --verbose or FEDSSA_VERBOSE=1.
 SIGTERM or SIGINT stop the method being run after its current round and its checkpoint, with
 exit status 75 (train.EXIT_PREEMPTED); the same command then resumes it and runs the rest.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from fedssa_jax import console
+from fedssa_jax.run import console
 
 if __name__ == '__main__' and not console.verbose_requested(sys.argv):
   console.import_tensorflow_quietly()
@@ -32,7 +32,8 @@ from absl import logging
 from ml_collections import config_flags
 import numpy as np
 
-from fedssa_jax import config_lib, data, methods, report, train
+from fedssa_jax import config_lib, data, methods
+from fedssa_jax.run import report, train
 
 COLUMNS = ('method', 'final acc', 'best acc (round)', 'client acc q25 / median / q75',
            'rounds to target', 'floats to target', 'client FLOPs to target',

@@ -16,7 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedssa_jax import checkpoint
+from fedssa_jax.run import checkpoint
 
 
 def clu_writers() -> tuple[Any, Any]:

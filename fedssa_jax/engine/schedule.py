@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fedssa_jax import models
-from fedssa_jax.placement import Placement
+from fedssa_jax.engine.placement import Placement
 
 # A run's independent random streams, each derived from its seed. STREAM_INIT draws a client's
 # own initial model (model.init_scope='client', keyed by client id); STREAM_FAMILY_INIT a

@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 from flax import struct
 
-from fedssa_jax import client
+from fedssa_jax.data.partition import DeviceData
 
-PyTree = Any
 
 
 @struct.dataclass
@@ -98,12 +97,12 @@ class ChunkInputs:
   ids: Any                 # [P] their client ids
   active: Any              # [P] False for dummies
   seen: Any                # [N, C] every client's seen-class mask
-  data: client.DeviceData  # the images and the clients' training indices
+  data: DeviceData  # the images and the clients' training indices
   round_index: Any         # the global round t (the same for every seed)
   root_key: Any            # the seed's key
 
 
 SEED_AXES = ChunkInputs(
     slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0,
-    data=client.DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
+    data=DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
                            test_n=None))  # the images are shared

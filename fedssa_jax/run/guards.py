@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedssa_jax import checkpoint
+from fedssa_jax.run import checkpoint
 
 
 class DivergenceError(FloatingPointError):

@@ -6,7 +6,7 @@ HtFLlib (TsingZ0/HtFLlib) gives client k the architecture k mod |group| of a nam
 by a parameter-free `nn.AdaptiveAvgPool1d(feature_dim)` over the feature axis, so the extractor ends
 in a feature_dim-wide representation (512 by default), and a new `nn.Linear(feature_dim,
 num_classes)` is the head. Every module here returns `(logits, rep)`, both float32: `rep` is that
-pooled representation (`pool_features`, PyTorch's AdaptiveAvgPool1d, as `models.feature_pool`),
+pooled representation (`pool_features`, PyTorch's AdaptiveAvgPool1d, as `layers.feature_pool`),
 and the logits come from the head, a Dense named `fc3` (`{'fc3': {'kernel': [D, C], 'bias':
 [C]}}`, as `models.CNN`'s), so `models.header_rows`, `with_header_rows` and `apply_header` work on
 these models too.
@@ -52,7 +52,7 @@ built with `dropout_rate=0` (`uses_dropout`).
 Initialisation, as each PyTorch definition does it: convolutions of the ResNets and MobileNetV2
 kaiming_normal(fan_out, gain sqrt 2); GoogLeNet's convolutions normal(0, 0.01) (torchvision's
 trunc_normal(std=0.01, a=-2, b=2) truncates at 200 sigma); FedAvgCNN's convolutions and fc1, and
-every head, PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (`models.torch_uniform_init`);
+every head, PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (`layers.torch_uniform_init`);
 BatchNorm scale 1, bias 0, running mean 0, variance 1. (The classifiers whose init differs,
 torchvision's fc and MobileNetV2's normal(0, 0.01) fc, are the ones HtFLlib removes.) The
 distributions are PyTorch's, not its random streams.
@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import models
+from fedssa_jax.models import layers
 
 FEATURE_DIM = 512  # HtFLlib's --feature_dim default
 
@@ -152,7 +152,7 @@ class Conv2d(nn.Module):
     cin = x.shape[-1]
     kernel = self.param('kernel', self.kernel_init, (k, k, cin // g, self.features))
     bias = self.param('bias', self.bias_init, (self.features,)) if self.use_bias else None
-    x, kernel = models.cast(self.dtype, x, kernel)
+    x, kernel = layers.cast(self.dtype, x, kernel)
     impl = self.impl
     if impl == 'auto':
       impl = 'im2col' if jax.default_backend() == 'cpu' else 'xla'
@@ -173,7 +173,7 @@ class Conv2d(nn.Module):
       else:  # depthwise: features == cin, one k x k filter per channel
         y = sum(v * kernel.reshape(k * k, cin)[i] for i, v in enumerate(views))
     if bias is not None:
-      y = y + models.cast(self.dtype, bias)[0]
+      y = y + layers.cast(self.dtype, bias)[0]
     return y
 
 
@@ -207,16 +207,16 @@ def max_pool(x, k: int, s: int, p: int = 0, ceil_mode: bool = False):
 
 def pool_features(feat, feature_dim: int):
   """HtFLlib's nn.AdaptiveAvgPool1d(feature_dim) in place of the classifier: `feat` [B, d] ->
-  [B, feature_dim] (models.feature_pool; the identity, skipped, where d == feature_dim)."""
-  return feat if feat.shape[-1] == feature_dim else models.feature_pool(feat, feature_dim)
+  [B, feature_dim] (layers.feature_pool; the identity, skipped, where d == feature_dim)."""
+  return feat if feat.shape[-1] == feature_dim else layers.feature_pool(feat, feature_dim)
 
 
 def split_head(feat, num_classes: int, feature_dim: int, dtype):
   """BaseHeadSplit's tail: the pool, then the head `fc3` (PyTorch's Linear init). Called in a
   module's compact __call__, so fc3 is that module's child. Returns (logits, rep) float32."""
   rep = pool_features(feat, feature_dim)
-  logits = models.Dense(num_classes, dtype=dtype, name='fc3')(rep)
-  return models.cast(jnp.float32, logits, rep)
+  logits = layers.Dense(num_classes, dtype=dtype, name='fc3')(rep)
+  return layers.cast(jnp.float32, logits, rep)
 
 
 def relu6(x):
@@ -232,7 +232,7 @@ class ConvReLUPool(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    init = models.torch_uniform_init(x.shape[-1] * 25)
+    init = layers.torch_uniform_init(x.shape[-1] * 25)
     x = conv(self.features, 5, use_bias=True, kernel_init=init, bias_init=init, dtype=self.dtype,
              name='0')(x)
     return max_pool(nn.relu(x), 2, 2)
@@ -245,7 +245,7 @@ class LinearReLU(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return nn.relu(models.Dense(self.features, dtype=self.dtype, name='0')(x))
+    return nn.relu(layers.Dense(self.features, dtype=self.dtype, name='0')(x))
 
 
 class FedAvgCNN(nn.Module):
@@ -597,15 +597,15 @@ def uses_dropout(name: str) -> bool:
 def make_zoo_model(name: str, num_classes: int, feature_dim: int = FEATURE_DIM,
                    dtype: Any = jnp.float32, **kwargs) -> nn.Module:
   """Family `name` with a feature_dim-wide representation and a feature_dim -> num_classes head;
-  `dtype` is the compute dtype (a dtype or a models.COMPUTE_DTYPES name); kwargs go to the module
+  `dtype` is the compute dtype (a dtype or a layers.COMPUTE_DTYPES name); kwargs go to the module
   (e.g. dropout_rate)."""
   if name not in ZOO_FAMILIES:
     raise ValueError(f'Unknown zoo family {name!r}; choose one of {ZOO_FAMILY_NAMES}.')
   if isinstance(dtype, str):
-    if dtype not in models.COMPUTE_DTYPES:
-      raise ValueError(f'compute dtype must be one of {tuple(models.COMPUTE_DTYPES)}, '
+    if dtype not in layers.COMPUTE_DTYPES:
+      raise ValueError(f'compute dtype must be one of {tuple(layers.COMPUTE_DTYPES)}, '
                        f'got {dtype!r}.')
-    dtype = models.COMPUTE_DTYPES[dtype]
+    dtype = layers.COMPUTE_DTYPES[dtype]
   return ZOO_FAMILIES[name](num_classes, feature_dim=feature_dim, dtype=dtype, **kwargs)
 
 

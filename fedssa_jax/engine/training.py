@@ -14,15 +14,16 @@ n_k = 0 runs none. tests/client_test.py checks both against one-client-at-a-time
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedssa_jax import augment, models
-
-PyTree = Any
+from fedssa_jax import models
+from fedssa_jax.data import augment
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.types import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +49,6 @@ class TrainConfig:
   std: tuple[float, ...] = (0.229, 0.224, 0.225)
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceData:
-  """Images and per-client index sets, as device arrays (see data.ClientData)."""
-  images: jax.Array     # [M, H, W, C] uint8
-  labels: jax.Array     # [M] int32
-  train_idx: jax.Array  # [N, max_train] int32
-  train_n: jax.Array    # [N] int32
-  test_idx: jax.Array   # [N, max_test] int32
-  test_n: jax.Array     # [N] int32
-
-
-jax.tree_util.register_dataclass(
-    DeviceData, data_fields=[f.name for f in dataclasses.fields(DeviceData)], meta_fields=[])
-
-
 # A step's dropout key (a model with dropout: models.StatefulModel) is fold_in(the step's
 # augmentation key, DROPOUT_STREAM), apart from its views' keys (fold_in(step key, view)).
 DROPOUT_STREAM = 1 << 16
@@ -79,19 +65,6 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   clip = optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity()
   return optax.chain(clip,
                      optax.add_decayed_weights(cfg.weight_decay), step)
-
-
-def ce_and_correct(logits, y, valid):
-  """Mean cross-entropy over the valid samples of a batch, and the number of correct ones."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  loss = jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(valid.sum(), 1)
-  return loss, jnp.sum((jnp.argmax(logits, -1) == y) & valid)
-
-
-def cross_entropy_loss(apply_fn: Callable, params, x, y, valid):
-  """The plain local objective: mean CE of the model on the valid samples."""
-  logits, _ = apply_fn({'params': params}, x)
-  return ce_and_correct(logits, y, valid)
 
 
 def epoch_order(key, n, padded_len):
@@ -239,40 +212,6 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
       0, cfg.local_epochs, epoch, ((trainable, model_state), opt_state, method.init_acc(), stats))
   trainable = {**trainable, 'model': models.join_state(trainable['model'], model_state)}
   return trainable, acc, stats
-
-
-def evaluate(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData, *,
-             apply_fn: Callable, cfg: TrainConfig, eval_batch_size: int,
-             extra_fn: Callable | None = None, extra_names: tuple[str, ...] = ()):
-  """One client's test results: correct, count, and the sum/number of per-batch accuracies.
-
-  The per-batch sums give the reference code's metric (mean of per-batch accuracies).
-  `extra_fn(logits, rep, y, valid)` returns further int32 counts named `extra_names` (summed).
-  """
-  b = eval_batch_size
-  padded_len = -(-test_idx.shape[0] // b) * b
-  idx_pad = jnp.pad(test_idx, (0, padded_len - test_idx.shape[0]))
-
-  def body(step, acc):
-    idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
-    valid = step * b + jnp.arange(b) < n
-    x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
-    logits, rep = apply_fn({'params': params}, x)
-    y = data.labels[idx]
-    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
-    batch_acc = correct / jnp.maximum(valid.sum(), 1)
-    extra = extra_fn(logits, rep, y, valid) if extra_fn else {}
-    return (acc[0] + correct, acc[1] + batch_acc, acc[2] + 1,
-            jax.tree_util.tree_map(jnp.add, acc[3], extra))
-
-  batches = (n + b - 1) // b
-  extra0 = {name: jnp.zeros((), jnp.int32) for name in extra_names}
-  correct, batch_acc_sum, num_batches, extra = jax.lax.fori_loop(
-      0, batches, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32),
-                         jnp.zeros((), jnp.int32), extra0))
-  return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
-          'num_batches': num_batches, **extra}
-
 
 
 def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: DeviceData, *,

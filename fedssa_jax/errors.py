@@ -1,0 +1,17 @@
+"""The errors that are the user's to fix: each message names what is wrong and the fix.
+
+Every layer may raise them; this module imports nothing, so it sits below them all. The command
+line (fedssa_jax/main.py) prints them as one paragraph, without a traceback.
+"""
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work, with the fix in its message."""
+
+
+class DataError(ValueError):
+  """A data set or partition that cannot be used, with the fix in its message."""
+
+
+class UnknownDatasetError(DataError):
+  """A data set name TFDS does not know."""

@@ -1,0 +1,268 @@
+"""Tables and plots of a sweep's runs, shaped like the paper's.
+
+  python -m fedssa_jax.run.report --sweep_dir=runs/sweeps/table2
+
+Reads every run folder under `sweep_dir` (any folder holding config.json and summary.json; see
+docs/outputs.md) and writes into `<sweep_dir>/report/`:
+
+- accuracy.md   per model setting (homogeneous: Table 1, heterogeneous: Table 2), rows methods,
+                columns data set x (N, C) x partition; the final and the best mean test
+                accuracy in %, mean ± std over seeds, the best mean per column in bold;
+- costs.md      per setting, rounds, floats and client FLOPs to the target accuracy (the runs'
+                target_accuracy, or --target), and how many times more each baseline needs
+                than FedSSA;
+- PNG plots     accuracy against rounds per setting; per-client accuracy box plots per setting
+                (FedSSA and the two best other methods); accuracy, train loss and header-row
+                norms against rounds per setting; robustness curves where a setting
+                varies only in classes per client or Dirichlet gamma; t-SNE panels of the saved
+                representations (runs with save_representations=True);
+- index.md      links to all of them.
+
+A setting is read from each run's config.json; a method's label adds its own options that
+differ from the defaults (e.g. `fedssa (mu0=0.0)` for the ablation), so that variations are
+rows of their own.
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+from absl import app
+from absl import flags
+import numpy as np
+
+from fedssa_jax.engine import evaluation
+from fedssa_jax.run.plots import (plot_accuracy_vs_rounds, plot_client_boxes, plot_robustness,
+                                  plot_training_curves, plot_tsne, robustness_series)
+from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key,
+                                 by_setting_and_method, load_runs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown helpers (also used by fedssa_jax.run.compare)
+# ----------------------------------------------------------------------------------------------
+
+def sci(x) -> str:
+  """A number in 3 significant digits, or — for None."""
+  return '—' if x is None else f'{x:.3g}'
+
+
+def markdown_table(columns, rows) -> str:
+  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def mean_std(values, scale: float = 100.0, digits: int = 2) -> str:
+  """'mean ± std' (sample std over seeds) of values × scale; just the value for one seed."""
+  v = np.asarray(values, float) * scale
+  if len(v) == 1:
+    return f'{v[0]:.{digits}f}'
+  return f'{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}'
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading runs
+# ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+MODEL_TITLES = {'homo': 'Model-homogeneous (every client CNN-1), cf. the paper\'s Table 1',
+                'hetero': 'Model-heterogeneous (CNN-1..5), cf. the paper\'s Table 2'}
+
+
+ACCURACIES = (('final_mean_accuracy', 'Final', 'the final round\'s'),
+              ('best_mean_accuracy', 'Best', 'the best evaluated round\'s'))
+
+
+def accuracy_tables(grouped) -> str:
+  """Per model setting: rows methods, columns settings, the final and the best mean accuracy
+  (%), mean ± std over seeds."""
+  out = ['# Mean test accuracy (%)', '',
+         'The mean over clients of per-client test accuracy, at the final round and at the '
+         'best evaluated round of each run; mean ± sample std over seeds (n seeds in the last '
+         'column), the best mean per column in **bold**.', '']
+  for key, title, which in ACCURACIES:
+    out += _accuracy_tables(grouped, key, f'{title}: {which} mean accuracy')
+  return '\n'.join(out)
+
+
+def _accuracy_tables(grouped, key: str, title: str) -> list[str]:
+  out = []
+  for models in ('homo', 'hetero'):
+    settings = [s for s in grouped if s.models == models]
+    if not settings:
+      continue
+    methods = sorted({m for s in settings for m in grouped[s]}, key=_method_key)
+    best = {s: max(np.mean([r.summary[key] for r in rs])
+                   for rs in grouped[s].values()) for s in settings}
+    rows = []
+    for m in methods:
+      cells, seeds = [], set()
+      for s in settings:
+        rs = grouped[s].get(m)
+        if not rs:
+          cells.append('—')
+          continue
+        accs = [r.summary[key] for r in rs]
+        seeds.add(len(rs))
+        text = mean_std(accs)
+        cells.append(f'**{text}**' if np.isclose(np.mean(accs), best[s]) else text)
+      rows.append([m, *cells, '/'.join(str(n) for n in sorted(seeds))])
+    out += [f'## {title}. {MODEL_TITLES[models]}', '',
+            markdown_table(['method', *(s.column for s in settings), 'seeds'], rows), '']
+  return out
+
+
+def reached(r: Run, target: float | None = None) -> dict | None:
+  """The run's costs at the first evaluated round whose mean accuracy reaches `target` (round,
+  cum_floats, cum_client_flops), from its history; None if it never did. Without `target`,
+  the run's own (summary.json, at its config's target_accuracy)."""
+  if target is None:
+    return r.summary.get('to_target')
+  for x in r.metrics:
+    if x.get('mean_accuracy') is not None and x['mean_accuracy'] >= target:
+      return {'round': x['round'], 'cum_floats': x['cum_floats'],
+              'cum_client_flops': x['cum_client_flops']}
+  return None
+
+
+def _to_target(rs, key, target=None):
+  """Mean over the seeds that reached the target of their cost `key`, and how many did."""
+  vals = [c[key] for c in (reached(r, target) for r in rs) if c]
+  return (float(np.mean(vals)) if vals else None), len(vals)
+
+
+def ratio_text(baseline, reference) -> str:
+  return '—' if baseline is None or reference is None or reference == 0 else \
+      f'{baseline / reference:.2f}×'
+
+
+def costs_tables(grouped, target: float | None = None) -> str:
+  """Per setting: rounds, floats and FLOPs to target (the runs' own target_accuracy, or
+  `target`), and baseline / FedSSA ratios."""
+  out = ['# Communication and computation to the target accuracy', '',
+         'Costs at the first evaluated round whose mean accuracy reaches the target, '
+         'cumulative over the run (floats up + down; client FLOPs of training and fusion), '
+         'averaged over the seeds that reached it ("reached" counts them). A ratio is the '
+         'baseline\'s mean cost divided by FedSSA\'s: how many times more the baseline needs '
+         '(— where either never reached the target).', '']
+  for s, methods in grouped.items():
+    shown = target or next(iter(methods.values()))[0].summary['target_accuracy']
+    ref = methods.get(REFERENCE_METHOD)
+    ref_floats = _to_target(ref, 'cum_floats', target)[0] if ref else None
+    ref_flops = _to_target(ref, 'cum_client_flops', target)[0] if ref else None
+    rows = []
+    for m, rs in methods.items():
+      rounds, hits = _to_target(rs, 'round', target)
+      floats, _ = _to_target(rs, 'cum_floats', target)
+      flops, _ = _to_target(rs, 'cum_client_flops', target)
+      rows.append([m, f'{hits}/{len(rs)}', sci(rounds), sci(floats), sci(flops),
+                   ratio_text(floats, ref_floats), ratio_text(flops, ref_flops)])
+    out += [f'## {s.label}, target {shown * 100:g}%', '',
+            markdown_table(['method', 'reached', 'rounds', 'floats', 'client FLOPs',
+                            'floats / FedSSA\'s', 'FLOPs / FedSSA\'s'], rows)]
+  return '\n'.join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots (matplotlib and scikit-learn are imported only here)
+# ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------
+
+def write_report(sweep_dir: str, out_dir: str | None = None,
+                 target: float | None = None) -> str:
+  """Writes the tables, plots and index.md; returns the path of index.md. `target`: the mean
+  accuracy of the costs table (default: each run's own target_accuracy)."""
+  runs, unfinished = load_runs(sweep_dir)
+  if not runs:
+    raise FileNotFoundError(
+        f'No finished runs (folders with config.json and summary.json) under {sweep_dir!r}. '
+        'Run the sweep first: python launch/sweep.py --sweep=<name> --sweep_dir=' + sweep_dir)
+  out_dir = out_dir or os.path.join(sweep_dir, 'report')
+  os.makedirs(out_dir, exist_ok=True)
+  grouped = by_setting_and_method(runs)
+  rel = lambda p: os.path.relpath(p, out_dir)
+
+  for name, text in (('accuracy.md', accuracy_tables(grouped)),
+                     ('costs.md', costs_tables(grouped, target))):
+    with open(os.path.join(out_dir, name), 'w') as f:
+      f.write(text)
+  index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
+           f'{len(runs)} finished runs in {len(grouped)} settings'
+           + (f'; {len(unfinished)} not finished (left out): '
+              + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
+           '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
+           '- [Communication and computation to the target](costs.md)', '']
+
+  rows = []
+  for s, methods in grouped.items():
+    rounds = sorted({r.summary['rounds'] for rs in methods.values() for r in rs})
+    curves = plot_accuracy_vs_rounds(s, methods, os.path.join(out_dir, f'rounds_{s.slug}.png'))
+    boxes = plot_client_boxes(s, methods, os.path.join(out_dir, f'boxes_{s.slug}.png'))
+    training = plot_training_curves(s, methods, os.path.join(out_dir, f'training_{s.slug}.png'))
+    rows.append([s.label, len(methods), '/'.join(map(str, rounds)), f'[png]({rel(curves)})',
+                 f'[png]({rel(boxes)})', f'[png]({rel(training)})'])
+  index += ['## Per setting', '', markdown_table(
+      ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes',
+       'accuracy, train loss and header norms'], rows)]
+
+  robust = robustness_series(grouped)
+  if robust:
+    index += ['## Robustness', '']
+    for key, methods in robust.items():
+      dataset, models, n, c, axis = key
+      path = plot_robustness(key, methods, os.path.join(
+          out_dir, f'robustness_{axis}_{dataset}_{models}_n{n}_c{c:g}.png'))
+      index.append(f'- [{dataset} {models} N={n}, C={c * 100:g}%, against '
+                   f'{"classes per client" if axis == "k" else "Dirichlet γ"}]({rel(path)})')
+    index.append('')
+
+  tsne = collections.defaultdict(dict)  # (setting, seed) -> method -> saved arrays
+  families = collections.defaultdict(dict)  # (setting, seed) -> method -> each client's family
+  for r in runs:
+    path = os.path.join(r.path, evaluation.REPRESENTATIONS_FILE)
+    if os.path.exists(path):
+      tsne[(r.setting, r.seed)][r.method] = dict(np.load(path))
+      if 'client_family' in r.derived:
+        families[(r.setting, r.seed)][r.method] = r.derived['client_family']
+  if tsne:
+    index += ['## t-SNE of the test representations', '']
+    for (s, seed), reps in sorted(tsne.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1])):
+      reps = dict(sorted(reps.items(), key=lambda kv: _method_key(kv[0])))
+      path = plot_tsne(f'{s.label}, seed {seed}', reps,
+                       os.path.join(out_dir, f'tsne_{s.slug}_s{seed}.png'),
+                       families=families[(s, seed)])
+      index.append(f'- [{s.label}, seed {seed}: {", ".join(reps)}]({rel(path)})')
+    index.append('')
+
+  path = os.path.join(out_dir, 'index.md')
+  with open(path, 'w') as f:
+    f.write('\n'.join(index))
+  return path
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  path = write_report(FLAGS.sweep_dir, FLAGS.out_dir, FLAGS.target)
+  print(f'Wrote {path}')
+
+
+if __name__ == '__main__':
+  flags.DEFINE_string('sweep_dir', None, 'A folder of run folders (e.g. a sweep\'s).')
+  flags.DEFINE_string('out_dir', None, 'Where to write; default <sweep_dir>/report.')
+  flags.DEFINE_float('target', None, 'Mean accuracy (0-1) of the costs-to-target table, read '
+                     'from each run\'s history; default: the runs\' own target_accuracy.')
+  flags.mark_flags_as_required(['sweep_dir'])
+  app.run(main)

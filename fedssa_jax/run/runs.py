@@ -1,0 +1,137 @@
+"""A sweep's finished runs, read back from their folders and grouped by setting and method: what
+report.py tabulates and plots.py draws."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+
+from fedssa_jax import config_lib, methods as methods_lib
+
+
+METHOD_ORDER = tuple(methods_lib.METHODS)  # registration order: FedSSA, then the baselines
+
+
+REFERENCE_METHOD = 'fedssa'
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """What a run was run on, apart from the method and the seed."""
+  dataset: str
+  models: str           # 'homo' (one family) or 'hetero'
+  num_clients: int
+  participation: float
+  partition: str        # '' (the data set's default pathological k), 'k=4', 'Dir(0.1)'
+  scheme: str           # '' (reference pools) or '8:1:1'
+
+  @property
+  def column(self) -> str:
+    """The label within a table of one model setting."""
+    parts = [self.dataset, f'N={self.num_clients}, C={self.participation * 100:g}%']
+    parts += [p for p in (self.partition, self.scheme) if p]
+    return ' '.join(parts)
+
+  @property
+  def label(self) -> str:
+    return f'{self.column} {self.models}'
+
+  @property
+  def slug(self) -> str:
+    text = f'{self.dataset}_{self.models}_n{self.num_clients}_c{self.participation:g}'
+    text += ''.join(f'_{p}' for p in (self.partition, self.scheme) if p)
+    return ''.join(ch if ch.isalnum() or ch in '._-' else '_' for ch in text)
+
+  def sort_key(self):
+    return (self.dataset, self.models, self.num_clients, -self.participation,
+            self.partition.split('=')[0], _number_in(self.partition), self.scheme)
+
+
+def _number_in(text: str) -> float:
+  digits = ''.join(ch for ch in text if ch.isdigit() or ch == '.')
+  try:
+    return float(digits)
+  except ValueError:
+    return 0.0
+
+
+@dataclasses.dataclass
+class Run:
+  path: str
+  config: dict
+  derived: dict
+  summary: dict
+  metrics: list
+  setting: Setting
+  method: str           # label: the method plus its options that differ from the defaults
+  seed: int
+
+
+def setting_of(config: dict) -> Setting:
+  p = config['partition']
+  default_k = config_lib.dataset_defaults(config['dataset'])['classes_per_client']
+  if p['kind'] == 'dirichlet':
+    partition = f'Dir({p["dirichlet_gamma"]:g})'
+  else:
+    partition = '' if p['classes_per_client'] == default_k else f'k={p["classes_per_client"]}'
+  return Setting(config['dataset'],
+                 'homo' if len(config['model']['families']) == 1 else 'hetero',
+                 config['num_clients'], float(config['participation']), partition,
+                 '8:1:1' if p['scheme'] == 'paper' else '')
+
+
+def method_label(config: dict, models: str) -> str:
+  """The method, plus its own options (its config section, Method.config_section) and the
+  optimizer's that differ from the variant's, e.g. `fedssa (mu0=0.0)` or
+  `standalone (lr=0.01)`."""
+  method = config['method']
+  defaults = config_lib.build(config['dataset'], models).to_dict()
+  known = methods_lib.METHODS
+  own_section = known[method].config_section if method in known else method
+  changed = []
+  for section in (own_section, 'optimizer'):
+    own, default = config.get(section), defaults.get(section)
+    if isinstance(own, dict) and isinstance(default, dict):
+      changed += [f'{k}={v}' for k, v in sorted(own.items()) if default.get(k) != v]
+  return f'{method} ({", ".join(changed)})' if changed else method
+
+
+def load_runs(sweep_dir: str) -> tuple[list[Run], list[str]]:
+  """(finished runs, folders with a config.json but no summary.json yet)."""
+  runs, unfinished = [], []
+  for folder, dirs, files in os.walk(sweep_dir):
+    dirs[:] = sorted(d for d in dirs if d not in ('checkpoints', 'report', 'jobs'))
+    if 'config.json' not in files:
+      continue
+    if 'summary.json' not in files:
+      unfinished.append(folder)
+      continue
+    with open(os.path.join(folder, 'config.json')) as f:
+      cfg = json.load(f)
+    with open(os.path.join(folder, 'summary.json')) as f:
+      summary = json.load(f)
+    metrics = []
+    if 'metrics.jsonl' in files:
+      with open(os.path.join(folder, 'metrics.jsonl')) as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    config = cfg['config']
+    setting = setting_of(config)
+    runs.append(Run(folder, config, cfg.get('derived', {}), summary, metrics, setting,
+                    method_label(config, setting.models), config['seed']))
+  return runs, unfinished
+
+
+def _method_key(label: str):
+  base = label.split(' ')[0]
+  return (METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER), label)
+
+
+def by_setting_and_method(runs) -> dict[Setting, dict[str, list[Run]]]:
+  """setting -> method label -> runs (one per seed), both in table order."""
+  table = collections.defaultdict(lambda: collections.defaultdict(list))
+  for r in runs:
+    table[r.setting][r.method].append(r)
+  return {s: {m: sorted(table[s][m], key=lambda r: r.seed)
+              for m in sorted(table[s], key=_method_key)}
+          for s in sorted(table, key=Setting.sort_key)}
