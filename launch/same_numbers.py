@@ -1,9 +1,9 @@
 """Checks that a change moves no number: every method's 5-round tiny run, record by record.
 
-Runs a 5-round `configs/cifar10.py:hetero,n10,tiny` run (5 clients, 3 a round, batch 16) of every
-method, alone and with seeds 0, 1 and 2 packed (`--seeds`), plus FedSSA from the host and disk
-population stores and on a two-device mesh, each as its own `python -m fedssa_jax.main` process,
-into `--out`. With `--reference`, a folder an
+Runs a 5-round `configs/cifar10.py:hetero,n10,tiny` run (5 clients, 3 a round, batch 16) of each
+of the twelve methods, alone and with seeds 0, 1 and 2 packed (`--seeds`), plus FedSSA from the
+host and disk population stores and on a two-device mesh, each as its own `python -m
+fedssa_jax.main` process, into `--out`. With `--reference`, a folder an
 earlier commit's run of this script wrote, it then compares every run's `metrics.jsonl` records
 and `summary.json` with the reference's, timings aside, and exits 1 on any difference.
 
@@ -28,7 +28,7 @@ from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from configs import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fedssa_jax import methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _OUT = flags.DEFINE_string('out', None, 'Folder of the runs (created).', required=True)
 _REFERENCE = flags.DEFINE_string('reference', None, 'An earlier --out to compare with.')
@@ -48,8 +48,8 @@ TIMING = {'seconds_per_round_steady', 'first_round_seconds', 'wall_seconds', 'ro
 PACKED_SEEDS = (0, 1, 2)  # the seeds of every '-seeds3' run, one workdir each (seed<s>)
 
 # name -> (extra --config overrides, environment)
-RUNS = {m: ({'method': m}, {}) for m in sweeps.METHODS}
-RUNS.update({f'{m}-seeds3': ({'method': m}, {}) for m in sweeps.METHODS})
+RUNS = {m: ({'method': m}, {}) for m in methods.METHODS}  # every method, in registration order
+RUNS.update({f'{m}-seeds3': ({'method': m}, {}) for m in methods.METHODS})
 RUNS['fedssa-host'] = ({'method': 'fedssa', 'population_store': 'host'}, {})
 RUNS['fedssa-disk'] = ({'method': 'fedssa', 'population_store': 'disk'}, {})
 RUNS['fedssa-mesh2'] = ({'method': 'fedssa', 'engine.mesh_devices': 2},
