@@ -100,7 +100,7 @@ def _model_config() -> ml_collections.ConfigDict:
   # d, the width of every client model's representation r, which the header reads (its rows
   # hold d + 1 numbers) and prototypes share: the five CNNs' fc2 width (500 in the paper);
   # HtFLlib's model groups use 512.
-  m.feature_dim = models.REPR_DIM
+  m.feature_dim = models.CNN_FEATURE_DIM
   # Initial models: 'family' (one model per family from the run's seed, which every client of
   # the family starts from, in every method: what the official code does) or 'client' (each
   # client draws its own).
@@ -297,7 +297,8 @@ def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
   _one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
   _need(isinstance(c.model.feature_dim, int) and c.model.feature_dim >= 1,
         f'model.feature_dim must be a positive integer, got {c.model.feature_dim!r} '
-        f'(the paper\'s CNNs: {models.REPR_DIM}; HtFLlib\'s model groups: 512).')
+        f'(the paper\'s CNNs: {models.CNN_FEATURE_DIM}; HtFLlib\'s model groups: '
+        f'{zoo.FEATURE_DIM}).')
   _one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
 
 

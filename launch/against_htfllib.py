@@ -343,14 +343,15 @@ def read_htfllib_log(text: str) -> list[dict]:
 # The models: HtFLlib's side is built by the runner, and checked against ours layer by layer
 # --------------------------------------------------------------------------------------------
 
-def our_layer_sizes(num_classes: int = 10) -> dict[str, dict[str, int]]:
-  """{family: {layer: parameters}} of our five CNNs (conv1, conv2, fc1, fc2; fc3 the head)."""
+def our_layer_sizes(feature_dim: int, num_classes: int = 10) -> dict[str, dict[str, int]]:
+  """{family: {layer: parameters}} of our five CNNs (conv1, conv2, fc1, fc2; fc3 the head), with
+  `feature_dim`-wide representations."""
   sys.path.insert(0, REPO)
   import jax  # pylint: disable=g-import-not-at-top
   from fedssa_jax import models  # pylint: disable=g-import-not-at-top
   out = {}
   for name in models.FAMILY_NAMES:
-    model = models.make_model(name, num_classes)
+    model = models.make_model(name, num_classes, feature_dim=feature_dim)
     shapes = jax.eval_shape(lambda m=model: models.init_params(m, jax.random.PRNGKey(0)))
     out[name] = {layer: int(sum(np.prod(v.shape) for v in jax.tree_util.tree_leaves(sub)))
                  for layer, sub in shapes.items()}
@@ -538,8 +539,8 @@ def _suffix(args):
 
 def run_htfllib(args, method, system, scratch):
   log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args)}.log')
+  config = our_config(method, args.lr, args.rounds)
   if not os.path.isfile(log_path + '.done'):
-    config = our_config(method, args.lr, args.rounds)
     argv, _ = htfllib_args(config, args.rounds)
     runner = os.path.join(scratch, 'run_htfllib.py')
     with open(runner, 'w') as f:
@@ -555,7 +556,7 @@ def run_htfllib(args, method, system, scratch):
     os.rename(log_path, log_path + '.done')
   with open(log_path + '.done') as f:
     log = f.read()
-  check_layer_sizes(log, our_layer_sizes())
+  check_layer_sizes(log, our_layer_sizes(config.model.feature_dim))
   rounds = read_htfllib_log(log)
   if len(rounds) < args.rounds + 1:
     raise Failure(f'{log_path}.done holds {len(rounds)} evaluated rounds, not '

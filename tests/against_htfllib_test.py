@@ -144,7 +144,7 @@ def test_our_defaults_are_listed_as_differences():
 
 def test_models_are_checked_layer_by_layer():
   ah = load_script()
-  ours = ah.our_layer_sizes()
+  ours = ah.our_layer_sizes(500)
   # CNN-1 by hand: conv 5x5 3->16, conv 5x5 16->32, fc 800->2000, fc 2000->500, head 500->10.
   assert ours['cnn1'] == {'conv1': 3 * 16 * 25 + 16, 'conv2': 16 * 32 * 25 + 32,
                           'fc1': 800 * 2000 + 2000, 'fc2': 2000 * 500 + 500, 'fc3': 5010}

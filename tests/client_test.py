@@ -7,13 +7,14 @@ import numpy as np
 import optax
 import pytest
 
-from fedssa_jax import data, models
+from fedssa_jax import config_lib, data, models
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import training
 from fedssa_jax.methods import standalone
 
 SIZES = [5, 13, 0, 20]  # uneven clients, one empty (a dummy)
+CONFIG = config_lib.base_config('cifar10')
 
 
 def setup(ds, cfg):
@@ -23,11 +24,11 @@ def setup(ds, cfg):
     idx[c, :n] = cd.train_idx[c, :n] if n <= cd.train_n[c] else np.arange(n)
   dd = DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
                          jnp.asarray(SIZES), jnp.asarray(idx), jnp.asarray(SIZES))
-  model = models.make_model('cnn5', 10, 'im2col')
+  model = models.make_model('cnn5', 10, 'im2col', feature_dim=CONFIG.model.feature_dim)
   params = jax.vmap(functools.partial(models.init_params, model))(
       jax.random.split(jax.random.PRNGKey(0), 4))
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
-  method = standalone.Standalone(None, 4, 10)  # plain cross-entropy
+  method = standalone.Standalone(CONFIG, 4, 10)  # plain cross-entropy
 
   def train(params, key, idx, n, dd):
     trainable, _, stats = training.local_train({'model': params}, (), key, idx, n, dd,

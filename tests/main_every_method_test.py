@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 from absl import flags
 
-from fedssa_jax import main as main_lib, methods, models
+from fedssa_jax import config_lib, main as main_lib, methods
 from fedssa_jax.engine import schedule
 
 from conftest import (assert_same_last_checkpoint, assert_same_records, assert_same_round_infos,
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C = 10
-ROW = models.HEADER_ROW
+D = config_lib.base_config('cifar10').model.feature_dim  # d of configs/tiny.py's runs
+ROW = D + 1  # a header row: d weights and a bias
 P5 = 665_048 + 501 * C  # CNN-5 with its C-way head (spec §0)
 PS_MRL = 478_676 + 129 * C  # FedMRL's shared CNN-5 with fc2 -> 128 and its head (HTFL.md §3.2)
 
@@ -102,16 +103,16 @@ def expected_floats(method, seen, avail_before):
       'standalone': (0 * s, 0 * s),
       'fedssa': (ROW * s, ROW * has_global),
       'fd': (s * C, has_global * C),
-      'fedproto': (models.REPR_DIM * s, models.REPR_DIM * has_global),
+      'fedproto': (D * s, D * has_global),
       'fml': (P5 + 0 * s, P5 + 0 * s),
       'fedkd': None,
       'lg_fedavg': (ROW * C + 0 * s, ROW * C + 0 * s),
       'fedclassavg': (ROW * C + 0 * s, ROW * C + 0 * s),
-      'fedgh': (models.REPR_DIM * s, ROW * C + 0 * s),
-      'fedtgp': (models.REPR_DIM * s, models.REPR_DIM * has_global),
+      'fedgh': (D * s, ROW * C + 0 * s),
+      'fedtgp': (D * s, D * has_global),
       'fedmrl': (PS_MRL + 0 * s, PS_MRL + 0 * s),
       # Up: the rows of the classes in the study batch, at most s_k (UPLOAD_AT_MOST).
-      'fedl2g': (models.REPR_DIM * s, models.REPR_DIM * s),
+      'fedl2g': (D * s, D * s),
   }
   if method not in table:
     pytest.fail(f'The registered method {method!r} has no entry in expected_floats: add '
@@ -122,7 +123,7 @@ def expected_floats(method, seen, avail_before):
 
 # The methods whose upload in expected_floats is a bound, not the count: FedL2G sends the rows
 # of the classes its study batch holds, whole rows of D floats.
-UPLOAD_AT_MOST = {'fedl2g': models.REPR_DIM}
+UPLOAD_AT_MOST = {'fedl2g': D}
 
 
 def globals_after(method, avail, seen_of_participants):
@@ -137,6 +138,7 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
   method, alone, *_ = method_runs
   config, records, summary = outputs(alone)
   assert config['config']['method'] == method and summary['method'] == method
+  assert config['config']['model']['feature_dim'] == D
   # Three rounds with the blow-up guard at its defaults (guards.check_blowup), untripped.
   assert [r['round'] for r in records] == [1, 2, 3]
   for r in records:

@@ -12,6 +12,7 @@ from conftest import (client_view, clients_loss, init_clients, log_softmax, padd
                       two_rounds_of_uploads)
 
 C = 4
+D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 def make_method(n=5, exclude_own=False, lam=1.0):
@@ -23,7 +24,7 @@ def make_method(n=5, exclude_own=False, lam=1.0):
 def test_loss_and_accumulator_equal_per_sample_loop():
   lam, k, b = 0.7, 3, 6
   method = make_method(lam=lam)
-  model = models.make_model('cnn5', C, 'im2col')
+  model = models.make_model('cnn5', C, 'im2col', feature_dim=D)
   params = init_clients(model, k)
   rng = np.random.default_rng(0)
   x, y, valid = padded_batches(rng, k, b, C)

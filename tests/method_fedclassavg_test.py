@@ -14,6 +14,7 @@ from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, r
                       stack_trees)
 
 C = 4
+D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 VARIANTS = {'standard': (True, 0.07, 0.07), 'official': (False, 100.0, 0.07),
             'unnormalised': (False, 0.5, 0.07)}
 
@@ -97,7 +98,7 @@ def proximal_loop(params, global_rows):
 def test_loss_on_a_real_model_equals_loop(variant):
   method = make_method(variant, mu=0.3)
   normalize, tau, base_tau = VARIANTS[variant]
-  model = models.make_model('cnn5', C, 'im2col')
+  model = models.make_model('cnn5', C, 'im2col', feature_dim=D)
   params = [models.init_params(model, jax.random.PRNGKey(k)) for k in range(2)]
   rng = np.random.default_rng(2)
   # A global header near each client's own (so the proximal term is neither 0 nor dominant).
@@ -149,7 +150,8 @@ def test_proximal_term_equals_loop():
 def test_exchange_and_server_rule_equal_loop(weighting):
   method = make_method(weighting=weighting, n=6)
   server = method.init_server(jax.random.PRNGKey(0), jnp.ones((6, C), bool))
-  params = models.init_params(models.make_model('cnn5', C, 'im2col'), jax.random.PRNGKey(1))
+  params = models.init_params(models.make_model('cnn5', C, 'im2col', feature_dim=D),
+                              jax.random.PRNGKey(1))
   down = method.download(params, {}, server, client_view(0, jnp.array([1, 0, 1, 0], bool)))
   np.testing.assert_array_equal(np.asarray(down.ctx), np.asarray(server.global_header))
   np.testing.assert_array_equal(np.asarray(models.header_rows(down.params)),

@@ -14,7 +14,8 @@ from fedssa_jax.methods import base, fedgh
 
 from conftest import client_view, log_softmax, make_small_sim
 
-C, D, ROW = 4, models.REPR_DIM, models.HEADER_ROW
+C, D = 4, config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
+ROW = D + 1  # a header row: d weights and a bias
 
 
 

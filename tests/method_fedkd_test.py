@@ -12,6 +12,7 @@ from fedssa_jax.methods import base, fedkd
 from conftest import aggregate, client_view, log_softmax, random_params, stack_trees
 
 C = 4
+D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 def make_method(num_clients=5, num_classes=C, num_rounds=10, start=0.95, end=0.98):
@@ -116,7 +117,7 @@ def test_thin_svd_under_nested_vmap_is_each_matrix_s():
 
 def test_loss_vmapped_equals_hand_computation():
   method = make_method()
-  own = models.make_model('cnn4', C, 'im2col')
+  own = models.make_model('cnn4', C, 'im2col', feature_dim=D)
   mentors = stack_trees([random_params(own, i) for i in range(2)])
   mentees = stack_trees([random_params(method.mentee_model, 2 + i) for i in range(2)])
   rng = np.random.default_rng(0)
@@ -204,7 +205,7 @@ def test_download_charges_and_upload():
   state = jax.vmap(method.init_client_state)(jax.random.split(jax.random.PRNGKey(0), n))
   w = np.asarray(state['w_h'])
   assert w.shape == (n, 500, 500) and np.abs(w).max() <= 500 ** -0.5 and w.std() > 0.02
-  params = random_params(models.make_model('cnn4', C, 'im2col'), 1)
+  params = random_params(models.make_model('cnn4', C, 'im2col', feature_dim=D), 1)
   seen = jnp.ones(C, bool)
   # Rounds 0 and 1: everyone holds theta_0 (shared seed), so round 0 needs nothing and round 1
   # needs Delta_bar_0. Round 3: clients 1 and 4 took part in round 2 and need only the compressed

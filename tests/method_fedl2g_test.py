@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, models
+from fedssa_jax import config_lib
 
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import simulator, training
@@ -20,7 +20,7 @@ from fedssa_jax.methods import base, fedl2g
 
 from conftest import client_view, log_softmax, make_small_sim
 
-C, D = 4, models.REPR_DIM
+C, D = 4, config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 def make_method(n=5, c=C, **fields):

@@ -11,7 +11,7 @@ from fedssa_jax.methods import fedproto
 from conftest import (client_view, clients_loss, init_clients, log_softmax, padded_batches, rounds,
                       two_rounds_of_uploads)
 
-C, D = 4, models.REPR_DIM
+C, D = 4, config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 def make_method(n=5, lam=1.0, weighting='uniform', inference='classifier', epochs=2):
@@ -24,7 +24,7 @@ def make_method(n=5, lam=1.0, weighting='uniform', inference='classifier', epoch
 def test_loss_and_accumulator_equal_per_sample_loop():
   lam, k, b = 0.3, 3, 6
   method = make_method(lam=lam)
-  model = models.make_model('cnn5', C, 'im2col')
+  model = models.make_model('cnn5', C, 'im2col', feature_dim=D)
   params = init_clients(model, k)
   rng = np.random.default_rng(0)
   x, y, valid = padded_batches(rng, k, b, C)

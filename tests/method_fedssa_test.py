@@ -15,6 +15,8 @@ from fedssa_jax.methods import fedssa
 
 from conftest import aggregate, client_view, make_small_sim, params_of, rounds, synthetic_dataset
 
+D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
+
 
 def test_mu_schedule_hand_computed():
   assert float(fedssa.mu_schedule(0, 0.5, 2)) == pytest.approx(0.5)
@@ -92,7 +94,7 @@ def test_comm_and_fusion_counts():
   seen = jnp.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 0, 1]], bool)
   server = method.init_server(jax.random.PRNGKey(0), seen)
   server = server.replace(avail=jnp.array([True, False, True, True]))
-  model = models.make_model('cnn5', 4)
+  model = models.make_model('cnn5', 4, feature_dim=D)
   params = models.init_params(model, jax.random.PRNGKey(1))
   for k, (want_down, want_up) in enumerate([(1, 2), (2, 3), (2, 2)]):
     down = method.download(params, {}, server, client_view(k, seen[k], 0, 0))
@@ -130,7 +132,8 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   params = [params_of(sim, state.params, k) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
-  glob = np.array(models.init_header(jax.random.fold_in(sim.root_keys[0], schedule.STREAM_SERVER), s))
+  server_key = jax.random.fold_in(sim.root_keys[0], schedule.STREAM_SERVER)
+  glob = np.array(models.init_header(server_key, s, sim.config.model.feature_dim))
   g, data_ = sim.groups[0], sim.seed_data[0]
   train = jax.jit(functools.partial(training.local_train, apply_fn=g.model.apply,
                                     cfg=sim.train_cfg, method=sim.method))

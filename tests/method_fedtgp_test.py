@@ -15,7 +15,7 @@ from fedssa_jax.methods import base, fedtgp
 
 from conftest import client_view, log_softmax, make_small_sim
 
-C, D = 4, models.REPR_DIM
+C, D = 4, config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 

@@ -12,6 +12,7 @@ from conftest import (aggregate, assert_floats_each_way, client_view, log_softma
                       random_params, rounds, stack_trees)
 
 C = 4
+D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 def make_method(num_clients=5, num_classes=C, alpha=0.3, beta=0.6):
@@ -29,7 +30,7 @@ def test_p5_counted_from_params_and_floats_each_way():
   server_shapes = jax.eval_shape(method.init_server, jax.random.PRNGKey(1),
                                  jnp.ones((5, C), bool))
   assert models.param_count(server_shapes.meme) == p5
-  params = random_params(models.make_model('cnn4', C, 'im2col'), 0)
+  params = random_params(models.make_model('cnn4', C, 'im2col', feature_dim=D), 0)
   meme = random_params(method.meme_model, 1)
   server = fml.FMLServer(meme=meme, inbox=base.Inbox(meme, jnp.int32(0)))
   down = method.download(params, {}, server, client_view(2, jnp.ones(C, bool), 0, 0))
@@ -50,7 +51,7 @@ def test_bad_weights_rejected():
 
 def test_loss_vmapped_equals_hand_computation_and_gradients_separate():
   method = make_method()
-  own = models.make_model('cnn4', C, 'im2col')
+  own = models.make_model('cnn4', C, 'im2col', feature_dim=D)
   models_ = stack_trees([random_params(own, i) for i in range(2)])
   memes = stack_trees([random_params(method.meme_model, 2 + i) for i in range(2)])
   rng = np.random.default_rng(0)
@@ -162,7 +163,7 @@ def test_htfllib_variant_divides_kl_by_c_and_keeps_the_targets_gradients():
   c.fml.alpha, c.fml.beta = 0.3, 0.6
   c.fml.kl_reduction, c.fml.detach_targets = 'mean', False
   method = fml.FML(c, 2, C)
-  own = models.make_model('cnn5', C, 'im2col')
+  own = models.make_model('cnn5', C, 'im2col', feature_dim=D)
   mp, mm = random_params(own, 0), random_params(method.meme_model, 1)
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(3, 32, 32, 3)), jnp.float32)

@@ -14,6 +14,7 @@ from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, p
                       rounds, stack_trees)
 
 C = 4
+D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
 def make_method(weighting='samples', n=6, c=C):
@@ -23,7 +24,8 @@ def make_method(weighting='samples', n=6, c=C):
 
 
 def client_params(k, c=C):
-  return models.init_params(models.make_model('cnn5', c, 'im2col'), jax.random.PRNGKey(k))
+  return models.init_params(models.make_model('cnn5', c, 'im2col', feature_dim=D),
+                            jax.random.PRNGKey(k))
 
 
 def test_invalid_weighting_raises():
@@ -151,7 +153,7 @@ def test_weighted_inbox_hand_computed():
 
 def test_eval_uses_local_extractor_with_global_header():
   method = make_method()
-  model = models.make_model('cnn5', C, 'im2col')
+  model = models.make_model('cnn5', C, 'im2col', feature_dim=D)
   params = client_params(1)
   server = method.init_server(jax.random.PRNGKey(0), None).replace(
       global_header=jax.random.normal(jax.random.PRNGKey(2), (C, 501)))
@@ -167,7 +169,7 @@ def test_eval_uses_local_extractor_with_global_header():
 
 def test_loss_is_plain_cross_entropy_over_valid_samples():
   method = make_method()
-  model = models.make_model('cnn5', C, 'im2col')
+  model = models.make_model('cnn5', C, 'im2col', feature_dim=D)
   params = client_params(5)
   x = jax.random.normal(jax.random.PRNGKey(6), (6, 32, 32, 3))
   y = jnp.array([0, 3, 1, 1, 2, 0])

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import models
+from fedssa_jax import config_lib, models
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import training
@@ -49,7 +49,7 @@ def setup(ds, cfg):
   rows = jax.vmap(functools.partial(models.init_params, MODEL))(
       jax.random.split(jax.random.PRNGKey(0), len(SIZES)))
   keys = jax.random.split(jax.random.PRNGKey(1), len(SIZES))
-  method = standalone.Standalone(None, len(SIZES), 10)
+  method = standalone.Standalone(config_lib.base_config('cifar10'), len(SIZES), 10)
 
   def train(row, key, idx, n):
     trainable, _, stats = training.local_train(

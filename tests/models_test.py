@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,6 +7,10 @@ import pytest
 
 from fedssa_jax import models
 from fedssa_jax.engine import costs
+
+# The paper's CNNs: d = fc2's width, 500 (config_lib's default model.feature_dim).
+D = models.CNN_FEATURE_DIM
+make_model = functools.partial(models.make_model, feature_dim=D)
 
 # docs/algorithm.md §1: params (S=10), params (S=100), forward MACs per sample (S=10)
 SPEC = {
@@ -20,14 +26,14 @@ SPEC = {
 def test_parameter_counts_and_macs_match_spec(family):
   p10, p100, macs = SPEC[family]
   for s, want in ((10, p10), (100, p100)):
-    shapes = jax.eval_shape(lambda: models.init_params(models.make_model(family, s, 'xla'),
+    shapes = jax.eval_shape(lambda: models.init_params(make_model(family, s, 'xla'),
                                                        jax.random.PRNGKey(0)))
     assert models.param_count(shapes) == want
-  assert models.forward_macs(family, 10) == macs
+  assert models.forward_macs(family, 10, D) == macs
 
 
 def test_pytorch_style_init_bounds():
-  params = models.init_params(models.make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
+  params = models.init_params(make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
   fan_in = {'conv1': 3 * 25, 'conv2': 16 * 25, 'fc1': 800, 'fc2': 500, 'fc3': 500}
   for layer, fi in fan_in.items():
     bound = 1 / np.sqrt(fi)
@@ -44,14 +50,14 @@ def test_pytorch_style_init_bounds():
 @pytest.mark.parametrize('family,impl', [('cnn1', 'im2col'), ('cnn2', 'im2col'),
                                          ('cnn1', 'band'), ('cnn2', 'band')])
 def test_cpu_formulations_equal_xla_convolution(family, impl):
-  params = models.init_params(models.make_model(family, 10, 'xla'), jax.random.PRNGKey(1))
+  params = models.init_params(make_model(family, 10, 'xla'), jax.random.PRNGKey(1))
   x = jax.random.normal(jax.random.PRNGKey(2), (3, 32, 32, 3))
-  out = {i: models.make_model(family, 10, i).apply({'params': params}, x) for i in ('xla', impl)}
+  out = {i: make_model(family, 10, i).apply({'params': params}, x) for i in ('xla', impl)}
   for a, b in zip(out['xla'], out[impl]):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   # Gradients agree too (the CPU formulations are what train on the CPU).
   def loss(p, i):
-    logits, rep = models.make_model(family, 10, i).apply({'params': p}, x)
+    logits, rep = make_model(family, 10, i).apply({'params': p}, x)
     return jnp.sum(logits ** 2) + jnp.sum(rep)
   ga, gb = (jax.grad(loss)(params, i) for i in ('xla', impl))
   for a, b in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
@@ -69,9 +75,9 @@ def test_banded_conv_any_tile_equals_xla(tile):
 
 def test_auto_picks_band_for_training_on_the_cpu_and_xla_for_evaluation():
   train = 'band' if jax.default_backend() == 'cpu' else 'xla'
-  assert models.make_model('cnn1', 10).conv_impl == train
-  assert models.make_model('cnn1', 10, forward_only=True).conv_impl == 'xla'
-  assert models.make_model('cnn1', 10, 'im2col', forward_only=True).conv_impl == 'im2col'
+  assert make_model('cnn1', 10).conv_impl == train
+  assert make_model('cnn1', 10, forward_only=True).conv_impl == 'xla'
+  assert make_model('cnn1', 10, 'im2col', forward_only=True).conv_impl == 'im2col'
 
 
 def test_banded_conv_tile_must_divide_width():
@@ -80,7 +86,7 @@ def test_banded_conv_tile_must_divide_width():
 
 
 def test_representation_is_500_dim_after_relu():
-  model = models.make_model('cnn3', 100, 'im2col')
+  model = make_model('cnn3', 100, 'im2col')
   params = models.init_params(model, jax.random.PRNGKey(0))
   logits, rep = model.apply({'params': params}, jnp.ones((2, 32, 32, 3)))
   assert logits.shape == (2, 100) and rep.shape == (2, 500)
@@ -88,7 +94,7 @@ def test_representation_is_500_dim_after_relu():
 
 
 def test_header_rows_round_trip():
-  params = models.init_params(models.make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
+  params = models.init_params(make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
   rows = models.header_rows(params)
   assert rows.shape == (10, 501)
   np.testing.assert_array_equal(rows[3, :500], params['fc3']['kernel'][:, 3])
@@ -101,8 +107,8 @@ def test_header_rows_round_trip():
 
 @pytest.mark.parametrize('family', ['cnn1', 'cnn5'])
 def test_xla_flop_count_agrees_with_analytic(family):
-  xla = costs.xla_train_flops_per_sample(family, 10, batch_size=8)
-  analytic = costs.analytic_train_flops_per_sample(family, 10)
+  xla = costs.xla_train_flops_per_sample(family, 10, 8, D)
+  analytic = costs.analytic_train_flops_per_sample(family, 10, D)
   # XLA also counts elementwise work (ReLU, pooling, softmax): a little above the matmuls.
   assert 1.0 <= xla / analytic < 1.03
 
@@ -121,7 +127,7 @@ def test_the_cnns_follow_the_input_shape(shape):
   the widths) agrees with XLA's convolution, and the analytic MACs and FLOPs follow the shape."""
   _, _, (hp, wp) = models.feature_sizes(shape)
   assert (hp, wp) == {(28, 28, 1): (4, 4), (29, 33, 3): (4, 5), (16, 16, 3): (1, 1)}[shape]
-  model = {i: models.make_model('cnn5', 7, i, image_shape=shape) for i in ('xla', 'band')}
+  model = {i: make_model('cnn5', 7, i, image_shape=shape) for i in ('xla', 'band')}
   params = jax.eval_shape(lambda: models.init_params(model['xla'], jax.random.PRNGKey(0)))
   assert params['conv1']['kernel'].shape == (5, 5, shape[2], 16)
   assert params['fc1']['kernel'].shape == (hp * wp * 32, 500)
@@ -129,7 +135,7 @@ def test_the_cnns_follow_the_input_shape(shape):
   h2, w2 = h1 // 2 - 4, w1 // 2 - 4
   macs = (h1 * w1 * 16 * shape[2] * 25 + h2 * w2 * 32 * 400 + hp * wp * 32 * 500 + 500 * 500 +
           500 * 7)
-  assert models.forward_macs('cnn5', 7, image_shape=shape) == macs
+  assert models.forward_macs('cnn5', 7, D, image_shape=shape) == macs
   if shape == (16, 16, 3):  # the shapes above; the programs below for the other two
     return
   rng = np.random.default_rng(0)
@@ -138,11 +144,11 @@ def test_the_cnns_follow_the_input_shape(shape):
   apply = lambda impl: jax.jit(model[impl].apply)({'params': params}, x)
   for a, b in zip(apply('xla'), apply('band')):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  ratio = (costs.xla_train_flops_per_sample('cnn5', 7, 8, image_shape=shape) /
-           costs.analytic_train_flops_per_sample('cnn5', 7, image_shape=shape))
+  ratio = (costs.xla_train_flops_per_sample('cnn5', 7, 8, D, image_shape=shape) /
+           costs.analytic_train_flops_per_sample('cnn5', 7, D, image_shape=shape))
   assert 1.0 <= ratio < 1.03
 
 
 def test_images_too_small_for_the_cnns_are_refused():
   with pytest.raises(ValueError, match='15x32 are too small for the CNNs, which need at least 16'):
-    models.make_model('cnn1', 10, image_shape=(15, 32, 3))
+    make_model('cnn1', 10, image_shape=(15, 32, 3))

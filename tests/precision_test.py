@@ -3,6 +3,8 @@
 The bfloat16 forward and gradients stay close to float32's, come back as float32, and a short
 engine run keeps float32 parameters with a training loss close to the float32 run's.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 from fedssa_jax import config_lib, methods, models
 
 IMPLS = ('xla', 'im2col', 'band')
+# The paper's CNNs: d = fc2's width, 500 (config_lib's default model.feature_dim).
+make_model = functools.partial(models.make_model, feature_dim=models.CNN_FEATURE_DIM)
 
 
 def rel_err(a, b):
@@ -21,7 +25,7 @@ def rel_err(a, b):
 
 @pytest.fixture(scope='module')
 def params_and_x():
-  params = models.init_params(models.make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
+  params = models.init_params(make_model('cnn5', 10, 'xla'), jax.random.PRNGKey(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 32, 32, 3))
   return params, x
 
@@ -34,8 +38,8 @@ def loss(model, p, x):
 @pytest.mark.parametrize('impl', IMPLS)
 def test_bf16_forward_is_close_to_float32_and_returns_float32(impl, params_and_x):
   params, x = params_and_x
-  ref = models.make_model('cnn5', 10, impl).apply({'params': params}, x)
-  out = models.make_model('cnn5', 10, impl, 'bfloat16').apply({'params': params}, x)
+  ref = make_model('cnn5', 10, impl).apply({'params': params}, x)
+  out = make_model('cnn5', 10, impl, 'bfloat16').apply({'params': params}, x)
   for a, b in zip(out, ref):
     assert a.dtype == jnp.float32
     np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
@@ -46,7 +50,7 @@ def test_bf16_forward_is_close_to_float32_and_returns_float32(impl, params_and_x
 @pytest.mark.parametrize('impl', IMPLS)
 def test_bf16_gradients_are_float32_and_close_to_float32(impl, params_and_x):
   params, x = params_and_x
-  g32, g16 = (jax.grad(lambda p: loss(models.make_model('cnn5', 10, impl, d), p, x))(params)
+  g32, g16 = (jax.grad(lambda p: loss(make_model('cnn5', 10, impl, d), p, x))(params)
               for d in ('float32', 'bfloat16'))
   # bfloat16 keeps 8 bits of mantissa: at init the first convolution's gradient, a sum of
   # small, cancelling terms over every position, is the least precise (about 6-7%, the others
@@ -61,17 +65,17 @@ def test_bf16_gradients_are_float32_and_close_to_float32(impl, params_and_x):
 def test_bf16_computes_in_bf16_and_float32_casts_nothing(params_and_x):
   params, x = params_and_x
   for impl in IMPLS:
-    j32 = str(jax.make_jaxpr(lambda p: loss(models.make_model('cnn5', 10, impl), p, x))(params))
+    j32 = str(jax.make_jaxpr(lambda p: loss(make_model('cnn5', 10, impl), p, x))(params))
     j16 = str(jax.make_jaxpr(
-        lambda p: loss(models.make_model('cnn5', 10, impl, jnp.bfloat16), p, x))(params))
+        lambda p: loss(make_model('cnn5', 10, impl, jnp.bfloat16), p, x))(params))
     assert 'bf16' not in j32 and 'convert_element_type' not in j32, impl
     assert 'bf16[4,10]' in j16, impl  # fc3's logits, before the cast back to float32
 
 
 def test_init_is_float32_and_unchanged_by_the_compute_dtype():
   key = jax.random.PRNGKey(3)
-  p32 = models.init_params(models.make_model('cnn5', 10, 'band'), key)
-  p16 = models.init_params(models.make_model('cnn5', 10, 'band', jnp.bfloat16), key)
+  p32 = models.init_params(make_model('cnn5', 10, 'band'), key)
+  p16 = models.init_params(make_model('cnn5', 10, 'band', jnp.bfloat16), key)
   for a, b in zip(jax.tree_util.tree_leaves(p32), jax.tree_util.tree_leaves(p16)):
     assert b.dtype == jnp.float32
     np.testing.assert_array_equal(a, b)
@@ -79,7 +83,7 @@ def test_init_is_float32_and_unchanged_by_the_compute_dtype():
 
 def test_make_model_rejects_an_unknown_dtype_name():
   with pytest.raises(ValueError, match="one of \\('float32', 'bfloat16'\\)"):
-    models.make_model('cnn5', 10, 'band', 'float16')
+    make_model('cnn5', 10, 'band', 'float16')
 
 
 @pytest.mark.parametrize('method,attr', [('fml', 'meme_model'), ('fedkd', 'mentee_model')])

@@ -220,8 +220,8 @@ def test_groups_follow_htfllib():
   assert set(zoo.ZOO_FAMILIES) == set(TORCH_COUNTS) == set(ref.MODELS)
   assert {n for g in zoo.GROUPS.values() for n in g} == set(zoo.ZOO_FAMILIES)
   with pytest.raises(ValueError, match='Unknown zoo family'):
-    zoo.make_zoo_model('resnet12', 10)
-  assert zoo.make_zoo_model('resnet4', 10, dtype='bfloat16').dtype == jnp.bfloat16
+    zoo.make_zoo_model('resnet12', 10, zoo.FEATURE_DIM)
+  assert zoo.make_zoo_model('resnet4', 10, zoo.FEATURE_DIM, 'bfloat16').dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize('name', zoo.ZOO_FAMILY_NAMES)
@@ -415,14 +415,14 @@ def test_init_follows_pytorch():
   """init_variables: PyTorch's distributions, BatchNorm's scale 1, bias 0, mean 0, variance 1;
   {} batch_stats for FedAvgCNN."""
   key = jax.random.key(0)
-  cnn = zoo.init_variables(zoo.make_zoo_model('fedavgcnn', 10), key)
+  cnn = zoo.init_variables(zoo.make_zoo_model('fedavgcnn', 10, zoo.FEATURE_DIM), key)
   assert cnn['batch_stats'] == {}
   for path, fan_in in ((('conv1', '0'), 3 * 25), (('conv2', '0'), 32 * 25), (('fc1', '0'), 1600),
                        (('fc3',), 512)):
     for leaf in ('kernel', 'bias'):  # U(-1/sqrt(fan_in), 1/sqrt(fan_in))
       w = np.asarray(lookup(cnn['params'], (*path, leaf)))
       assert 0.9 < np.abs(w).max() * np.sqrt(fan_in) <= 1, (path, leaf)
-  res = zoo.init_variables(zoo.make_zoo_model('resnet4', 10), key)
+  res = zoo.init_variables(zoo.make_zoo_model('resnet4', 10, zoo.FEATURE_DIM), key)
   kernel = np.asarray(res['params']['conv1']['kernel'])  # kaiming normal, fan_out = 64 * 7 * 7
   assert kernel.shape == (7, 7, 3, 64)
   assert abs(kernel.std() * np.sqrt(64 * 49 / 2) - 1) < 0.05 and abs(kernel.mean()) < 1e-3
@@ -451,7 +451,7 @@ def test_batch_norm_and_bfloat16():
   x = ref.det_uniform((4, *IMAGE), 'x').astype(np.float32)
   out = {}
   for dtype in ('float32', 'bfloat16'):
-    model = zoo.make_zoo_model('resnet4', 10, dtype=dtype)
+    model = zoo.make_zoo_model('resnet4', 10, zoo.FEATURE_DIM, dtype)
     out[dtype] = model.apply(variables, x, train=True, mutable=['batch_stats'])
   (logits, rep), stats = out['bfloat16']
   assert logits.dtype == rep.dtype == jnp.float32

@@ -16,10 +16,10 @@ from fedssa_jax.methods import losses
 
 
 def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
-                               feature_dim: int = models.REPR_DIM,
-                               image_shape=models.IMAGE_SHAPE) -> float:
-  """XLA's FLOP count of one CE gradient step, per sample of `image_shape`."""
-  model = models.make_model(family, num_classes, conv_impl='xla', repr_dim=feature_dim,
+                               feature_dim: int, image_shape=models.IMAGE_SHAPE) -> float:
+  """XLA's FLOP count of one CE gradient step, per sample of `image_shape`, of the model with
+  a `feature_dim`-wide representation (d)."""
+  model = models.make_model(family, num_classes, conv_impl='xla', feature_dim=feature_dim,
                             image_shape=image_shape)
 
   def grad(p, x, y, valid):
@@ -28,11 +28,10 @@ def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,
 
 
 def xla_forward_flops_per_sample(family: str, num_classes: int, batch_size: int,
-                                 feature_dim: int = models.REPR_DIM,
-                                 image_shape=models.IMAGE_SHAPE) -> float:
+                                 feature_dim: int, image_shape=models.IMAGE_SHAPE) -> float:
   """XLA's FLOP count of one forward pass (logits and representation), per sample of
-  `image_shape`."""
-  model = models.make_model(family, num_classes, conv_impl='xla', repr_dim=feature_dim,
+  `image_shape`, of the model with a `feature_dim`-wide representation (d)."""
+  model = models.make_model(family, num_classes, conv_impl='xla', feature_dim=feature_dim,
                             image_shape=image_shape)
   return _xla_flops_per_sample(
       model, lambda p, x, y, valid: model.apply({'params': p}, x), batch_size)
@@ -58,8 +57,7 @@ def _xla_flops_per_sample(model, fn, batch_size: int) -> float:
   return float(analysis['flops']) / batch_size
 
 
-def analytic_train_flops_per_sample(family: str, num_classes: int,
-                                    feature_dim: int = models.REPR_DIM,
+def analytic_train_flops_per_sample(family: str, num_classes: int, feature_dim: int,
                                     image_shape=models.IMAGE_SHAPE) -> float:
   """2 FLOPs per MAC for forward, weight gradient and input gradient; conv1 needs no input
   gradient. Elementwise ops (ReLU, pooling, softmax) are ignored. 0 for a family with no

@@ -9,7 +9,7 @@ block's per-client method state too (`Method.eval_reads_state`); any other metho
 those of the family's apply alone, without the state.
 
 A run with `save_representations=True` writes `representations.npz` into its workdir at the end:
-`representations` [M, 500] float16 (M = all clients' test samples), `labels` [M] and `client`
+`representations` [M, d] float16 (M = all clients' test samples), `labels` [M] and `client`
 [M] (the client id of each row), in client order. They are computed the same way, for every
 store.
 """

@@ -94,7 +94,7 @@ def make_groups(config, num_classes: int, num_clients: int, k: int, place: Place
     per_call = place.rows(int(min(per_call, len(members), k)))
     model, eval_model = (models.make_model(fam, num_classes, config.model.conv_impl,
                                            config.engine.compute_dtype, forward_only=fwd,
-                                           repr_dim=config.model.feature_dim,
+                                           feature_dim=config.model.feature_dim,
                                            image_shape=image_shape)
                          for fwd in (False, True))
     groups.append(Group(fam, members, model, per_call, place.rows(len(members)), eval_model))

@@ -468,10 +468,10 @@ def _stacked_init(model) -> Callable:
 
 
 @functools.lru_cache(maxsize=None)
-def model_flops(family: str, num_classes: int, batch_size: int,
-                feature_dim: int = models.REPR_DIM,
+def model_flops(family: str, num_classes: int, batch_size: int, feature_dim: int,
                 image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
-  """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
+  """FLOPs of one CE training step of `family`'s model (representation `feature_dim` wide),
+  per sample (XLA's count)."""
   xla = costs.xla_train_flops_per_sample(family, num_classes, batch_size, feature_dim,
                                          image_shape)
   analytic = costs.analytic_train_flops_per_sample(family, num_classes, feature_dim,
@@ -483,10 +483,10 @@ def model_flops(family: str, num_classes: int, batch_size: int,
 
 
 @functools.lru_cache(maxsize=None)
-def forward_flops(family: str, num_classes: int, batch_size: int,
-                  feature_dim: int = models.REPR_DIM,
+def forward_flops(family: str, num_classes: int, batch_size: int, feature_dim: int,
                   image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
-  """FLOPs of one forward pass of `family`'s model, per sample (XLA's count): what the forward
-  pass of a method that asks for one (Method.forward_pass) costs per training sample."""
+  """FLOPs of one forward pass of `family`'s model (representation `feature_dim` wide), per
+  sample (XLA's count): what the forward pass of a method that asks for one
+  (Method.forward_pass) costs per training sample."""
   return costs.xla_forward_flops_per_sample(family, num_classes, batch_size, feature_dim,
                                             image_shape)

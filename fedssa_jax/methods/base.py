@@ -298,8 +298,9 @@ class Method:
 
   def __init__(self, config, num_clients: int, num_classes: int,
                image_shape: Sequence[int] | None = None):
-    """`image_shape`: the (height, width, channels) of the data set's images (None: CIFAR's,
-    models.IMAGE_SHAPE), which a method's own models (FML's meme, ...) are built for."""
+    """`config` must hold model.feature_dim (d; config_lib's configs do: a ConfigError
+    otherwise). `image_shape`: the (height, width, channels) of the data set's images (None:
+    CIFAR's, models.IMAGE_SHAPE), which a method's own models (FML's meme, ...) are built for."""
     if not isinstance(getattr(type(self), 'per_sample_loss', None), bool):
       raise TypeError(
           f'{type(self).__name__} must set the class attribute per_sample_loss = True or False: '
@@ -379,7 +380,7 @@ class Method:
 
   def eval_forward(self, apply_fn: Callable, params, state, server, client_id, x):
     """The evaluated prediction on one normalised test batch `x` [B, H, W, C]: (logits [B, C],
-    representation [B, 500]), both float32. `apply_fn` is the client's family's (forward-only)
+    representation [B, d]), both float32. `apply_fn` is the client's family's (forward-only)
     apply, `params` what `eval_params` returned, `state` the client's persistent state
     (`init_client_state`'s structure). The representation is what `eval_extra` and the saved
     test representations see. By default the client's model alone; a method overriding this

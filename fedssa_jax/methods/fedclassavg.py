@@ -2,13 +2,14 @@
 (docs/algorithm.md §6).
 
 Exchange and server: exactly LG-FedAvg's (lg_fedavg.SharedHeader): participants overwrite their
-whole [C, 501] header with the global H_g (the common initial header before the first round),
+whole [C, d + 1] header with the global H_g (the common initial header before the first round),
 train, upload the header with n_k, and H_g becomes the n_k-weighted mean over the round's
-participants (`fedclassavg.weighting`: 'samples', the default, or 'uniform'). Floats: 501*C down
-and 501*C up per participant; n_k is metadata. No pretraining round (Decisions).
+participants (`fedclassavg.weighting`: 'samples', the default, or 'uniform'). Floats: (d + 1) C
+down and (d + 1) C up per participant (d = model.feature_dim, 500 in the paper); n_k is
+metadata. No pretraining round (Decisions).
 
 Objective, on two independently augmented views x1, x2 of the batch (`num_views = 2`), with
-u = the 500-d post-ReLU representations of the 2B views (L2-normalised when `normalize`):
+u = the d-wide post-ReLU representations of the 2B views (L2-normalised when `normalize`):
 
   L = L_SC + mean CE(H_k(u1), y) + (mu/2) * sum_{p in {W, b}} mean((p - p_g)^2)
 
@@ -51,7 +52,7 @@ def supcon(u, y, valid, tau: float, base_tau: float, normalize: bool):
 
 
 def proximal(params, global_rows):
-  """sum over p in {W, b} of mean((p - p_g)^2), the header against the global [C, 501]."""
+  """sum over p in {W, b} of mean((p - p_g)^2), the header against the global [C, d + 1]."""
   d = models.header_rows(params) - global_rows
   return jnp.mean(jnp.square(d[:, :-1])) + jnp.mean(jnp.square(d[:, -1]))
 

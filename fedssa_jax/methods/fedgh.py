@@ -1,7 +1,7 @@
 """FedGH (Yi et al., ACM MM 2023), as HtFLlib implements it (docs/algorithm.md §6).
 
-Clients share a global header H_g [C, 501] (row c = (W_g[c], b_g[c])), which the server trains on
-the clients' class prototypes; no client parameter leaves the client.
+Clients share a global header H_g [C, d + 1] (row c = (W_g[c], b_g[c]), d = model.feature_dim),
+which the server trains on the clients' class prototypes; no client parameter leaves the client.
 - Server state: H_g, drawn from the server's key as a client's header is (as LG-FedAvg's; HtFLlib
   takes client 0's initial header).
 - Download: a participant overwrites its whole header with H_g, unseen-class rows included.
@@ -20,10 +20,10 @@ the clients' class prototypes; no client parameter leaves the client.
   (base.train_on_pairs; server_epochs * ceil(|D_t| / B_s) steps).
 - Inference: every client's own extractor with the latest H_g (`eval='global_header'`, as
   HtFLlib); 'post_train' keeps the client's own header as trained (the official code's).
-Floats per participating client and round: up 500 * s_k, down 501 * C (HtFLlib broadcasts H_g
+Floats per participating client and round: up d * s_k, down (d + 1) C (HtFLlib broadcasts H_g
 to all N clients every round; only participants are counted). Client FLOPs: the forward pass,
-one forward over n_k samples. Server FLOPs, per step: 3 * (2 * B_s * 501 * C) for the batch's
-forward and backward products, and 2 * 501 * C for the update.
+one forward over n_k samples. Server FLOPs, per step: 3 * (2 * B_s * (d + 1) * C) for the batch's
+forward and backward products, and 2 * (d + 1) * C for the update.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ EVALS = ('global_header', 'post_train')
 
 
 def header_loss(head, x, y, w):
-  """The weighted mean over a batch of CE(W p_j + b, c_j), with `head` = [W | b] [C, 501]."""
+  """The weighted mean over a batch of CE(W p_j + b, c_j), with `head` = [W | b] [C, d + 1]."""
   logits = x @ head[:, :-1].T + head[:, -1]
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
   total = w.sum()
@@ -60,7 +60,7 @@ def round_pairs(uploads, uploads_n, participants, pair_weight: str):
 
 @struct.dataclass
 class FedGHServer:
-  head: jax.Array       # [C, 501] H_g, what clients download
+  head: jax.Array       # [C, d + 1] H_g, what clients download
   uploads: jax.Array    # [N, C, D] this round's uploaded prototypes (server_receive)
   uploads_n: jax.Array  # [N, C] their class sample counts (0: not held)
 

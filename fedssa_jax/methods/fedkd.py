@@ -3,14 +3,15 @@
 
 Where FedSSA exchanges header rows, FedKD exchanges a whole second model, the mentee (CNN-5 with
 its own C-way head), as low-rank updates. Each participant trains its own model f_k (the mentor),
-the mentee and a private projection W_h [500, 500] (no bias) jointly on every batch.
+the mentee and a private projection W_h [d, d] (no bias) jointly on every batch, d =
+model.feature_dim (500 in the paper).
 - Objective (one joint loss, gradients through everything, soft targets not detached, the
-  denominator Q differentiated): with (z, h) the mentor's logits and 500-d representation and
+  denominator Q differentiated): with (z, h) the mentor's logits and d-wide representation and
   (z_s, h_s) the mentee's,
       Q = CE(z, y) + CE(z_s, y)
       L = Q + [KL(s(z_s) || s(z)) + KL(s(z) || s(z_s)) + 2 MSE(h, h_s W_h)] / Q
   KL with torch's 'mean' reduction (sum over valid samples and classes / (B_valid C)), MSE the
-  mean over B_valid * 500. W_h is stored [in, out] (a Dense kernel: h_s @ W_h).
+  mean over B_valid * d. W_h is stored [in, out] (a Dense kernel: h_s @ W_h).
 - Round: mentee <- theta_g; train; Delta_k = mentee - theta_g; compress each tensor (below) and
   upload the reconstruction, which is exactly what the server can rebuild from what is sent.
 - Compression with energy T_t = start + (end - start)(t + 1)/R, R = num_rounds: 1-D tensors are
@@ -148,7 +149,7 @@ class FedKD(base.Method):
     self.num_rounds = int(config.num_rounds)
     self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
                                           config.engine.compute_dtype,
-                                          repr_dim=self.feature_dim,
+                                          feature_dim=self.feature_dim,
                                           image_shape=self.image_shape)
     shapes = jax.eval_shape(lambda: models.init_params(self.mentee_model, jax.random.PRNGKey(0)))
     self.mentee_floats = models.param_count(shapes)  # P_5

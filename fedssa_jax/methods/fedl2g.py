@@ -3,7 +3,7 @@
 The server learns guiding vectors V [C, D], one row per class, which the clients' local loss
 pulls their outputs towards; V is trained on the clients' meta gradients, how a step towards it
 would change the loss of samples never trained on.
-- Variants (`fedl2g.variant`): 'feat' guides the representation, phi(x) = r, D = 500; 'logit'
+- Variants (`fedl2g.variant`): 'feat' guides the representation, phi(x) = r, D = d; 'logit'
   guides the logits, phi(x) = z, D = C.
 - Server state: V, initialised N(0, 1) from the server's key (HtFLlib's nn.Embedding), kept
   across rounds.
@@ -127,7 +127,7 @@ class FedL2G(base.Method):
   @classmethod
   def default_config(cls):
     c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
-    c.variant = 'feat'           # what V guides: 'feat' (r, D = 500) or 'logit' (z, D = C)
+    c.variant = 'feat'           # what V guides: 'feat' (r, D = d) or 'logit' (z, D = C)
     c.server_lr = config_dict.placeholder(float)  # eta_s: None takes the variant's tuned value,
                                                   # 100 ('feat') or 0.1 ('logit')
     c.warmup = 50                # rounds t < warmup train nothing (the meta step still runs)

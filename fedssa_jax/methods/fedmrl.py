@@ -1,18 +1,19 @@
 """FedMRL: federated model-heterogeneous Matryoshka representation learning (Yi et al., NeurIPS
 2024), as HtFLlib implements it, with the project's defaults (docs/algorithm.md §6, FedMRL).
 
-Every client k keeps its own model (extractor F_k, header h_k: 500 -> C) and a personal
-projector J_k; all clients share a small model G = (G_ex, G_hd), trained jointly on every batch.
+Every client k keeps its own model (extractor F_k, header h_k: d -> C, d = model.feature_dim,
+500 in the paper) and a personal projector J_k; all clients share a small model G = (G_ex,
+G_hd), trained jointly on every batch.
 - Shared model (`fedmrl.shared_model`): 'fc2', CNN-5 with fc2 shrunk to d1 (`fedmrl.d1` = 128)
   and its own d1 -> C header, P_S = 478,676 + 129 C floats at d1 = 128 (479,966 for C=10,
-  491,576 for C=100); or 'pool' (HtFLlib's), CNN-5 whose 500-d representation is average-pooled
+  491,576 for C=100); or 'pool' (HtFLlib's), CNN-5 whose d-wide representation is average-pooled
   to d1 (models.feature_pool) before its d1 -> C header, P_S = 665,048 + (d1 + 1) C.
-- Projector J_k: Linear(d1 + 500 -> 500) with a bias and no activation,
-  P_J = (d1 + 500) 500 + 500 (314,500 at d1 = 128), drawn independently per client
+- Projector J_k: Linear(d1 + d -> d) with a bias and no activation,
+  P_J = (d1 + d) d + d (314,500 at d1 = 128, d = 500), drawn independently per client
   (init_client_state, PyTorch's init) and kept in the client state; it is never sent.
-- Objective on a batch, with g = G_ex(x) in R^d1, r = F_k(x) in R^500 and [g; r] their
+- Objective on a batch, with g = G_ex(x) in R^d1, r = F_k(x) in R^d and [g; r] their
   concatenation (shared first):
-      u   = J_k([g; r])                  in R^500
+      u   = J_k([g; r])                  in R^d
       z_F = h_k(u),  z_G = G_hd(u[:, :d1])   (the first d1 dimensions: the Matryoshka slice)
       L   = mean CE(z_F, y) + mean CE(z_G, y)
   Nothing is detached: both terms reach J_k, F_k and G_ex, each header only its own term. The
@@ -62,7 +63,7 @@ class FedMRL(base.Method):
   def default_config(cls):
     c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.d1 = 128                   # the shared representation's width (the Matryoshka slice)
-    c.shared_model = 'fc2'       # 'fc2': CNN-5 with fc2 -> d1; 'pool': 500-d pooled to d1
+    c.shared_model = 'fc2'       # 'fc2': CNN-5 with fc2 -> d1; 'pool': d-wide pooled to d1
     c.aggregation = 'samples'    # shared-model mean: 'samples' (n_k) or 'uniform' (HtFLlib)
     c.reset_projector = False    # True: HtFLlib's bug, J_k reset to its initial one each round
     return c
@@ -92,8 +93,8 @@ class FedMRL(base.Method):
     if self.d1 > d:
       raise ValueError(f'fedmrl.d1 must be an integer in [1, model.feature_dim = {d}], got '
                        f'{self.d1}.')
-    width = ({'repr_dim': self.d1} if self.shared_kind == 'fc2'
-             else {'repr_dim': d, 'pool_to': self.d1})
+    width = ({'feature_dim': self.d1} if self.shared_kind == 'fc2'
+             else {'feature_dim': d, 'pool_to': self.d1})
     # The shared model as it trains, and as it is evaluated (the fastest forward-only
     # formulation, as the clients' evaluated models).
     self.shared_model, self.shared_eval_model = (
@@ -115,7 +116,7 @@ class FedMRL(base.Method):
 
   # --- the fused forward -------------------------------------------------------------------------
   def project(self, proj, g, r):
-    """u = J([g; r]) [B, 500], float32: the projector on the shared and local representations."""
+    """u = J([g; r]) [B, d], float32: the projector on the shared and local representations."""
     return self.projector.apply({'params': proj}, jnp.concatenate([g, r], axis=-1)).astype(
         jnp.float32)
 
@@ -174,7 +175,7 @@ class FedMRL(base.Method):
     # The shared model's forward and backward: CNN-5's count with its fc2 and fc3 matmuls
     # replaced by the shared model's (6 FLOPs per MAC of a layer: the forward, the weight and
     # the input gradients); the pooling (pool) adds a forward and an input-gradient matmul. The
-    # projector: 6 (d1 + 500) 500. h_k reads u instead of r, which costs as much. The CE terms'
+    # projector: 6 (d1 + d) d. h_k reads u instead of r, which costs as much. The CE terms'
     # elementwise work is ignored.
     c, d1, d = self.num_classes, self.d1, self.feature_dim
     if self.shared_kind == 'fc2':

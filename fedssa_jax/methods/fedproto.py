@@ -1,7 +1,7 @@
 """FedProto (Tan et al., AAAI 2022; docs/algorithm.md §6).
 
 Unlike FedSSA, no parameters leave the client: the exchange is per-class *prototypes*, means of
-the 500-d representation r = F_k(x).
+the d-wide representation r = F_k(x) (d = model.feature_dim, 500 in the paper).
 - Up: p_k[c], the mean over all E epochs of the training-pass representations of class c, for
   c in S_k (accumulated on the fly, §6 V1; no extra pass), with the class sample counts n_k[c]
   as metadata.
@@ -16,9 +16,9 @@ the 500-d representation r = F_k(x).
   [B, C] matmul, unavailable classes at +inf; 0 while no prototype exists), is always logged as
   `prototype_accuracy`, against the server's latest P; `inference='prototype'` makes it the
   headline.
-Floats per participating client and round: up 500 * s_k; down 500 * |S_k & avail| with
+Floats per participating client and round: up d * s_k; down d * |S_k & avail| with
 'classifier' (training needs only its own classes; the logged prototype accuracy is a
-diagnostic, not charged) and 500 * |avail| with 'prototype'. Sample counts are metadata.
+diagnostic, not charged) and d * |avail| with 'prototype'. Sample counts are metadata.
 """
 from __future__ import annotations
 

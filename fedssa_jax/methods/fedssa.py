@@ -1,6 +1,7 @@
 """FedSSA: semantic-similarity-based, class-wise header aggregation (docs/algorithm.md §4).
 
-Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
+Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): d + 1 floats (d =
+model.feature_dim, 500 in the paper).
 - Before round 0 (`initial_header`, the default), the server holds a global header theta^0,
   drawn from the server's key exactly as a client's header is, so every class has a global row
   from the start and round 0 fuses it (the official code seeds it from a fresh model's fc3).
@@ -10,7 +11,7 @@ Header row s of client k is theta_k^s = (W_k[s, :], b_k[s]): 501 floats.
     convex     theta_k^s <- mu_t * theta_k^s + (1 - mu_t) * theta^s     (a reading of the paper)
   with mu_t = mu0 * cos(t * pi / (2 * T_stable)) for t <= T_stable, else 0. `reference` grows a
   seen row by about (1 + mu_t) a round while mu_t > 0; `convex` does not.
-- Upload the seen rows; the server keeps a table U [N, S, 501] of every client's latest upload.
+- Upload the seen rows; the server keeps a table U [N, S, d + 1] of every client's latest upload.
 - Aggregate per class: theta^s = unweighted mean of U_k^s over contributing owners of s
   (`all_owners`: every owner that has uploaded at least once; `participants`: this round's).
   A class with no contributor keeps its previous global row (theta^0 until an owner uploads).
@@ -42,13 +43,13 @@ def mu_schedule(round_index, mu0: float, t_stable: int):
 
 
 def stabilize(rows, global_rows, mask, mu, fusion: str):
-  """Fuses a client's [S, 501] header rows with the global rows where `mask` [S] holds."""
+  """Fuses a client's [S, d + 1] header rows with the global rows where `mask` [S] holds."""
   fused = FUSIONS[fusion](rows, global_rows, mu)
   return jnp.where(mask[:, None], fused, rows)
 
 
 def aggregate_headers(table, contrib, global_rows, avail):
-  """Class-wise masked mean. table [N, S, 501], contrib [N, S] bool -> (global, avail)."""
+  """Class-wise masked mean. table [N, S, d + 1], contrib [N, S] bool -> (global, avail)."""
   new, has = base.masked_mean(table, contrib)
   return jnp.where(has[:, None], new, global_rows), avail | has
 
@@ -56,9 +57,9 @@ def aggregate_headers(table, contrib, global_rows, avail):
 @struct.dataclass
 class FedSSAServer:
   seen: jax.Array         # [N, S] the clients' seen-class masks
-  table: jax.Array        # [N, S, 501] each client's latest upload
+  table: jax.Array        # [N, S, d + 1] each client's latest upload
   uploaded: jax.Array     # [N] has the client ever uploaded?
-  global_rows: jax.Array  # [S, 501] theta^s
+  global_rows: jax.Array  # [S, d + 1] theta^s
   avail: jax.Array        # [S] does theta^s exist yet?
 
 

@@ -2,9 +2,10 @@
 
 Clients exchange class prototypes, as in FedProto, but the server does not average them: it
 trains a generator of prototypes T (the TGP net) that pushes the classes apart by a margin.
-- T: Embedding(C, 500) -> Linear(500, 500) -> ReLU -> Linear(500, 500), PyTorch's default init
-  (embedding N(0, 1), linear U(+-1/sqrt(500))), kept by the server across rounds:
-  P_T = 500 C + 501,000 parameters (506,000 for C = 10). Drawn from the server's key.
+- T: Embedding(C, d) -> Linear(d, d) -> ReLU -> Linear(d, d), d = model.feature_dim (500 in
+  the paper), PyTorch's default init (embedding N(0, 1), linear U(+-1/sqrt(d))), kept by the
+  server across rounds: P_T = d C + 2 (d^2 + d) parameters (506,000 for C = 10, d = 500). Drawn
+  from the server's key.
 - Objective: L = mean_i CE(z_i, y_i) + lam * 1/(B d) * sum_i ||r_i - sg P^[y_i]||^2, lam =
   `fedtgp.lam` = 10 (fedproto.proto_loss). P^ exists for every class after round 0, the first
   aggregation; round 0 is CE only.
@@ -20,7 +21,7 @@ trains a generator of prototypes T (the TGP net) that pushes the classes apart b
      (tau when no two classes were uploaded).
   3. T trains for S = `server_epochs` = 100 epochs of plain SGD (fresh each round, lr
      `server_lr` = 0.01), each reshuffling the round's pairs (p_k[c], c) into batches of B_s =
-     `server_batch` = 10 (base.train_on_pairs). Per batch, with G = T(0..C-1) [C, 500],
+     `server_batch` = 10 (base.train_on_pairs). Per batch, with G = T(0..C-1) [C, d],
      dist[j, c] = sqrt(max(||p_j||^2 - 2 p_j.G[c] + ||G[c]||^2, 1e-12)) (HtFLlib has no floor,
      which gives NaN gradients at 0), dist[j, c_j] += delta, loss = mean_j CE(-dist[j], c_j).
   4. P^ = T(0..C-1), for every class.
@@ -28,10 +29,10 @@ trains a generator of prototypes T (the TGP net) that pushes the classes apart b
   the nearest global prototype (fedproto.nearest_prototype over all C classes; 0 before round
   0's aggregation) is always logged as `prototype_accuracy`, and 'prototype' makes it the
   headline (what HtFLlib reports).
-Floats per participating client and round: up 500 * s_k; down 500 * |S_k & avail| with
-'classifier' and 500 * C with 'prototype' (after round 0). Client FLOPs: the forward pass, one
-forward over n_k samples. Server FLOPs: the margin's 3 * C^2 * 500, and per step 3 * (4 C 500^2
-+ 2 B_s C 500) for T's and the distances' forward and backward products and 2 P_T for the
+Floats per participating client and round: up d * s_k; down d * |S_k & avail| with
+'classifier' and d * C with 'prototype' (after round 0). Client FLOPs: the forward pass, one
+forward over n_k samples. Server FLOPs: the margin's 3 * C^2 * d, and per step 3 * (4 C d^2
++ 2 B_s C d) for T's and the distances' forward and backward products and 2 P_T for the
 update.
 """
 from __future__ import annotations
@@ -53,20 +54,20 @@ INFERENCES = ('classifier', 'prototype')
 class TGP(nn.Module):
   """The trainable prototype generator: class index -> a d-dimensional prototype."""
   num_classes: int
-  dim: int
+  feature_dim: int
 
   @nn.compact
   def __call__(self, labels):
-    x = nn.Embed(self.num_classes, self.dim, embedding_init=jax.nn.initializers.normal(1.0),
-                 name='embedding')(labels)
-    x = nn.relu(models.Dense(self.dim, name='fc1')(x))
-    return models.Dense(self.dim, name='fc2')(x)
+    x = nn.Embed(self.num_classes, self.feature_dim,
+                 embedding_init=jax.nn.initializers.normal(1.0), name='embedding')(labels)
+    x = nn.relu(models.Dense(self.feature_dim, name='fc1')(x))
+    return models.Dense(self.feature_dim, name='fc2')(x)
 
 
 def tgp_protos(tgp_params, num_classes: int):
   """T(0..C-1): every class's prototype [C, d]."""
-  dim = tgp_params['fc2']['bias'].shape[-1]
-  return TGP(num_classes, dim).apply({'params': tgp_params}, jnp.arange(num_classes))
+  feature_dim = tgp_params['fc2']['bias'].shape[-1]
+  return TGP(num_classes, feature_dim).apply({'params': tgp_params}, jnp.arange(num_classes))
 
 
 def margin(means, has, cap):

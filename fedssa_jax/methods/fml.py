@@ -79,7 +79,7 @@ class FML(base.Method):
     self.kl_scale = 1.0 if config.fml.kl_reduction == 'batchmean' else 1.0 / num_classes
     self.detach_targets = bool(config.fml.detach_targets)
     self.meme_model = models.make_model(MEME_FAMILY, num_classes, config.model.conv_impl,
-                                        config.engine.compute_dtype, repr_dim=self.feature_dim,
+                                        config.engine.compute_dtype, feature_dim=self.feature_dim,
                                         image_shape=self.image_shape)
     shapes = jax.eval_shape(lambda: models.init_params(self.meme_model, jax.random.PRNGKey(0)))
     self.meme_floats = models.param_count(shapes)  # P_5

@@ -1,10 +1,11 @@
 """LG-FedAvg (Liang et al. 2020) sharing the whole header (docs/algorithm.md §6).
 
 Unlike FedSSA, which exchanges only the rows of a client's seen classes and averages them class
-by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c = (W[c], b[c])):
+by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, d + 1] table (row c = (W[c], b[c]),
+d = model.feature_dim):
 
 - Server state: the global header H_g. It starts as one fresh header drawn from the server's key
-  with a client header's init (models.Dense: PyTorch's U(+-1/sqrt(500)) for weights and bias).
+  with a client header's init (models.Dense: PyTorch's U(+-1/sqrt(d)) for weights and bias).
   This is the common initial header (HtFLlib takes client 0's initial header; ours is an
   independent draw from the same distribution).
 - Download: a participant overwrites its whole header with H_g, unseen-class rows included.
@@ -15,7 +16,7 @@ by class, LG-FedAvg shares the *whole* header H = fc3 as a [C, 501] table (row c
   uploads are summed as they arrive (an inbox kept apart from H_g, which clients download) and
   divided once per round; a round with no upload keeps H_g.
 - Inference (docs/algorithm.md §5): every client's local extractor with the latest H_g.
-- Floats: 501*C down and 501*C up per participant (n_k is metadata, not counted). Evaluating
+- Floats: (d + 1) C down and (d + 1) C up per participant (n_k is metadata, not counted). Evaluating
   non-participants with H_g implies HtFLlib's broadcast to all N clients, which is not counted.
 
 `SharedHeader` holds this exchange; FedClassAvg (fedclassavg.py) reuses it with its own loss.
@@ -35,7 +36,7 @@ WEIGHTINGS = ('samples', 'uniform')
 
 @struct.dataclass
 class SharedHeaderServer:
-  global_header: jax.Array  # [C, 501] H_g, what clients download
+  global_header: jax.Array  # [C, d + 1] H_g, what clients download
   inbox: base.Inbox         # this round's sum_k w_k H_k and sum_k w_k (weighted)
 
 

@@ -9,12 +9,11 @@ are the layer's interface (`models.make_model`, `models.header_rows`, ...).
 from fedssa_jax.models import zoo
 from fedssa_jax.models.build import (all_family_names, feature_dim, init_params, make_model,
                                      param_count)
-from fedssa_jax.models.cnn import (CNN, CONV_IMPLS, FAMILIES, FAMILY_NAMES, KERNEL,
-                                   MIN_IMAGE_SIZE, REPR_DIM, Conv5x5, Family, band_tile,
+from fedssa_jax.models.cnn import (CNN, CNN_FEATURE_DIM, CONV_IMPLS, FAMILIES, FAMILY_NAMES,
+                                   KERNEL, MIN_IMAGE_SIZE, Conv5x5, Family, band_tile,
                                    banded_conv, conv1_macs, feature_sizes, forward_macs,
                                    get_family, max_pool_2x2, resolve_conv_impl)
-from fedssa_jax.models.header import (HEADER_ROW, apply_header, header_rows, init_header,
-                                      with_header_rows)
+from fedssa_jax.models.header import apply_header, header_rows, init_header, with_header_rows
 from fedssa_jax.models.layers import (COMPUTE_DTYPES, IMAGE_SHAPE, Dense, cast, feature_pool,
                                       torch_uniform_init)
 from fedssa_jax.models.model_state import MODEL_STATE, StatefulModel, join_state, split_state

@@ -4,18 +4,21 @@ Every family is
 
     conv1 5x5 cin->16 VALID, ReLU, maxpool 2   (32 -> 28 -> 14 on CIFAR)
     conv2 5x5 16->c2 VALID, ReLU, maxpool 2    (14 -> 10 -> 5)
-    flatten -> fc1 -> ReLU -> fc2 (->500) -> ReLU = representation
-    header fc3: 500 -> num_classes
+    flatten -> fc1 -> ReLU -> fc2 (-> d) -> ReLU = representation
+    header fc3: d -> num_classes
+
+with d = `feature_dim`, the width of the representation (`model.feature_dim`; 500 in the paper,
+CNN_FEATURE_DIM).
 
 As in the official FedSSA code, the layers follow the input's shape: conv1 takes the images'
 channels (1 for grayscale), and fc1's fan-in is the flattened size after conv2's pool (5x5xc2
 for 32x32 images, 4x4xc2 for 28x28). A max-pool over an odd size drops the last row or column,
 as PyTorch's MaxPool2d(2) does. Images need at least MIN_IMAGE_SIZE pixels a side.
 
-A method may build a family with a narrower fc2 (`repr_dim`, e.g. FedMRL's shared CNN-5 with a
-128-d representation and its own 128 -> num_classes header), or with its representation
+A method may build a family with a narrower fc2 (`feature_dim`, e.g. FedMRL's shared CNN-5 with
+a 128-d representation and its own 128 -> num_classes header), or with its representation
 average-pooled to a narrower width (`pool_to`, `feature_pool`: HtFLlib's way); the clients'
-models are always the plain 500-d ones.
+models are always the plain d-wide ones.
 
 Three formulations compute the same function from the same parameters:
 - ``conv_impl='xla'``: ``lax.conv_general_dilated`` + ``reduce_window`` max-pool. Fast on GPU/TPU
@@ -51,7 +54,9 @@ import numpy as np
 from fedssa_jax.models.layers import (IMAGE_SHAPE, Dense, cast, feature_pool,
                                       torch_uniform_init)
 
-REPR_DIM = 500
+# d of the five CNNs as the paper defines them (fc2's width): config_lib's default of
+# model.feature_dim. Functions that build or count a model take d explicitly.
+CNN_FEATURE_DIM = 500
 KERNEL = 5
 
 # The smallest side the two 5x5 VALID convolutions and 2x2 pools take: (16 - 4) // 2 = 6 -> 2
@@ -184,18 +189,18 @@ def max_pool_2x2(x, conv_impl: str):
 class CNN(nn.Module):
   """One FedSSA CNN family. Returns (logits, representation), both float32.
 
-  `dtype` is the compute dtype of every layer (float32 or bfloat16); parameters are float32.
-  `repr_dim` is fc2's width (500 for every client model); `pool_to` > 0: the representation is
-  fc2's output average-pooled over its features to this width (`feature_pool`), and the header
-  reads that. `image_shape` is the (height, width, channels) of the images the model is built
-  for: init_params draws its parameters for that input (the layers themselves follow whatever
-  input they get).
+  `feature_dim` is fc2's width, d (a client model's: model.feature_dim); `dtype` is the compute
+  dtype of every layer (float32 or bfloat16); parameters are float32. `pool_to` > 0: the
+  representation is fc2's output average-pooled over its features to this width
+  (`feature_pool`), and the header reads that. `image_shape` is the (height, width, channels) of
+  the images the model is built for: init_params draws its parameters for that input (the layers
+  themselves follow whatever input they get).
   """
   family: Family
   num_classes: int
+  feature_dim: int
   conv_impl: str = 'im2col'
   dtype: Any = jnp.float32
-  repr_dim: int = REPR_DIM
   pool_to: int = 0
   image_shape: tuple[int, ...] = IMAGE_SHAPE
 
@@ -208,7 +213,7 @@ class CNN(nn.Module):
         nn.relu(Conv5x5(self.family.c2, impl, dtype=dtype, name='conv2')(x)), impl)
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(Dense(self.family.fc1, dtype=dtype, name='fc1')(x))
-    rep = nn.relu(Dense(self.repr_dim, dtype=dtype, name='fc2')(x))
+    rep = nn.relu(Dense(self.feature_dim, dtype=dtype, name='fc2')(x))
     if self.pool_to:
       rep = feature_pool(rep, self.pool_to)
     logits = Dense(self.num_classes, dtype=dtype, name='fc3')(rep)
@@ -221,18 +226,15 @@ def conv1_macs(image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
   return h1 * w1 * 16 * (image_shape[2] * KERNEL * KERNEL)
 
 
-def forward_macs(family_name: str, num_classes: int, repr_dim: int = REPR_DIM,
+def forward_macs(family_name: str, num_classes: int, feature_dim: int,
                  image_shape: Sequence[int] = IMAGE_SHAPE) -> int:
   """Analytic multiply-accumulates of one forward pass of one sample of `image_shape` (32x32x3
-  by default: docs/algorithm.md §1, its table), with fc2 `repr_dim` wide."""
+  by default: docs/algorithm.md §1, its table), with fc2 `feature_dim` (d) wide."""
   f = get_family(family_name)
   _, (h2, w2), (hp, wp) = feature_sizes(image_shape)
   conv2 = h2 * w2 * f.c2 * (16 * KERNEL * KERNEL)
-  return (conv1_macs(image_shape) + conv2 + hp * wp * f.c2 * f.fc1 + f.fc1 * repr_dim +
-          repr_dim * num_classes)
-
-
-# --- The header (docs/algorithm.md §1): fc3 as a [S, 501] table, row s = (W[s, :], b[s]). ---
+  return (conv1_macs(image_shape) + conv2 + hp * wp * f.c2 * f.fc1 + f.fc1 * feature_dim +
+          feature_dim * num_classes)
 
 
 # --- Model state: batch statistics beside the parameters (docs/algorithm.md §1) ---------------

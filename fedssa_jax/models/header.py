@@ -7,28 +7,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedssa_jax.models.cnn import REPR_DIM
 from fedssa_jax.models.layers import Dense
 
 
-HEADER_ROW = REPR_DIM + 1  # 501 numbers per class row
-
-
-def init_header(key, num_classes: int, dim: int = REPR_DIM) -> jax.Array:
-  """A fresh [num_classes, dim + 1] header drawn exactly as a client's fc3 is (PyTorch's
-  init), for `dim`-wide representations."""
-  fc3 = Dense(num_classes).init(key, jnp.zeros((1, dim)))['params']
+def init_header(key, num_classes: int, feature_dim: int) -> jax.Array:
+  """A fresh [num_classes, d + 1] header drawn exactly as a client's fc3 is (PyTorch's init),
+  for representations d = `feature_dim` wide."""
+  fc3 = Dense(num_classes).init(key, jnp.zeros((1, feature_dim)))['params']
   return header_rows({'fc3': fc3})
 
 
 def header_rows(params) -> jax.Array:
-  """fc3 as [num_classes, 501]: row s holds class s's weights and bias."""
+  """fc3 as [num_classes, d + 1]: row s holds class s's weights and bias."""
   fc3 = params['fc3']
   return jnp.concatenate([fc3['kernel'].T, fc3['bias'][:, None]], axis=1)
 
 
 def apply_header(params, rep, dtype: Any = jnp.float32) -> jax.Array:
-  """The header alone: logits (float32) of representations `rep` [B, D] under params' fc3, as
+  """The header alone: logits (float32) of representations `rep` [B, d] under params' fc3, as
   the model computes them (in the compute dtype `dtype`), e.g. for a representation the model
   did not make itself."""
   return Dense(params['fc3']['bias'].shape[0], dtype=dtype).apply(
@@ -36,6 +32,6 @@ def apply_header(params, rep, dtype: Any = jnp.float32) -> jax.Array:
 
 
 def with_header_rows(params, rows: jax.Array):
-  """Returns params with fc3 replaced by the [num_classes, 501] table `rows`."""
+  """Returns params with fc3 replaced by the [num_classes, d + 1] table `rows`."""
   fc3 = {'kernel': rows[:, :-1].T, 'bias': rows[:, -1]}
   return {**params, 'fc3': fc3}

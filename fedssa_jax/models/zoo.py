@@ -594,9 +594,9 @@ def uses_dropout(name: str) -> bool:
   return name in ('mobilenetv2', 'googlenet')
 
 
-def make_zoo_model(name: str, num_classes: int, feature_dim: int = FEATURE_DIM,
+def make_zoo_model(name: str, num_classes: int, feature_dim: int,
                    dtype: Any = jnp.float32, **kwargs) -> nn.Module:
-  """Family `name` with a feature_dim-wide representation and a feature_dim -> num_classes head;
+  """Family `name` with a d = `feature_dim`-wide representation and a d -> num_classes head;
   `dtype` is the compute dtype (a dtype or a layers.COMPUTE_DTYPES name); kwargs go to the module
   (e.g. dropout_rate)."""
   if name not in ZOO_FAMILIES:

@@ -93,7 +93,8 @@ def train_call(family: str, batch: int, clients: int, steps: int, ds: data.Datas
   """The engine's vmapped local_train for a group of `clients` clients of `steps` full batches
   each, with forward/backward passes of `micro_batch` rows (0: the whole batch). Returns
   (call, args, images): the jitted call, its arguments, and the samples a call trains on."""
-  model = models.make_model(family, ds.num_classes)
+  config = config_lib.base_config('cifar10')  # the paper's models: model.feature_dim's default
+  model = models.make_model(family, ds.num_classes, feature_dim=config.model.feature_dim)
   cfg = training.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std,
                            micro_batch=micro_batch)
   n = batch * steps
@@ -103,7 +104,7 @@ def train_call(family: str, batch: int, clients: int, steps: int, ds: data.Datas
                          jnp.full((clients,), n))
   keys = jax.random.split(jax.random.PRNGKey(0), clients)
   params = jax.vmap(functools.partial(models.init_params, model))(keys)
-  method = standalone.Standalone(None, clients, ds.num_classes)
+  method = standalone.Standalone(config, clients, ds.num_classes)
   train = functools.partial(training.local_train, apply_fn=model.apply, cfg=cfg, method=method)
   call = jax.jit(jax.vmap(lambda p, k, i, n: train({'model': p}, (), k, i, n, dd)))
   return call, (params, keys, dd.train_idx, dd.train_n), clients * n
@@ -116,7 +117,9 @@ def train_throughput(family: str, batch: int, clients: int, steps: int, roofline
   run = lambda: jax.block_until_ready(call(*args))
   run()
   images_per_s = images / best_time(run, 3)
-  flops = costs.xla_train_flops_per_sample(family, ds.num_classes, batch) * images_per_s
+  feature_dim = config_lib.base_config('cifar10').model.feature_dim  # as train_call's model
+  flops = costs.xla_train_flops_per_sample(family, ds.num_classes, batch,
+                                           feature_dim) * images_per_s
   return {'family': family, 'batch': batch, 'passes': micro_batch or batch, 'clients': clients,
           'images_per_s': images_per_s, 'flops_per_s': flops, 'roofline_share': flops / roofline}
 
