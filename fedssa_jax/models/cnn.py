@@ -235,17 +235,3 @@ def forward_macs(family_name: str, num_classes: int, feature_dim: int,
   conv2 = h2 * w2 * f.c2 * (16 * KERNEL * KERNEL)
   return (conv1_macs(image_shape) + conv2 + hp * wp * f.c2 * f.fc1 + f.fc1 * feature_dim +
           feature_dim * num_classes)
-
-
-# --- Model state: batch statistics beside the parameters (docs/algorithm.md §1) ---------------
-#
-# A model with batch normalisation keeps running statistics that are no parameters: not
-# trained by gradient, not decayed, never sent. The engine stores them in the client's row
-# beside its parameters, under MODEL_STATE, so that every population store, checkpoint, mesh
-# placement and method hook carries them as it carries the parameters; the five CNNs have none,
-# and their rows are their parameters as before. Local training splits a row (`split_state`),
-# trains the parameters with the model's training-mode apply (`StatefulModel.train_apply`, which
-# returns the new statistics) and joins them back (`join_state`); every other forward (evaluation,
-# a method's forward pass) calls `apply` on the row, which normalises with its running
-# statistics, as a PyTorch model in eval() mode does.
-

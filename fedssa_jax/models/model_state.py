@@ -1,4 +1,15 @@
-"""Model state: batch statistics kept beside a model's parameters (docs/algorithm.md §1)."""
+"""Model state: batch statistics kept beside a model's parameters (docs/algorithm.md §1).
+
+A model with batch normalisation keeps running statistics that are no parameters: not
+trained by gradient, not decayed, never sent. The engine stores them in the client's row
+beside its parameters, under MODEL_STATE, so that every population store, checkpoint, mesh
+placement and method hook carries them as it carries the parameters; the five CNNs have none,
+and their rows are their parameters as before. Local training splits a row (`split_state`),
+trains the parameters with the model's training-mode apply (`StatefulModel.train_apply`, which
+returns the new statistics) and joins them back (`join_state`); every other forward (evaluation,
+a method's forward pass) calls `apply` on the row, which normalises with its running
+statistics, as a PyTorch model in eval() mode does.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +18,6 @@ from typing import Any
 import flax.linen as nn
 
 from fedssa_jax.models.layers import IMAGE_SHAPE
-
 
 MODEL_STATE = 'batch_stats'
 
