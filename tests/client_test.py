@@ -31,7 +31,7 @@ def setup(ds, cfg):
   method = standalone.Standalone(CONFIG, 4, 10)  # plain cross-entropy
 
   def train(params, key, idx, n, dd):
-    trainable, _, stats = training.local_train({'model': params}, (), key, idx, n, dd,
+    trainable, _, stats = training.local_train({'model': params}, None, key, idx, n, dd,
                                              apply_fn=model.apply, cfg=cfg, method=method)
     return trainable['model'], stats
   return dd, model, params, keys, train

@@ -52,7 +52,7 @@ def test_headers_and_prototypes_follow_d():
     assert s.uploads.shape == (5, C, D), name
   assert method('fedtgp').tgp_size == D * C + 2 * (D * D + D)
   assert method('lg_fedavg').header_floats == method('fedgh').header_floats == (D + 1) * C
-  assert method('fedkd').init_client_state(jax.random.PRNGKey(0))['w_h'].shape == (D, D)
+  assert method('fedkd').init_client_state(jax.random.PRNGKey(0)).w_h.shape == (D, D)
   assert method('fedl2g').dim == D
 
 

@@ -127,3 +127,38 @@ def test_every_sub_package_says_what_it_holds(sub):
   doc = ast.get_docstring(ast.parse(open(os.path.join(REPO, 'fedssa_jax', sub,
                                                       '__init__.py')).read()))
   assert doc and len(doc.split()) >= 20, f'fedssa_jax/{sub}/__init__.py needs its paragraph.'
+
+
+def method_imports(root: str, package: str, method_modules: set[str]) -> list[str]:
+  """Every import of a method module by another module of `package`.methods but its
+  `__init__` (the registry), as sentences: what methods share lives in modules of its own
+  (base, losses, aggregation, prototypes, headers), not in one of them."""
+  mods = {m: p for m, p in modules(root, package).items() if m.startswith(f'{package}.methods.')}
+  found = []
+  for m, p in sorted(mods.items()):
+    for t in sorted(imports(p, m, set(mods), package) & method_modules):
+      found.append(f'{m} imports the method module {t}')
+  return found
+
+
+def test_the_method_import_checker_finds_a_method_importing_another(tmp_path):
+  methods_dir = tmp_path / 'pkg' / 'methods'
+  methods_dir.mkdir(parents=True)
+  (tmp_path / 'pkg' / '__init__.py').write_text('')
+  (methods_dir / '__init__.py').write_text('from pkg.methods import a, b\n')  # the registry
+  (methods_dir / 'shared.py').write_text('')
+  (methods_dir / 'a.py').write_text('from pkg.methods import shared\n')
+  (methods_dir / 'b.py').write_text('from pkg.methods import a, shared\n')
+  (methods_dir / 'c.py').write_text('def f():\n  import pkg.methods.b\n')
+  found = method_imports(str(tmp_path), 'pkg', {'pkg.methods.a', 'pkg.methods.b',
+                                                'pkg.methods.c'})
+  assert found == ['pkg.methods.b imports the method module pkg.methods.a',
+                   'pkg.methods.c imports the method module pkg.methods.b'], found
+
+
+def test_no_method_module_imports_another():
+  from fedssa_jax import methods  # pylint: disable=g-import-not-at-top
+  method_modules = {cls.__module__ for cls in methods.METHODS.values()}
+  assert len(method_modules) == len(methods.METHODS)  # one module per method
+  found = method_imports(REPO, 'fedssa_jax', method_modules)
+  assert not found, '\n'.join(found)

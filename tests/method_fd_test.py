@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import base, fd
+from fedssa_jax.methods import aggregation, base, fd
 
 from conftest import (client_view, clients_loss, init_clients, log_softmax, padded_batches, rounds,
                       two_rounds_of_uploads)
@@ -30,7 +30,7 @@ def test_loss_and_accumulator_equal_per_sample_loop():
   x, y, valid = padded_batches(rng, k, b, C)
   targets = rng.normal(size=(k, C, C)).astype(np.float32) * 3
   has = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], bool)  # client 1: round 0
-  ctx = {'targets': jnp.asarray(targets), 'has': jnp.asarray(has)}
+  ctx = fd.GlobalLogits(targets=jnp.asarray(targets), has=jnp.asarray(has))
   loss, (correct, acc) = clients_loss(method, model, params, ctx, x, y, valid)
   for i in range(k):
     logits = np.asarray(model.apply({'params': jax.tree_util.tree_map(lambda a: a[i], params)},
@@ -50,8 +50,8 @@ def test_loss_and_accumulator_equal_per_sample_loop():
       counts[yj] += 1
     assert float(loss[i]) == pytest.approx(total / n, rel=1e-5)
     assert int(correct[i]) == right
-    np.testing.assert_allclose(np.asarray(acc['sum'][i]), sums, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(acc['count'][i]), counts)
+    np.testing.assert_allclose(np.asarray(acc.sum[i]), sums, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(acc.count[i]), counts)
 
 
 def test_upload_means_and_floats():
@@ -60,20 +60,22 @@ def test_upload_means_and_floats():
   seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1]], bool)
   counts = np.where(seen, rng.integers(1, 9, size=seen.shape), 0).astype(np.float32)
   sums = rng.normal(size=(3, C, C)).astype(np.float32) * counts[:, :, None]
-  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, client_view(0, s, 5, 1)))(
-      {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}, jnp.asarray(seen))
+  up = jax.vmap(lambda a, s: method.upload({'model': {}}, base.Accumulated(loss=a), None,
+                                            base.NoState(), client_view(0, s, 5, 1)))(
+      base.ClassSums(sum=jnp.asarray(sums), count=jnp.asarray(counts)), jnp.asarray(seen))
   for i in range(3):
     assert int(up.floats[i]) == C * seen[i].sum()
     for c in range(C):
       want = sums[i, c] / counts[i, c] if seen[i, c] else np.zeros(C)
-      np.testing.assert_allclose(np.asarray(up.payload['logits'][i, c]), want, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(up.payload['has'][i]), seen[i])
+      np.testing.assert_allclose(np.asarray(up.payload.logits[i, c]), want, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(up.payload.has[i]), seen[i])
 
 
 def test_class_means_and_masked_sums_hand_computed():
-  """base.class_means (FD's and FedProto's uploads) and base.masked_sum, FD's server sums, which
-  masked_mean divides."""
-  acc = {'sum': jnp.asarray([[2., 4.], [3., 6.], [5., 5.]]), 'count': jnp.asarray([2., 3., 0.])}
+  """base.class_means (FD's and FedProto's uploads) and aggregation.masked_sum, FD's server
+  sums, which masked_mean divides."""
+  acc = base.ClassSums(sum=jnp.asarray([[2., 4.], [3., 6.], [5., 5.]]),
+                       count=jnp.asarray([2., 3., 0.]))
   means, held = base.class_means(acc, jnp.asarray([True, False, True]))
   # Class 1 was trained on but is not seen; class 2 is seen but was never trained on.
   np.testing.assert_array_equal(np.asarray(means), [[1., 2.], [0., 0.], [0., 0.]])
@@ -81,13 +83,13 @@ def test_class_means_and_masked_sums_hand_computed():
 
   uploads = jnp.asarray([[[1., 2.], [3., 4.]], [[5., 6.], [7., 8.]]])  # [N=2, C=2, D=2]
   mask = jnp.asarray([[True, False], [True, True]])
-  total, weight = base.masked_sum(uploads, mask)
+  total, weight = aggregation.masked_sum(uploads, mask)
   np.testing.assert_array_equal(np.asarray(total), [[6., 8.], [7., 8.]])
   np.testing.assert_array_equal(np.asarray(weight), [2., 1.])
-  total, weight = base.masked_sum(uploads, mask, weights=jnp.asarray([2., 3.]))
+  total, weight = aggregation.masked_sum(uploads, mask, weights=jnp.asarray([2., 3.]))
   np.testing.assert_array_equal(np.asarray(total), [[17., 22.], [21., 24.]])
   np.testing.assert_array_equal(np.asarray(weight), [5., 3.])
-  mean, has = base.masked_mean(uploads, mask & jnp.asarray([[True], [False]]))
+  mean, has = aggregation.masked_mean(uploads, mask & jnp.asarray([[True], [False]]))
   np.testing.assert_array_equal(np.asarray(mean), [[1., 2.], [0., 0.]])
   np.testing.assert_array_equal(np.asarray(has), [True, False])
 
@@ -102,31 +104,33 @@ def test_server_rule_equals_loop(exclude_own):
                    [0, 0, 1, 1],    # uploads in round 0 only (class 3 then goes stale)
                    [1, 0, 0, 1]], bool)  # never participates
   server = method.init_server(None, jnp.asarray(seen))
-  down = jax.vmap(lambda k, s: method.download({}, {}, server, client_view(k, s, 0, 0)))(
+  down = jax.vmap(lambda k, s: method.download({}, base.NoState(), server,
+                                               client_view(k, s, 0, 0)))(
       jnp.arange(n), jnp.asarray(seen))
-  assert not np.asarray(down.ctx['has']).any() and not np.asarray(down.floats).any()  # round 0
+  assert not np.asarray(down.ctx.has).any() and not np.asarray(down.floats).any()  # round 0
 
   rng = np.random.default_rng(2)
   uploads = np.where(seen[:, :, None], rng.normal(size=(n, C, C)), 0).astype(np.float32)
   server, participants = two_rounds_of_uploads(
-      method, server, lambda ids: {'logits': jnp.asarray(uploads[ids]),
-                                   'has': jnp.asarray(seen[ids])})
+      method, server, lambda ids: fd.FDUpload(logits=jnp.asarray(uploads[ids]),
+                                              has=jnp.asarray(seen[ids])))
 
-  down = jax.vmap(lambda k, s: method.download({}, {}, server, client_view(k, s, 0, 2)))(
+  down = jax.vmap(lambda k, s: method.download({}, base.NoState(), server,
+                                               client_view(k, s, 0, 2)))(
       jnp.arange(n), jnp.asarray(seen))
   for k in range(n):
     for c in range(C):
       holders = [j for j in range(n) if participants[j] and seen[j, c]]
       if exclude_own and k in holders:
         holders.remove(k)
-      assert bool(down.ctx['has'][k, c]) == bool(holders)
+      assert bool(down.ctx.has[k, c]) == bool(holders)
       if holders:
-        np.testing.assert_allclose(np.asarray(down.ctx['targets'][k, c]),
+        np.testing.assert_allclose(np.asarray(down.ctx.targets[k, c]),
                                    np.mean(uploads[holders, c], axis=0), rtol=1e-5, atol=1e-6)
-    rows = sum(1 for c in range(C) if seen[k, c] and down.ctx['has'][k, c])
+    rows = sum(1 for c in range(C) if seen[k, c] and down.ctx.has[k, c])
     assert int(down.floats[k]) == C * rows
   if exclude_own:  # class 1 is held by client 1 alone: no global for it under exclusion
-    assert not bool(down.ctx['has'][1, 1]) and bool(down.ctx['has'][0, 1])
+    assert not bool(down.ctx.has[1, 1]) and bool(down.ctx.has[0, 1])
 
 
 @pytest.mark.slow  # a simulator compiled and run

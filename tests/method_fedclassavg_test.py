@@ -113,12 +113,13 @@ def test_loss_on_a_real_model_equals_loop(variant):
   @jax.jit
   def run(x1, x2):
     def one(p, ctx, x1, x2, y, valid):
-      return jax.value_and_grad(lambda p: method.loss(model.apply, {'model': p}, ctx, (x1, x2),
-                                                      y, valid), has_aux=True)(p)
+      return jax.value_and_grad(lambda p: method.loss(
+          model.apply, {'model': p}, fedclassavg.GlobalHeader(rows=ctx), (x1, x2), y, valid),
+                                has_aux=True)(p)
     return jax.vmap(one)(stacked, jnp.asarray(ctx), x1, x2, jnp.asarray(y), jnp.asarray(valid))
 
   (loss, (correct, acc)), grads = run(jnp.asarray(x1), jnp.asarray(x2))
-  assert acc == {}
+  assert acc is None  # the loss accumulates nothing
   for k in range(2):
     logits1, u1 = model.apply({'params': params[k]}, jnp.asarray(x1[k]))
     _, u2 = model.apply({'params': params[k]}, jnp.asarray(x2[k]))
@@ -152,14 +153,15 @@ def test_exchange_and_server_rule_equal_loop(weighting):
   server = method.init_server(jax.random.PRNGKey(0), jnp.ones((6, C), bool))
   params = models.init_params(models.make_model('cnn5', C, 'im2col', feature_dim=D),
                               jax.random.PRNGKey(1))
-  down = method.download(params, {}, server, client_view(0, jnp.array([1, 0, 1, 0], bool)))
-  np.testing.assert_array_equal(np.asarray(down.ctx), np.asarray(server.global_header))
+  down = method.download(params, base.NoState(), server,
+                         client_view(0, jnp.array([1, 0, 1, 0], bool)))
+  np.testing.assert_array_equal(np.asarray(down.ctx.rows), np.asarray(server.global_header))
   np.testing.assert_array_equal(np.asarray(models.header_rows(down.params)),
                                 np.asarray(server.global_header))
-  up = method.upload({'model': down.params}, {}, down.ctx, {},
+  up = method.upload({'model': down.params}, base.Accumulated(), down.ctx, base.NoState(),
                      client_view(0, jnp.ones(C, bool), 17, 0))
   assert int(down.floats) == int(up.floats) == 501 * C
-  assert float(up.payload['weight']) == (17.0 if weighting == 'samples' else 1.0)
+  assert float(up.payload.weight) == (17.0 if weighting == 'samples' else 1.0)
   assert method.eval_params(params, server, 0) is params  # the post-training local model
 
   rng = np.random.default_rng(4)
@@ -169,7 +171,8 @@ def test_exchange_and_server_rule_equal_loop(weighting):
     n = rng.integers(1, 40, size=len(ids))
     w = n.astype(np.float32) if weighting == 'samples' else np.ones(len(ids), np.float32)
     server = method.server_receive(server, jnp.asarray(ids),
-                                   {'rows': jnp.asarray(rows), 'weight': jnp.asarray(w)},
+                                   base.WeightedUpload(value=jnp.asarray(rows),
+                                                       weight=jnp.asarray(w)),
                                    jnp.asarray(active))
     uploads += [(r, wk) for r, wk, a in zip(rows.astype(np.float64), w, active) if a]
   participants = np.isin(np.arange(6), [1, 4, 2])

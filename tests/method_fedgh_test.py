@@ -10,7 +10,7 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import training
-from fedssa_jax.methods import base, fedgh
+from fedssa_jax.methods import base, fedgh, prototypes
 
 from conftest import client_view, log_softmax, make_small_sim
 
@@ -61,8 +61,8 @@ def test_forward_pass_equals_per_sample_loop():
       x = ((images[i] / 255.0 - mean) / std).reshape(-1)
       sums[labels[i]] += np.maximum(x @ (np.asarray(params['w'][k], np.float64)), 0)
       counts[labels[i]] += 1
-    np.testing.assert_allclose(np.asarray(got['sum'][k]), sums, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(np.asarray(got['count'][k]), counts)
+    np.testing.assert_allclose(np.asarray(got.sum[k]), sums, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got.count[k]), counts)
 
 
 def test_upload_download_and_evaluated_header():
@@ -71,22 +71,24 @@ def test_upload_download_and_evaluated_header():
   seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1]], bool)
   counts = np.where(seen, rng.integers(1, 9, size=seen.shape), 0).astype(np.float32)
   sums = (rng.normal(size=(2, C, D)) * counts[:, :, None]).astype(np.float32)
-  acc = {base.FORWARD_PASS: {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}}
-  up = jax.jit(jax.vmap(
-      lambda a, s: method.upload({'model': {}}, a, (), {}, client_view(0, s, 5, 1))))(
-          acc, jnp.asarray(seen))
+  acc = base.Accumulated(forward_pass=base.ClassSums(sum=jnp.asarray(sums),
+                                                     count=jnp.asarray(counts)))
+  up = jax.jit(jax.vmap(lambda a, s: method.upload({'model': {}}, a, None, base.NoState(),
+                                                   client_view(0, s, 5, 1))))(
+      acc, jnp.asarray(seen))
   for k in range(2):
     assert int(up.floats[k]) == D * seen[k].sum()
     want = np.where(seen[k][:, None], sums[k] / np.maximum(counts[k], 1)[:, None], 0)
-    np.testing.assert_allclose(np.asarray(up.payload['protos'][k]), want, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(up.payload['n'][k]), counts[k])
+    np.testing.assert_allclose(np.asarray(up.payload.protos[k]), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(up.payload.n[k]), counts[k])
   # The whole header is overwritten by H_g on download and at evaluation ('global_header').
   params = {'fc2': {'bias': jnp.ones(D)},  # a stand-in for a model: its header and one more
             'fc3': {'kernel': jnp.asarray(rng.normal(size=(D, C)), jnp.float32),
                     'bias': jnp.zeros(C)}}
   server = jax.jit(method.init_server)(jax.random.PRNGKey(3), jnp.asarray(seen))
   head = np.asarray(server.head)
-  down = jax.jit(method.download)(params, {}, server, client_view(0, seen[0], 5, 0))
+  down = jax.jit(method.download)(params, base.NoState(), server,
+                                  client_view(0, seen[0], 5, 0))
   np.testing.assert_array_equal(np.asarray(models.header_rows(down.params)), head)
   np.testing.assert_array_equal(down.params['fc2']['bias'], params['fc2']['bias'])
   assert int(down.floats) == ROW * C and method.forward_pass == 'after'
@@ -115,13 +117,14 @@ def test_train_pass_option_accumulates_training_means():
   want_ce = np.mean([-log_softmax(logits[j].astype(np.float64))[y[j]] for j in range(4)])
   assert float(loss) == pytest.approx(want_ce, rel=1e-5)
   for c in range(C):
-    np.testing.assert_allclose(np.asarray(acc['sum'][c]), rep[:4][y[:4] == c].sum(0), rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(acc['count']), [1, 2, 0, 1])
+    np.testing.assert_allclose(np.asarray(acc.sum[c]), rep[:4][y[:4] == c].sum(0), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(acc.count), [1, 2, 0, 1])
   seen = np.array([1, 1, 0, 1], bool)
   acc = jax.tree.map(lambda a: a * epochs, acc)  # E epochs over the same batch
-  up = jax.jit(lambda a: method.upload({'model': {}}, a, (), {}, client_view(0, seen, 4, 0)))(acc)
-  np.testing.assert_array_equal(np.asarray(up.payload['n']), [1, 2, 0, 1])
-  np.testing.assert_allclose(np.asarray(up.payload['protos'][1]), rep[1:3].mean(0), rtol=1e-6)
+  up = jax.jit(lambda a: method.upload({'model': {}}, base.Accumulated(loss=a), None,
+                                       base.NoState(), client_view(0, seen, 4, 0)))(acc)
+  np.testing.assert_array_equal(np.asarray(up.payload.n), [1, 2, 0, 1])
+  np.testing.assert_allclose(np.asarray(up.payload.protos[1]), rep[1:3].mean(0), rtol=1e-6)
   assert method.forward_pass is None and int(up.floats) == 3 * D
 
 
@@ -153,7 +156,7 @@ def reference_sgd(head, protos, n_kc, participants, key, *, lr, epochs, batch, w
 
 def test_server_sgd_equals_plain_loop():
   """H_g's SGD with each pair weighted by its class sample count (`pair_weight='samples'`;
-  'uniform' differs only in the weights, round_pairs's, checked at the end)."""
+  'uniform' differs only in the weights, prototypes.round_pairs's, checked at the end)."""
   n, epochs, batch, lr, weight = 5, 2, 3, 0.5, 'samples'  # a large lr: the header moves
   method = make_method(n, server_epochs=epochs, server_batch=batch, server_lr=lr,
                        pair_weight=weight)
@@ -180,7 +183,7 @@ def test_server_sgd_equals_plain_loop():
   np.testing.assert_array_equal(np.asarray(agg.server.uploads), protos)
   held = (seen & participants[:, None]).reshape(-1)
   for pair_weight, want in (('samples', np.where(held, n_kc.reshape(-1), 0)), ('uniform', held)):
-    values, labels, weights = fedgh.round_pairs(protos, n_kc, participants, pair_weight)
+    values, labels, weights = prototypes.round_pairs(protos, n_kc, participants, pair_weight)
     np.testing.assert_array_equal(np.asarray(weights), want)
     np.testing.assert_array_equal(np.asarray(labels), np.tile(np.arange(C), n))
     np.testing.assert_array_equal(np.asarray(values), protos.reshape(n * C, D))

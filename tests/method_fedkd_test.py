@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import base, fedkd
+from fedssa_jax.methods import aggregation, base, fedkd
 
 from conftest import aggregate, client_view, log_softmax, random_params, stack_trees
 
@@ -128,10 +128,10 @@ def test_loss_vmapped_equals_hand_computation():
   valid = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
 
   def loss(mp, ms, w, x, y, v):
-    return method.loss(own.apply, {'model': mp, 'mentee': ms, 'w_h': w}, (), (x,), y, v)
+    return method.loss(own.apply, {'model': mp, 'mentee': ms, 'w_h': w}, None, (x,), y, v)
 
   loss_v, (correct_v, acc_v) = jax.jit(jax.vmap(loss))(mentors, mentees, w_h, x, y, valid)
-  assert acc_v == {}
+  assert acc_v is None  # the loss accumulates nothing
   outs = jax.jit(jax.vmap(lambda mp, ms, x: (own.apply({'params': mp}, x),
                                              method.mentee_model.apply({'params': ms}, x))))
   (zs, hs), (zss, hss) = jax.tree_util.tree_map(np.asarray, outs(mentors, mentees, x))
@@ -163,7 +163,8 @@ def test_server_rule_equals_loop():
   rng = np.random.default_rng(2)
   theta = small_tree(rng)
   server = fedkd.FedKDServer(
-      theta=theta, inbox=base.Inbox.empty(theta), held=jnp.asarray([0, 2, 1, 0, 2], jnp.int32),
+      theta=theta, inbox=aggregation.Inbox.empty(theta),
+      held=jnp.asarray([0, 2, 1, 0, 2], jnp.int32),
       last_floats=jnp.int32(7), last_rebuild=jnp.float32(0))
   received = []
   for ids, active in (([0, 3, 0], [True, True, False]), ([4], [True])):
@@ -171,7 +172,8 @@ def test_server_rule_equals_loop():
     # Uploads are low rank plus noise, as real updates are, so the mean compresses.
     up['fc']['kernel'] = (rng.normal(size=(len(ids), 30, 2)) @ rng.normal(size=(2, 12))
                           + 1e-3 * up['fc']['kernel']).astype(np.float32)
-    server = method.server_receive(server, jnp.asarray(ids), up, jnp.asarray(active))
+    server = method.server_receive(server, jnp.asarray(ids), fedkd.FedKDUpload(update=up),
+                                   jnp.asarray(active))
     received += [jax.tree_util.tree_map(lambda a: a[j], up) for j in range(len(ids)) if active[j]]
   participants = np.zeros(n, bool)
   participants[[0, 3, 4]] = True
@@ -200,10 +202,11 @@ def test_download_charges_and_upload():
   p5 = method.mentee_floats
   rng = np.random.default_rng(3)
   theta = random_params(method.mentee_model, 0)
-  server = fedkd.FedKDServer(theta=theta, inbox=base.Inbox(theta, jnp.int32(0)), held=None,
+  server = fedkd.FedKDServer(theta=theta, inbox=aggregation.Inbox(theta, jnp.int32(0)),
+                             held=None,
                              last_floats=jnp.int32(12_345), last_rebuild=jnp.float32(1e6))
   state = jax.vmap(method.init_client_state)(jax.random.split(jax.random.PRNGKey(0), n))
-  w = np.asarray(state['w_h'])
+  w = np.asarray(state.w_h)
   assert w.shape == (n, 500, 500) and np.abs(w).max() <= 500 ** -0.5 and w.std() > 0.02
   params = random_params(models.make_model('cnn4', C, 'im2col', feature_dim=D), 1)
   seen = jnp.ones(C, bool)
@@ -214,24 +217,25 @@ def test_download_charges_and_upload():
                         (3, [0, 2, 1, 0, 2], [p5, 12_345, p5, p5, 12_345])):
     server = server.replace(held=jnp.asarray(held, jnp.int32))
     for k in range(n):
-      down = method.download(params, {'w_h': state['w_h'][k]}, server,
+      down = method.download(params, fedkd.FedKDState(w_h=state.w_h[k]), server,
                              client_view(k, seen, 0, t))
       assert int(down.floats) == want[k] and down.floats.dtype == jnp.int32, (t, k)
       assert float(down.flops) == (1e6 + p5 if want[k] == 12_345 else 0.0)
       np.testing.assert_array_equal(np.asarray(down.aux['w_h']), w[k])
-  assert down.aux['mentee'] is theta and down.ctx is theta
+  assert down.aux['mentee'] is theta and down.ctx.theta is theta
   # Upload: the compressed mentee update, W_h kept as state.
   mentee = jax.tree_util.tree_map(lambda a: a + 0.01 * jnp.asarray(
       rng.normal(size=a.shape), jnp.float32), theta)
-  trainable = {'model': params, 'mentee': mentee, 'w_h': state['w_h'][4] + 1.0}
-  up = method.upload(trainable, {}, theta, {'w_h': state['w_h'][4]},
-                     client_view(4, seen, 9, 3))
+  trainable = {'model': params, 'mentee': mentee, 'w_h': state.w_h[4] + 1.0}
+  up = method.upload(trainable, base.Accumulated(), fedkd.FedKDContext(theta=theta),
+                     fedkd.FedKDState(w_h=state.w_h[4]), client_view(4, seen, 9, 3))
   want_payload, want_floats = fedkd.compress_update(
       jax.tree_util.tree_map(jnp.subtract, mentee, theta), method.threshold(3))[:2]
   assert int(up.floats) == int(want_floats) and 1048 + C < int(up.floats) <= p5
-  for a, b in zip(jax.tree_util.tree_leaves(up.payload), jax.tree_util.tree_leaves(want_payload)):
+  for a, b in zip(jax.tree_util.tree_leaves(up.payload.update),
+                  jax.tree_util.tree_leaves(want_payload)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_array_equal(np.asarray(up.state['w_h']), np.asarray(trainable['w_h']))
+  np.testing.assert_array_equal(np.asarray(up.state.w_h), np.asarray(trainable['w_h']))
   assert up.params is params and float(up.flops) > 0
 
 
@@ -260,6 +264,6 @@ def test_engine_round_trip(small_sim):
   assert charged == {'zero', 'delta', 'dense'}
   last = sim.seed_state(state)
   assert 0 < int(last.server.last_floats) <= p5
-  assert np.asarray(last.client_state['w_h']).shape == (c.num_clients, 500, 500)
+  assert np.asarray(last.client_state.w_h).shape == (c.num_clients, 500, 500)
   ev = sim.evaluate(state)
   assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN

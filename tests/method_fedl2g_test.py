@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
 from fedssa_jax import config_lib
 
@@ -44,7 +45,8 @@ def test_loss_equals_per_sample_loop(variant):
   vectors = rng.normal(size=(C, dim)).astype(np.float32)
   apply_fn = lambda variables, x: (variables['params']['z'], variables['params']['r'])
   loss, (correct, acc) = jax.jit(lambda: method.loss(
-      apply_fn, {'model': {'z': logits, 'r': rep}}, {'vectors': vectors}, (None,), y, valid))()
+      apply_fn, {'model': {'z': logits, 'r': rep}}, fedl2g.GuidingVectors(vectors=vectors),
+      (None,), y, valid))()
   phi = rep if variant == 'feat' else logits
   ce = sq = 0.0
   for j in np.flatnonzero(valid):
@@ -53,7 +55,7 @@ def test_loss_equals_per_sample_loop(variant):
   m = valid.sum()
   assert float(loss) == pytest.approx(ce / m + 0.7 * sq / (m * dim), rel=1e-5)
   assert int(correct) == sum(logits[j].argmax() == y[j] for j in np.flatnonzero(valid))
-  assert acc == {}
+  assert acc is None  # the loss accumulates nothing
 
 
 # A tiny stand-in model: x [b, F] -> h = tanh(x W1 + b1) [b, H] (the "representation"),
@@ -118,18 +120,20 @@ def test_after_training_uploads_present_classes():
   params, vectors, study, quiz = tiny_case(np.random.default_rng(2), 'logit')
   view = client_view(3, [1, 1, 1, 1], 20, 0)
   out = jax.jit(lambda p: method.after_training(
-      tiny_apply, {'model': p}, {'vectors': vectors}, study, quiz, view))(params)
-  np.testing.assert_array_equal(np.asarray(out['present']), [1, 1, 1, 0])
+      tiny_apply, {'model': p}, fedl2g.GuidingVectors(vectors=vectors), study, quiz, view))(params)
+  np.testing.assert_array_equal(np.asarray(out.present), [1, 1, 1, 0])
   want = jax.jit(lambda p: fedl2g.meta_gradient(
       tiny_apply, p, vectors, study, quiz, lr=method.inner_lr, weight=1.0, variant='logit'))(
           params)
-  np.testing.assert_allclose(np.asarray(out['grad']), np.asarray(want), rtol=1e-5, atol=1e-9)
-  up = method.upload({'model': params}, {base.AFTER_TRAINING: out}, (), {}, view)
+  np.testing.assert_allclose(np.asarray(out.grad), np.asarray(want), rtol=1e-5, atol=1e-9)
+  up = method.upload({'model': params}, base.Accumulated(after_training=out), None,
+                     base.NoState(), view)
   assert int(up.floats) == C * 3 and up.payload is out
   seen = np.array([1, 0, 1, 0], bool)
   for m, dim in ((method, C), (make_method(), D)):
     server = fedl2g.FedL2GServer(vectors=jnp.zeros((C, dim)), grad_sum=None, grad_count=None)
-    assert int(m.download({}, {}, server, client_view(0, seen, 20, 0)).floats) == dim * 2
+    assert int(m.download({}, base.NoState(), server,
+                          client_view(0, seen, 20, 0)).floats) == dim * 2
 
 
 def test_config_defaults_checks_and_warmup_switch():
@@ -170,7 +174,8 @@ def test_server_update_equals_hand_loop_with_clip(scale):
   for ids, active in (([0, 1, 4], [True, True, False]), ([2], [True])):
     ids = np.asarray(ids)
     server = receive(server, jnp.asarray(ids),
-                     {'grad': jnp.asarray(grads[ids]), 'present': jnp.asarray(present[ids])},
+                     fedl2g.MetaGradient(grad=jnp.asarray(grads[ids]),
+                                         present=jnp.asarray(present[ids])),
                      jnp.asarray(active))
   participants = np.isin(np.arange(n), [0, 1, 2])
   agg = jax.jit(method.server_aggregate)(server, jnp.asarray(participants), 0,
@@ -229,11 +234,17 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
 
   def train_one(trainable, ctx, key, idx, n, data):
     stats = {'loss_sum': jnp.zeros(()), 'samples': n, 'correct': n, 'steps': n}
-    return trainable, {}, {**stats, 'row': idx}
+    return trainable, None, {**stats, 'row': idx}  # FedL2G's loss accumulates nothing
+
+  @struct.dataclass
+  class Seen(fedl2g.MetaGradient):  # a meta gradient that also records what the step saw
+    row: jax.Array
+    n: jax.Array
+    key: jax.Array
 
   def after_one(trainable, ctx, key, idx, n, data, view):
-    out = {'grad': jnp.zeros((C, D)), 'present': jnp.arange(C) < 2, 'row': idx, 'n': n,
-           'key': jax.random.key_data(key)}
+    out = Seen(grad=jnp.zeros((C, D)), present=jnp.arange(C) < 2, row=idx, n=n,
+               key=jax.random.key_data(key))
     return out, jnp.minimum(jnp.maximum(n - 4, 0), 8), jnp.minimum(n, 4)
 
   local = jax.jit(functools.partial(simulator.local_round, method=method, train_one=train_one,
@@ -242,19 +253,19 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
     inputs = ChunkInputs(slots=None, ids=jnp.arange(3), active=jnp.asarray([True, True, False]),
                          seen=seen, data=data_, round_index=jnp.asarray(t),
                          root_key=jax.random.PRNGKey(0))
-    _, _, payload, stats = local({'w': jnp.zeros((3, 2))}, {}, server, inputs)
+    _, _, payload, stats = local({'w': jnp.zeros((3, 2))}, base.NoState(), server, inputs)
     np.testing.assert_array_equal(np.asarray(stats['row']), rows[:, 4:])
     n = np.array([12, 7, 0])
     np.testing.assert_array_equal(np.asarray(stats['samples']), (n - 4).clip(0) * (t >= 2))
-    # The meta step's output is the upload (FedL2G's payload is acc[AFTER_TRAINING]).
-    np.testing.assert_array_equal(np.asarray(payload['row']), rows)
-    np.testing.assert_array_equal(np.asarray(payload['n']), n)
+    # The meta step's output is the upload (FedL2G's payload is acc.after_training).
+    np.testing.assert_array_equal(np.asarray(payload.row), rows)
+    np.testing.assert_array_equal(np.asarray(payload.n), n)
     study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_STUDY), t)
     for k in range(3):  # the study batch's key: (STREAM_STUDY, round, client id)
-      np.testing.assert_array_equal(np.asarray(payload['key'][k]), np.asarray(
+      np.testing.assert_array_equal(np.asarray(payload.key[k]), np.asarray(
           jax.random.key_data(jax.random.fold_in(study_round, k))))
-    np.testing.assert_array_equal(np.asarray(payload['present']), np.tile(np.arange(C) < 2,
-                                                                         (3, 1)))
+    np.testing.assert_array_equal(np.asarray(payload.present), np.tile(np.arange(C) < 2,
+                                                                       (3, 1)))
     study, quiz = np.minimum((n - 4).clip(0), 8), np.minimum(n, 4)
     np.testing.assert_allclose(np.asarray(stats['extra_flops']),
                                3.0 * (5 / 3 * study + quiz), rtol=1e-6)

@@ -13,6 +13,7 @@ from fedssa_jax import config_lib, methods, models
 from fedssa_jax.engine import population, schedule
 from fedssa_jax.engine.placement import Placement
 from fedssa_jax.methods import base, fedmrl
+from fedssa_jax.methods.aggregation import Inbox
 
 from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, make_small_sim,
                       params_of, random_params, rounds)
@@ -62,7 +63,7 @@ def test_sizes_are_the_spec_s_and_config_is_checked():
   assert method.shared_floats == 478_676 + 129 * C
   state = jax.eval_shape(method.init_client_state, jax.random.PRNGKey(0))
   assert models.param_count(state) == method.projector_floats == 314_500  # P_J
-  assert state['proj']['kernel'].shape == (D1 + 500, 500)
+  assert state.proj['kernel'].shape == (D1 + 500, 500)
   server = jax.eval_shape(method.init_server, jax.random.PRNGKey(1), jnp.ones((5, C), bool))
   assert models.param_count(server.shared) == method.shared_floats
   assert server.shared['fc2']['kernel'].shape == (500, D1)
@@ -124,11 +125,11 @@ def test_loss_and_gradient_equal_plain_per_client_computation():
   valid = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
 
   def loss(t, x, y, v):
-    return method.loss(own.apply, t, (), (x,), y, v)
+    return method.loss(own.apply, t, None, (x,), y, v)
 
   (loss_v, (correct_v, acc_v)), grads_v = host(jax.jit(jax.vmap(jax.value_and_grad(
       loss, has_aux=True)))(trainable, x, y, valid))
-  assert acc_v == {}
+  assert acc_v is None  # the loss accumulates nothing
   plain = jax.jit(jax.value_and_grad(
       lambda t, x, y, v: plain_loss(own, method.shared_model, t, x, y, v), has_aux=True))
   for i in range(k):  # one client at a time, no vmap
@@ -152,24 +153,24 @@ def test_loss_and_gradient_equal_plain_per_client_computation():
 def test_download_upload_and_client_state(aggregation, reset):
   method = make_method(aggregation=aggregation, reset_projector=reset)
   params, shared = random_params(TinyOwn(C), 0), random_params(method.shared_model, 1)
-  state = {'proj': random_proj(2)}
+  state = fedmrl.FedMRLState(proj=random_proj(2))
   server = fedmrl.FedMRLServer(shared=shared, inbox=None)  # download reads G_g alone
   view = client_view(3, jnp.ones(C, bool), 7, 2)
   down = method.download(params, state, server, view)
-  assert down.params is params and down.ctx == ()
-  assert down.aux['shared'] is shared and down.aux['proj'] is state['proj']
+  assert down.params is params and down.ctx is None
+  assert down.aux['shared'] is shared and down.aux['proj'] is state.proj
   assert int(down.floats) == 478_676 + 129 * C and down.floats.dtype == jnp.int32
   trained = {'model': params, 'shared': random_params(method.shared_model, 3),
              'proj': random_proj(4)}
-  up = method.upload(trained, {}, down.ctx, state, view)
+  up = method.upload(trained, base.Accumulated(), down.ctx, state, view)
   assert up.params is params and int(up.floats) == int(down.floats)
-  assert up.payload['shared'] is trained['shared']
-  assert float(up.payload['weight']) == (7.0 if aggregation == 'samples' else 1.0)
+  assert up.payload.value is trained['shared']
+  assert float(up.payload.weight) == (7.0 if aggregation == 'samples' else 1.0)
   # The trained J_k is kept; reset_projector (HtFLlib) keeps the one it started from, so the next
   # round's download starts from it again.
-  assert up.state['proj'] is (state['proj'] if reset else trained['proj'])
+  assert up.state.proj is (state.proj if reset else trained['proj'])
   again = method.download(params, up.state, server, view)
-  assert again.aux['proj'] is (state['proj'] if reset else trained['proj'])
+  assert again.aux['proj'] is (state.proj if reset else trained['proj'])
 
 
 @pytest.mark.parametrize('aggregation', ['samples', 'uniform'])
@@ -182,7 +183,7 @@ def test_server_mean_over_chunks_with_a_dummy_equals_hand_weighted_mean(aggregat
                  'bias': jnp.asarray(rng.normal(size=(3,)), jnp.float32)},
          'fc3': {'kernel': jnp.asarray(rng.normal(size=(3, C)), jnp.float32)}}
   server = fedmrl.FedMRLServer(shared=old,
-                               inbox=base.Inbox.empty(old, weighted=method.weighted))
+                               inbox=Inbox.empty(old, weighted=method.weighted))
   leaves, treedef = jax.tree_util.tree_flatten(old)
   rng = np.random.default_rng(1)
   n_k = {0: 9.0, 3: 2.0, 4: 5.0, 1: 100.0}  # client 1 is the dummy, with a weight of its own
@@ -191,8 +192,9 @@ def test_server_mean_over_chunks_with_a_dummy_equals_hand_weighted_mean(aggregat
   for ids, active in chunks:
     up = [rng.normal(size=(len(ids), *l.shape)).astype(np.float32) for l in leaves]
     w = np.array([n_k[i] if aggregation == 'samples' else 1.0 for i in ids], np.float32)
-    payload = {'shared': jax.tree_util.tree_unflatten(treedef, [jnp.asarray(u) for u in up]),
-               'weight': jnp.asarray(w)}
+    payload = base.WeightedUpload(
+        value=jax.tree_util.tree_unflatten(treedef, [jnp.asarray(u) for u in up]),
+        weight=jnp.asarray(w))
     server = method.server_receive(server, jnp.asarray(ids), payload, jnp.asarray(active))
     received += [(w[j], [u[j] for u in up]) for j in range(len(ids)) if active[j]]
   participants = np.isin(np.arange(n), [0, 3, 4])
@@ -215,7 +217,7 @@ def test_eval_forward_and_shared_accuracy_equal_plain_per_sample_computation():
   params = random_params(own, 0, scale=0.1)
   server = fedmrl.FedMRLServer(shared=random_params(method.shared_eval_model, 1, scale=0.1),
                                inbox=None)
-  state = {'proj': random_proj(2, scale=0.1)}
+  state = fedmrl.FedMRLState(proj=random_proj(2, scale=0.1))
   rng = np.random.default_rng(3)
   b = 4
   x = rng.normal(size=(b, 32, 32, 3)).astype(np.float32)
@@ -232,7 +234,7 @@ def test_eval_forward_and_shared_accuracy_equal_plain_per_sample_computation():
   reps = jax.jit(lambda params, shared, x: (
       own.apply({'params': params}, x)[1],
       method.shared_eval_model.apply({'params': shared}, x)[1]))
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), (params, server.shared, state['proj']))
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), (params, server.shared, state.proj))
   reps_of = lambda xj: host(reps(params, server.shared, xj))
   right = 0
   for j in range(b):  # one sample at a time
@@ -327,7 +329,7 @@ def plain_eval(sim, state, seed_state):
   for k in range(sim.num_clients):
     assert sim.groups[sim.group_of[k]].family == 'cnn5'
     params = f64(params_of(sim, group_params, k))
-    proj = f64(jax.tree.map(lambda a: a[k], seed_state.client_state['proj']))
+    proj = f64(jax.tree.map(lambda a: a[k], seed_state.client_state.proj))
     idx = test_idx[k][:int(test_n[k])]
     x = (images[idx] / 255.0 - mean) / std  # augment.normalize
     y = labels[idx]
@@ -352,13 +354,13 @@ def test_a_round_sends_p_s_each_way_keeps_projectors_and_moves_g(run):
   trained = info.cohort
   assert len(trained) == 2
   # Each client's J_k: its own draw of PyTorch's Linear(628, 500) init.
-  first = before.client_state['proj']['kernel']
+  first = before.client_state.proj['kernel']
   bound = 1 / np.sqrt(D1 + 500)
   assert np.abs(first).max() <= bound and np.abs(first).max() > 0.9 * bound
   assert not np.allclose(first[0], first[1])
   for k in range(sim.num_clients):  # J_k moved exactly for the clients that trained
-    moved = not np.allclose(before.client_state['proj']['kernel'][k],
-                            after.client_state['proj']['kernel'][k])
+    moved = not np.allclose(before.client_state.proj['kernel'][k],
+                            after.client_state.proj['kernel'][k])
     assert moved == (k in trained), k
   for a, b in zip(jax.tree_util.tree_leaves(before.server.shared),
                   jax.tree_util.tree_leaves(after.server.shared)):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import fedproto
+from fedssa_jax.methods import base, fedproto, prototypes
 
 from conftest import (client_view, clients_loss, init_clients, log_softmax, padded_batches, rounds,
                       two_rounds_of_uploads)
@@ -30,7 +30,7 @@ def test_loss_and_accumulator_equal_per_sample_loop():
   x, y, valid = padded_batches(rng, k, b, C)
   protos = rng.normal(size=(k, C, D)).astype(np.float32) * 0.1
   avail = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], bool)  # client 1: round 0
-  ctx = {'protos': jnp.asarray(protos), 'avail': jnp.asarray(avail)}
+  ctx = prototypes.GlobalPrototypes(protos=jnp.asarray(protos), avail=jnp.asarray(avail))
   loss, (correct, acc) = clients_loss(method, model, params, ctx, x, y, valid)
   for i in range(k):
     logits, rep = model.apply({'params': jax.tree_util.tree_map(lambda a: a[i], params)},
@@ -51,8 +51,8 @@ def test_loss_and_accumulator_equal_per_sample_loop():
       counts[yj] += 1
     assert float(loss[i]) == pytest.approx(ce / n + lam * sq / (n * D), rel=1e-5)
     assert int(correct[i]) == right
-    np.testing.assert_allclose(np.asarray(acc['sum'][i]), sums, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(acc['count'][i]), counts)
+    np.testing.assert_allclose(np.asarray(acc.sum[i]), sums, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(acc.count[i]), counts)
 
 
 def test_upload_prototypes_counts_and_floats():
@@ -63,15 +63,16 @@ def test_upload_prototypes_counts_and_floats():
   n_kc = np.where(seen, rng.integers(1, 9, size=seen.shape), 0)
   counts = (epochs * n_kc).astype(np.float32)  # E epochs over every sample
   sums = rng.normal(size=(3, C, D)).astype(np.float32) * counts[:, :, None]
-  up = jax.vmap(lambda a, s: method.upload({'model': {}}, a, (), {}, client_view(0, s, 5, 1)))(
-      {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}, jnp.asarray(seen))
+  up = jax.vmap(lambda a, s: method.upload({'model': {}}, base.Accumulated(loss=a), None,
+                                            base.NoState(), client_view(0, s, 5, 1)))(
+      base.ClassSums(sum=jnp.asarray(sums), count=jnp.asarray(counts)), jnp.asarray(seen))
   for i in range(3):
     assert int(up.floats[i]) == D * seen[i].sum()
     for c in range(C):
       want = sums[i, c] / counts[i, c] if seen[i, c] else np.zeros(D)
-      np.testing.assert_allclose(np.asarray(up.payload['protos'][i, c]), want, rtol=1e-5,
+      np.testing.assert_allclose(np.asarray(up.payload.protos[i, c]), want, rtol=1e-5,
                                  atol=1e-6)
-    np.testing.assert_allclose(np.asarray(up.payload['n'][i]), n_kc[i])
+    np.testing.assert_allclose(np.asarray(up.payload.n[i]), n_kc[i])
 
 
 @pytest.mark.parametrize('weighting', ['uniform', 'samples'])
@@ -90,8 +91,8 @@ def test_server_rule_and_download_floats_equal_loop(weighting):
   protos = np.where(seen[:, :, None], rng.normal(size=(n, C, D)), 0).astype(np.float32)
   n_kc = np.where(seen, rng.integers(1, 20, size=seen.shape), 0).astype(np.float32)
   server, participants = two_rounds_of_uploads(
-      method, server, lambda ids: {'protos': jnp.asarray(protos[ids]),
-                                   'n': jnp.asarray(n_kc[ids])})
+      method, server, lambda ids: prototypes.PrototypeUpload(protos=jnp.asarray(protos[ids]),
+                                                             n=jnp.asarray(n_kc[ids])))
 
   want_avail = np.zeros(C, bool)
   for c in range(C):
@@ -105,7 +106,7 @@ def test_server_rule_and_download_floats_equal_loop(weighting):
   assert not want_avail[3]  # no memory: client 3's round-0 prototype is gone
 
   for inf, m in methods_.items():
-    down = jax.vmap(lambda k, s: m.download({}, {}, server, client_view(k, s, 0, 2)))(
+    down = jax.vmap(lambda k, s: m.download({}, base.NoState(), server, client_view(k, s, 0, 2)))(
         jnp.arange(n), jnp.asarray(seen))
     for k in range(n):
       rows = (seen[k] & want_avail).sum() if inf == 'classifier' else want_avail.sum()

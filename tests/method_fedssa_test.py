@@ -11,7 +11,7 @@ import pytest
 from fedssa_jax import config_lib, models
 
 from fedssa_jax.engine import schedule, training
-from fedssa_jax.methods import fedssa
+from fedssa_jax.methods import base, fedssa
 
 from conftest import aggregate, client_view, make_small_sim, params_of, rounds, synthetic_dataset
 
@@ -67,8 +67,8 @@ def test_server_round_equals_per_class_loop(scope):
   uploaded = np.zeros(n, bool)
   for ids, active in (([0, 1, 2, 5], [True, True, True, False]), ([3, 4], [True, True])):
     up = rng.normal(size=(len(ids), s, 501)).astype(np.float32)
-    server = method.server_receive(server, jnp.asarray(ids), jnp.asarray(up),
-                                   jnp.asarray(active))
+    server = method.server_receive(server, jnp.asarray(ids),
+                                   fedssa.FedSSAUpload(rows=jnp.asarray(up)), jnp.asarray(active))
     for i, a, u in zip(ids, active, up):
       if a:
         table[i], uploaded[i] = u, True
@@ -97,10 +97,11 @@ def test_comm_and_fusion_counts():
   model = models.make_model('cnn5', 4, feature_dim=D)
   params = models.init_params(model, jax.random.PRNGKey(1))
   for k, (want_down, want_up) in enumerate([(1, 2), (2, 3), (2, 2)]):
-    down = method.download(params, {}, server, client_view(k, seen[k], 0, 0))
+    down = method.download(params, base.NoState(), server, client_view(k, seen[k], 0, 0))
     assert int(down.floats) == 501 * want_down
     assert float(down.flops) == 3 * 501 * want_down  # convex fusion: 3 ops per element
-    up = method.upload({'model': down.params}, {}, (), {}, client_view(k, seen[k], 5, 0))
+    up = method.upload({'model': down.params}, base.Accumulated(), down.ctx, base.NoState(),
+                       client_view(k, seen[k], 5, 0))
     assert int(up.floats) == 501 * want_up
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import base, fedtgp
+from fedssa_jax.methods import base, fedtgp, prototypes
 
 from conftest import client_view, log_softmax, make_small_sim
 
@@ -43,8 +43,8 @@ def test_loss_equals_per_sample_loop():
   protos = rng.normal(size=(C, D)).astype(np.float32)
   apply_fn = lambda variables, x: (variables['params']['z'], variables['params']['r'])
   loss_fn = jax.jit(lambda avail: method.loss(
-      apply_fn, {'model': {'z': logits, 'r': rep}}, {'protos': protos, 'avail': avail}, (None,),
-      y, valid))
+      apply_fn, {'model': {'z': logits, 'r': rep}},
+      prototypes.GlobalPrototypes(protos=protos, avail=avail), (None,), y, valid))
   for avail in (np.ones(C, bool), np.zeros(C, bool)):  # after round 0; round 0
     loss, (correct, acc) = loss_fn(avail)
     ce = sq = 0.0
@@ -54,7 +54,7 @@ def test_loss_equals_per_sample_loop():
     m = valid.sum()
     assert float(loss) == pytest.approx(ce / m + 10.0 * sq / (m * D), rel=1e-5)
     assert int(correct) == sum(logits[j].argmax() == y[j] for j in np.flatnonzero(valid))
-    assert acc == {}
+    assert acc is None  # the prototypes come from the forward pass
 
 
 def test_upload_download_floats_and_options():
@@ -63,18 +63,20 @@ def test_upload_download_floats_and_options():
   seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1]], bool)
   counts = np.where(seen, rng.integers(1, 9, size=seen.shape), 0).astype(np.float32)
   sums = (rng.normal(size=(2, C, D)) * counts[:, :, None]).astype(np.float32)
-  acc = {base.FORWARD_PASS: {'sum': jnp.asarray(sums), 'count': jnp.asarray(counts)}}
+  acc = base.Accumulated(forward_pass=base.ClassSums(sum=jnp.asarray(sums),
+                                                     count=jnp.asarray(counts)))
   up = jax.jit(jax.vmap(
-      lambda a, s: method.upload({'model': {}}, a, (), {}, client_view(0, s, 5, 1))))(
+      lambda a, s: method.upload({'model': {}}, a, None, base.NoState(),
+                                 client_view(0, s, 5, 1))))(
           acc, jnp.asarray(seen))
   for k in range(2):
     assert int(up.floats[k]) == D * seen[k].sum()
     want = np.where(seen[k][:, None], sums[k] / np.maximum(counts[k], 1)[:, None], 0)
-    np.testing.assert_allclose(np.asarray(up.payload['protos'][k]), want, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(up.payload['n'][k]), counts[k])
+    np.testing.assert_allclose(np.asarray(up.payload.protos[k]), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(up.payload.n[k]), counts[k])
   for inference in ('classifier', 'prototype'):
     m = make_method(inference=inference)
-    floats = jax.jit(lambda avail: m.download({}, {}, fedtgp.FedTGPServer(
+    floats = jax.jit(lambda avail: m.download({}, base.NoState(), fedtgp.FedTGPServer(
         tgp={}, uploads=None, uploads_n=None, protos=jnp.zeros((C, D)), avail=avail), client_view(
             0, seen[1], 5, 1)).floats)
     for avail in (np.zeros(C, bool), np.ones(C, bool)):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import base, fml
+from fedssa_jax.methods import aggregation, base, fml
 
 from conftest import (aggregate, assert_floats_each_way, client_view, log_softmax,
                       random_params, rounds, stack_trees)
@@ -32,14 +32,14 @@ def test_p5_counted_from_params_and_floats_each_way():
   assert models.param_count(server_shapes.meme) == p5
   params = random_params(models.make_model('cnn4', C, 'im2col', feature_dim=D), 0)
   meme = random_params(method.meme_model, 1)
-  server = fml.FMLServer(meme=meme, inbox=base.Inbox(meme, jnp.int32(0)))
-  down = method.download(params, {}, server, client_view(2, jnp.ones(C, bool), 0, 0))
+  server = fml.FMLServer(meme=meme, inbox=aggregation.Inbox(meme, jnp.int32(0)))
+  down = method.download(params, base.NoState(), server, client_view(2, jnp.ones(C, bool), 0, 0))
   assert int(down.floats) == p5 and down.floats.dtype == jnp.int32
   assert down.aux['meme'] is meme and down.params is params
-  up = method.upload({'model': params, **down.aux}, {}, (), {},
+  up = method.upload({'model': params, **down.aux}, base.Accumulated(), down.ctx, base.NoState(),
                      client_view(2, jnp.ones(C, bool), 7, 0))
   assert int(up.floats) == p5 and up.floats.dtype == jnp.int32
-  assert up.payload is meme and up.params is params and up.state == {}
+  assert up.payload.meme is meme and up.params is params and up.state == base.NoState()
 
 
 def test_bad_weights_rejected():
@@ -61,11 +61,11 @@ def test_loss_vmapped_equals_hand_computation_and_gradients_separate():
   valid = jnp.asarray([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
 
   def loss(mp, mm, x, y, v):
-    return method.loss(own.apply, {'model': mp, 'meme': mm}, (), (x,), y, v)
+    return method.loss(own.apply, {'model': mp, 'meme': mm}, None, (x,), y, v)
 
   (loss_v, (correct_v, acc_v)), grads = jax.jit(jax.vmap(jax.value_and_grad(
       loss, argnums=(0, 1), has_aux=True)))(models_, memes, x, y, valid)
-  assert acc_v == {}
+  assert acc_v is None  # the loss accumulates nothing
   take = lambda t, i: jax.tree_util.tree_map(lambda a: a[i], t)
   logits = jax.jit(jax.vmap(lambda mp, mm, x: (own.apply({'params': mp}, x)[0],
                                                method.meme_model.apply({'params': mm}, x)[0])))
@@ -105,7 +105,7 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
   n = 5
   method = make_method(num_clients=n)
   meme = random_params(method.meme_model, 0)
-  server = fml.FMLServer(meme=meme, inbox=base.Inbox.empty(meme))
+  server = fml.FMLServer(meme=meme, inbox=aggregation.Inbox.empty(meme))
   old = jax.tree_util.tree_map(np.asarray, server.meme)
   rng = np.random.default_rng(1)
   leaves, treedef = jax.tree_util.tree_flatten(old)
@@ -117,9 +117,8 @@ def test_server_mean_over_two_chunks_with_dummy_equals_loop():
   received = []
   for ids, active, up in chunks:
     server = method.server_receive(
-        server, jnp.asarray(ids), jax.tree_util.tree_unflatten(treedef, [jnp.asarray(u)
-                                                                         for u in up]),
-        jnp.asarray(active))
+        server, jnp.asarray(ids), fml.FMLUpload(meme=jax.tree_util.tree_unflatten(
+            treedef, [jnp.asarray(u) for u in up])), jnp.asarray(active))
     received += [[u[j] for u in up] for j in range(len(ids)) if active[j]]
   participants = np.zeros(n, bool)
   participants[[0, 3, 4]] = True

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
-from fedssa_jax.methods import base, lg_fedavg
+from fedssa_jax.methods import aggregation, base, lg_fedavg
 
 from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, params_of,
                       rounds, stack_trees)
@@ -56,10 +56,11 @@ def test_download_upload_over_vmapped_clients(weighting):
   params = [client_params(k) for k in range(3)]
   stacked = stack_trees(params)
   seen = jnp.array([[1, 0, 0, 1], [0, 1, 1, 1], [1, 0, 0, 0]], bool)
-  down = jax.vmap(lambda p, k, s: method.download(p, {}, server, client_view(k, s, 0, 0)))(
+  down = jax.vmap(lambda p, k, s: method.download(p, base.NoState(), server,
+                                                  client_view(k, s, 0, 0)))(
       stacked, jnp.arange(3), seen)
   n = jnp.array([7, 0, 12], jnp.int32)
-  up = jax.vmap(lambda t, k, s, nk: method.upload(t, {}, down.ctx, {},
+  up = jax.vmap(lambda t, k, s, nk: method.upload(t, base.Accumulated(), down.ctx, base.NoState(),
                                                   client_view(k, s, nk, 0)))(
       {'model': down.params}, jnp.arange(3), seen, n)
   for k in range(3):
@@ -72,10 +73,10 @@ def test_download_upload_over_vmapped_clients(weighting):
         np.testing.assert_array_equal(np.asarray(got[name][leaf]),
                                       np.asarray(params[k][name][leaf]))
     assert int(down.floats[k]) == 501 * C and int(up.floats[k]) == 501 * C  # 2,004 each way
-    np.testing.assert_array_equal(np.asarray(up.payload['rows'][k]),
+    np.testing.assert_array_equal(np.asarray(up.payload.value[k]),
                                   np.asarray(server.global_header))
     want_w = float(n[k]) if weighting == 'samples' else 1.0
-    assert float(up.payload['weight'][k]) == want_w
+    assert float(up.payload.weight[k]) == want_w
   assert down.floats.dtype == jnp.int32 and up.floats.dtype == jnp.int32
 
 
@@ -89,7 +90,8 @@ def receive_and_aggregate(method, server, rng, n_clients):
       weight = np.ones_like(weight)
     before = np.asarray(server.global_header)
     server = method.server_receive(server, jnp.asarray(ids),
-                                   {'rows': jnp.asarray(rows), 'weight': jnp.asarray(weight)},
+                                   base.WeightedUpload(value=jnp.asarray(rows),
+                                                       weight=jnp.asarray(weight)),
                                    jnp.asarray(active))
     # Receiving must not change what later chunks of the round download.
     np.testing.assert_array_equal(np.asarray(server.global_header), before)
@@ -126,10 +128,10 @@ def test_server_rule_equals_loop(weighting):
 
 
 def test_weighted_inbox_hand_computed():
-  """A weighted base.Inbox, the LG-FedAvg and FedClassAvg inbox: a chunk's active uploads are
+  """A weighted aggregation.Inbox, the LG-FedAvg and FedClassAvg inbox: a chunk's active uploads are
   summed, each counting its float weight, under the fields and dtypes their checkpoints hold;
   a counted one (FML's, FedKD's) counts each active upload 1, in int32."""
-  inbox = base.Inbox.empty(jnp.zeros((1, 2)), weighted=True)
+  inbox = aggregation.Inbox.empty(jnp.zeros((1, 2)), weighted=True)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(inbox)]
   assert paths == ['.sum', '.weight'] and inbox.weight.dtype == jnp.float32 and inbox.weighted
   rows = jnp.asarray([[[1., 2.]], [[3., 4.]], [[100., 100.]]])
@@ -143,7 +145,7 @@ def test_weighted_inbox_hand_computed():
   np.testing.assert_array_equal(np.asarray(mean), [[1.75, 2.75]])
   cleared = inbox.cleared()
   assert cleared.weighted and float(cleared.weight) == 0 and not np.asarray(cleared.sum).any()
-  counted = base.Inbox.empty(jnp.zeros((1, 2)))
+  counted = aggregation.Inbox.empty(jnp.zeros((1, 2)))
   assert not counted.weighted and counted.weight.dtype == jnp.int32
   counted = counted.add(rows, jnp.asarray([True, True, False]))
   assert int(counted.weight) == 2 and counted.weight.dtype == jnp.int32
@@ -174,10 +176,10 @@ def test_loss_is_plain_cross_entropy_over_valid_samples():
   x = jax.random.normal(jax.random.PRNGKey(6), (6, 32, 32, 3))
   y = jnp.array([0, 3, 1, 1, 2, 0])
   valid = jnp.array([True, True, False, True, True, False])
-  loss, (correct, acc) = method.loss(model.apply, {'model': params}, (), (x,), y, valid)
+  loss, (correct, acc) = method.loss(model.apply, {'model': params}, None, (x,), y, valid)
   ce, right = ce_loop(model.apply({'params': params}, x)[0], np.asarray(y), np.asarray(valid))
   assert float(loss) == pytest.approx(ce, rel=1e-5)
-  assert int(correct) == right and acc == {}
+  assert int(correct) == right and acc is None  # the loss accumulates nothing
 
 
 @pytest.mark.slow  # a simulator compiled and run

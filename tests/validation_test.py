@@ -267,6 +267,28 @@ def test_checkpoints_of_another_state_layout_are_refused_naming_the_fix(tmp_path
   assert 'Finish the run with the code that started it, or use a new --workdir' in str(e.value)
 
 
+def test_typed_client_states_restore_from_layout_2_s_dicts(tmp_path):
+  """Each method's per-client state, a dataclass, saves as layout 2's dicts did (FedKD's
+  {'w_h'}, FedMRL's {'proj'}, {} for the others: a field's name is its key): a checkpoint of the
+  dicts restores into the typed state, with the digest saved with it."""
+  from fedssa_jax import methods  # pylint: disable=g-import-not-at-top
+  for name, cls in methods.METHODS.items():
+    typed = jax.eval_shape(cls(config_lib.base_config('cifar10'), 3, 10).init_client_state,
+                           jax.random.PRNGKey(0))
+    fields = {f.name: getattr(typed, f.name) for f in dataclasses.fields(typed)}
+    rng = np.random.default_rng(0)
+    as_dicts = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), fields)
+    saver = checkpoint.Checkpointer(str(tmp_path / name))
+    saver.save({'round': 1, 'client_state': as_dicts}, {}, {})
+    template = {'round': 0, 'client_state': jax.tree.map(
+        lambda s: np.zeros(s.shape, s.dtype), typed)}
+    restored = saver.restore_latest(template).state['client_state']
+    saver.close()
+    assert type(restored) is type(typed), name
+    assert checkpoint.state_digest(restored) == checkpoint.state_digest(as_dicts), name
+    jax.tree.map(np.testing.assert_array_equal, restored, type(typed)(**as_dicts))
+
+
 def test_existing_configs_stay_valid():
   for dataset in ('cifar10', 'cifar100'):
     for variants in ('hetero,n10', 'homo,n50', 'hetero,n100', 'dir,paper,n50'):

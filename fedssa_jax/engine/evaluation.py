@@ -4,9 +4,9 @@ Each client is evaluated with its current personalised model (`Method.eval_param
 test split, in blocks of clients per jitted call; the store (population.py) brings a block's
 rows to the call. Results are counts per client; `Evaluation` turns them into accuracies. A
 method whose prediction goes beyond the client's model (`Method.eval_forward`, e.g. FedMRL's
-projector and shared model) is evaluated through that forward, and the store then brings the
-block's per-client method state too (`Method.eval_reads_state`); any other method's calls are
-those of the family's apply alone, without the state.
+projector and shared model) declares `Method.eval_reads_state`: it is evaluated through that
+forward, and the store then brings the block's per-client method state too; any other method's
+calls are those of the family's apply alone, without the state.
 
 A run with `save_representations=True` writes `representations.npz` into its workdir at the end:
 `representations` [M, d] float16 (M = all clients' test samples), `labels` [M] and `client`

@@ -101,6 +101,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   when = method.forward_pass
   forward = lambda p: jax.vmap(pass_one, in_axes=(0, 0, 0, None))(
       p, data_.train_idx[ids], n, data_)
+  passed = after = None  # the forward pass's sums and the step after training's output
   if when == 'before':
     passed = forward(down.params)
   # The trainable split: positions Q.. of each row (Method.held_out_samples), n_k - Q samples,
@@ -113,19 +114,17 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     split_n, split_rows = n, rows
   trains = method.trains(t)
   train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
-  trainable, acc, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
+  trainable, loss_sums, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
       {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_)
   if when == 'after':
     passed = forward(trainable['model'])
-  if when is not None:
-    acc = {**acc, methods.FORWARD_PASS: passed}
   if after_one is not None:  # keyed by round and client, as the training shuffles
     study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_STUDY), t)
     study_keys = jax.vmap(lambda c: jax.random.fold_in(study_round, c))(ids)
     after, study_count, quiz_count = jax.vmap(
         after_one, in_axes=(0, 0, 0, 0, 0, None, view_axes))(
             trainable, down.ctx, study_keys, data_.train_idx[ids], n, data_, view)
-    acc = {**acc, methods.AFTER_TRAINING: after}
+  acc = methods.Accumulated(loss=loss_sums, forward_pass=passed, after_training=after)
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
       trainable, acc, down.ctx, state, view)
   extra_flops = down.flops + up.flops

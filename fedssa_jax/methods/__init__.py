@@ -2,11 +2,13 @@
 
 Above models and data; below the config (which assembles every method's section) and the
 engine (which calls the hooks). `base` is the interface the engine drives and the typed data the
-hooks exchange; `losses` and the shared helpers are what the methods' objectives are made of;
-no method imports another. `METHODS` registers them by name (`get_method`).
+hooks exchange; `losses` and `aggregation` are what the methods' objectives and server rules are
+made of; `prototypes` and `headers` hold what several methods share (FedProto's, FedGH's and
+FedTGP's prototypes; LG-FedAvg's and FedClassAvg's header exchange). No method imports another.
+`METHODS` registers them by name (`get_method`).
 """
-from fedssa_jax.methods.base import (AFTER_TRAINING, FORWARD_PASS, FORWARD_PASS_TIMES, Aggregated,
-                                     ClientView, Download, Method, Upload)
+from fedssa_jax.methods.base import (FORWARD_PASS_TIMES, Accumulated, Aggregated, ClientView,
+                                     Download, Method, Upload)
 from fedssa_jax.methods.fd import FD
 from fedssa_jax.methods.fedclassavg import FedClassAvg
 from fedssa_jax.methods.fedgh import FedGH

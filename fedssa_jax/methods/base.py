@@ -1,15 +1,16 @@
 """The interface every federated method implements, and that the engine drives
-(docs/algorithm.md §9, "Adding a method").
+(docs/algorithm.md §9, "Adding a method"), and the typed data its hooks exchange.
 
-A round, as the engine runs it (engine.py), for each sampled client k (vmapped within a chunk of
-one model family) and then once on the server:
+A round, as the engine runs it (engine/simulator.py), for each sampled client k (vmapped within
+a chunk of one model family) and then once on the server:
 
     v        = ClientView(id=k, seen=S_k, num_samples=n_k, round=t)
     d        = method.download(params_k, state_k, server, v)                  # Download
     trained  = local training of {'model': d.params, **d.aux} with method.loss(..., d.ctx, ...),
                summing the loss's per-step statistics into an accumulator (method.init_acc())
-    [acc     = {**acc, FORWARD_PASS: forward pass sums}    # only with method.forward_pass set]
-    [acc     = {**acc, AFTER_TRAINING: method.after_training(...)}  # only where it is defined]
+    acc      = Accumulated(loss=those sums,
+                           forward_pass=the forward pass's sums,      # None without forward_pass
+                           after_training=method.after_training(...))  # None where undefined
     u        = method.upload(trained..., acc, d.ctx, state_k, v)              # Upload
     server   = method.server_receive(server, client_ids, u.payload, active)
     ...
@@ -21,8 +22,17 @@ one model family) and then once on the server:
   the engine stores it as one array over all N clients), e.g. FedKD's W_h.
 - `v` (ClientView) is what a client hook may know of its client; a hook reads only what it needs.
 - `d.aux` holds extra models trained jointly with the client's own (FML's meme, FedKD's
-  mentee): every top-level entry of {'model': ..., **aux} gets its own optimizer state.
+  mentee), by name: every top-level entry of {'model': ..., **aux} gets its own optimizer state.
 - `d.ctx` holds constants of the round's loss (global logits, prototypes, the global header).
+- Hook data are typed: a method's per-client state (`init_client_state`, `Upload.state`), its
+  loss's constants (`Download.ctx`), its accumulator (`init_acc`, the loss's updates) and its
+  payload (`Upload.payload`, what `server_receive` gets with a leading client axis) are each a
+  flax.struct dataclass with named fields, or None where the method has none (`NoState` for a
+  client state). Shapes several methods share have one type: `ClassSums` (V1 class sums),
+  `WeightedUpload` (a whole upload and its weight); prototypes.py holds the prototype methods'.
+  A dataclass's field order is the order of its leaves in the compiled programs, which XLA's
+  float rounding may depend on: the types that replaced dicts keep the dicts' (sorted) key
+  order, so that no number moved.
 - The floats each side sends are counted where the exchange happens (`Download.floats`,
   `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`), and the server's
   FLOPs and diagnostics of the round (`Aggregated.flops`, `.metrics`).
@@ -30,9 +40,9 @@ one model family) and then once on the server:
   pass over the client's training split, before local training (on d.params) or after it (on
   the trained model): a forward of the model as evaluated (unaugmented, eval-size batches, no
   gradient; training.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
-  valid)`, by default V1 class sums of r (FedGH's and FedTGP's prototypes).
-  Its sums reach `upload` in the accumulator, under the key FORWARD_PASS (init_acc is then a
-  dict), and its FLOPs (a forward over n_k samples) count as the client's extra FLOPs.
+  valid)`, by default `ClassSums` of r (FedGH's and FedTGP's prototypes). Its sums reach
+  `upload` as `acc.forward_pass`, and its FLOPs (a forward over n_k samples) count as the
+  client's extra FLOPs.
 - `method.held_out_samples` Q (0 by default) holds positions 0..Q-1 of the client's training
   index row out of local training for good (FedL2G's quiz set): training sees positions
   Q..n_k-1, n_k - Q samples. `method.trains(t)` (True by default) is False in a round whose
@@ -42,13 +52,12 @@ one model family) and then once on the server:
   `after_training(apply_fn, trainable, ctx, study, quiz, client)` on the trained model with a
   study batch (B samples of the trainable split, drawn with the client's key of
   STREAM_STUDY) and the held-out quiz set, each (x, y, valid), normalised and unaugmented. Its
-  output reaches `upload` in the accumulator under the key AFTER_TRAINING, and its FLOPs
-  (`after_training_steps` training steps per study and per quiz sample) count as the client's
-  extra FLOPs.
+  output reaches `upload` as `acc.after_training`, and its FLOPs (`after_training_steps`
+  training steps per study and per quiz sample) count as the client's extra FLOPs.
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
   fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
-Evaluation (evaluation.py), for each evaluated client k and each of its test batches x:
+Evaluation (engine/evaluation.py), for each evaluated client k and each of its test batches x:
 
     p              = method.eval_params(params_k, server, k)                # once per client
     logits, rep    = method.eval_forward(apply_fn, p, state_k, server, k, x)  # per batch
@@ -57,8 +66,12 @@ Evaluation (evaluation.py), for each evaluated client k and each of its test bat
 - `eval_forward` is optional: by default it is the family's `apply_fn` on `p` (the client's
   model, its header maybe replaced by `eval_params`), and evaluation then runs exactly that,
   without reading the client state. A method that predicts through more than the client's model
-  (FedMRL: its projector J_k in `state_k` and the server's shared model) overrides it;
-  evaluation then brings each evaluated client's `state_k` to the call (`eval_reads_state`).
+  (FedMRL: its projector J_k in `state_k` and the server's shared model) overrides it and
+  declares `eval_reads_state = True`; evaluation then brings each evaluated client's `state_k`
+  to the call.
+- Which of these a method uses is declared, not found out: `eval_reads_state` (it overrides
+  `eval_forward`) and `eval_reads_server` (its `eval_params`, `eval_forward` or `eval_extra`
+  read the server state), as `forward_pass` and `after_training` are for the round.
 
 Everything runs under jit: the client hooks on one client (the engine vmaps them), the server
 hooks on the whole population. Server and client states are pytrees of arrays, so they can be
@@ -66,36 +79,39 @@ checkpointed and sharded.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import struct
+from flax.core import FrozenDict
 
 from fedssa_jax import models
 from fedssa_jax.methods import losses
 from fedssa_jax.types import PyTree
 
 # numpy, not jax: importing a method must not start a backend (jax.distributed comes first).
+# Read-only, as they are shared defaults.
 ZERO_I = np.zeros((), np.int32)
 ZERO_F = np.zeros((), np.float32)
+ZERO_I.flags.writeable = ZERO_F.flags.writeable = False
 
 
 class Download(NamedTuple):
   params: PyTree          # the client's own model after the download (e.g. fused header)
-  aux: dict = {}          # extra trainable models, trained jointly with `params`
-  ctx: PyTree = ()        # constants of the local loss
+  # Extra trainable models by name, trained jointly with `params`, each with its own optimizer.
+  aux: Mapping[str, PyTree] = FrozenDict()
+  ctx: PyTree = None      # constants of the local loss (a dataclass of the method's; None: none)
   floats: jax.Array = ZERO_I  # floats received
   flops: jax.Array = ZERO_F   # client FLOPs spent on the download (e.g. fusion)
 
 
 class Upload(NamedTuple):
   params: PyTree          # the client's own model, as it keeps it
-  state: PyTree = {}      # the client's persistent state
-  payload: PyTree = {}    # what the server receives
+  state: PyTree           # the client's persistent state (init_client_state's type)
+  payload: PyTree = None  # what the server receives (a dataclass of the method's; None: nothing)
   floats: jax.Array = ZERO_I  # floats sent
   flops: jax.Array = ZERO_F   # client FLOPs spent on the upload (e.g. FedKD's SVDs)
 
@@ -103,7 +119,8 @@ class Upload(NamedTuple):
 class Aggregated(NamedTuple):
   server: PyTree              # the server state after the round's rule
   flops: jax.Array = ZERO_F   # server FLOPs spent this round
-  metrics: dict = {}          # scalar diagnostics of the round (e.g. a server-side loss)
+  # Scalar diagnostics of the round by name (e.g. a server-side loss).
+  metrics: Mapping[str, jax.Array] = FrozenDict()
 
 
 @struct.dataclass
@@ -121,149 +138,60 @@ class NoServer:
   """The server state of a method that keeps none (Standalone)."""
 
 
-# The key of the accumulator under which `upload` receives the forward pass's sums
-# (Method.forward_pass).
-FORWARD_PASS = 'forward_pass'
+@struct.dataclass
+class NoState:
+  """The per-client state of a method that keeps none beyond the client's model."""
+
+
+@struct.dataclass
+class Accumulated:
+  """What `upload` receives of a client's round besides its trained models (the module
+  docstring): each field None where the round had no such part."""
+  loss: PyTree = None            # the sum of the loss's accumulator updates (init_acc's type)
+  forward_pass: PyTree = None    # the forward pass's sums (forward_pass_stats's type)
+  after_training: PyTree = None  # what after_training returned
+
+
 FORWARD_PASS_TIMES = ('before', 'after')  # Method.forward_pass: around local training
-# The key of the accumulator under which `upload` receives Method.after_training's output.
-AFTER_TRAINING = 'after_training'
 
 
-def empty_class_sums(num_classes: int, dim: int) -> dict:
-  """The zero accumulator of `class_sums` for [C, dim] values (a method's init_acc)."""
-  return {'sum': jnp.zeros((num_classes, dim), jnp.float32),
-          'count': jnp.zeros((num_classes,), jnp.float32)}
+@struct.dataclass
+class ClassSums:
+  """Per-class sums of [C, D] values and the class counts (algorithm.md §6 V1): FD's logits,
+  the prototype methods' representations, the forward pass's default."""
+  count: jax.Array  # [C] float32
+  sum: jax.Array    # [C, D]
+
+  @classmethod
+  def zeros(cls, num_classes: int, dim: int) -> ClassSums:
+    """The zero accumulator of `class_sums` for [C, dim] values (a method's init_acc)."""
+    return cls(sum=jnp.zeros((num_classes, dim), jnp.float32),
+               count=jnp.zeros((num_classes,), jnp.float32))
 
 
-def class_sums(values, y, valid, num_classes):
+@struct.dataclass
+class WeightedUpload:
+  """A whole upload the server averages in an Inbox (LG-FedAvg's and FedClassAvg's header,
+  FedMRL's shared model) and its weight in that mean, n_k or 1."""
+  value: PyTree      # the uploaded array or model parameters
+  weight: jax.Array  # float32 scalar
+
+
+def class_sums(values, y, valid, num_classes) -> ClassSums:
   """Per-class sums and counts of `values` [B, D] (algorithm.md §6 V1: a one-hot matmul)."""
   onehot = jax.nn.one_hot(y, num_classes, dtype=values.dtype) * valid[:, None]
-  return {'sum': onehot.T @ values, 'count': onehot.sum(axis=0)}
+  return ClassSums(sum=onehot.T @ values, count=onehot.sum(axis=0))
 
 
-def class_means(acc, seen):
+def class_means(sums: ClassSums, seen):
   """The per-class means [C, D] of the sums `class_sums` accumulated over a client's training,
   zero for a class it does not hold; and which classes it holds [C] (seen and trained on).
 
   What FD (mean logits) and FedProto (prototypes) upload: the rows of unheld classes are zeroed
   so that an upload carries nothing about classes the client never saw."""
-  held = seen & (acc['count'] > 0)  # = S_k for any client that trained
-  means = acc['sum'] / jnp.maximum(acc['count'], 1.0)[:, None]
+  held = seen & (sums.count > 0)  # = S_k for any client that trained
+  means = sums.sum / jnp.maximum(sums.count, 1.0)[:, None]
   return jnp.where(held[:, None], means, 0.0), held
-
-
-def masked_sum(uploads, mask, weights=None):
-  """The sum of uploads [N, C, D] over clients where mask [N, C], and its total weight [C].
-
-  `mask` may also hold non-negative per-(client, class) weights (e.g. class sample counts);
-  `weights` [N] (e.g. sample counts) weights whole clients. For a server that keeps the sums
-  rather than masked_mean's quotient: FD, which subtracts a client's own upload from them."""
-  w = mask.astype(uploads.dtype)
-  if weights is not None:
-    w = w * weights[:, None]
-  return jnp.einsum('nc,ncd->cd', w, uploads), w.sum(axis=0)
-
-
-def masked_mean(uploads, mask, weights=None):
-  """Spec V2: the mean of uploads [N, C, D] over clients where mask [N, C]; and whether any.
-
-  `mask` and `weights` as in masked_sum."""
-  total_sum, total = masked_sum(uploads, mask, weights)
-  return total_sum / jnp.where(total > 0, total, 1.0)[:, None], total > 0
-
-
-@struct.dataclass
-class Inbox:
-  """Where a server collects a round's whole uploads (FML's memes, FedKD's updates, the
-  LG-FedAvg and FedClassAvg headers): summed in server_receive as chunks arrive, so no [N, ...]
-  table of whole models is kept, and divided once in server_aggregate. A field of the method's
-  server state.
-
-  Each upload counts 1 (an int32 count; `weighted` False) or its own float weight (e.g. n_k;
-  `weighted` True). The two kinds keep their own sums (a masked sum, or a weighted contraction):
-  either is the arithmetic the methods' results were made with."""
-  sum: PyTree        # the sum of the round's uploads (a pytree shaped like one upload) ...
-  weight: jax.Array  # ... and of their weights (int32 count, or float32 total weight)
-  weighted: bool = struct.field(pytree_node=False, default=False)
-
-  @classmethod
-  def empty(cls, like, weighted: bool = False) -> Inbox:
-    """An empty inbox for uploads shaped like `like` (a pytree)."""
-    return cls(jax.tree_util.tree_map(jnp.zeros_like, like),
-               jnp.zeros((), jnp.float32 if weighted else jnp.int32), weighted)
-
-  def cleared(self) -> Inbox:
-    """An empty inbox of the same kind and shapes (for the next round)."""
-    return Inbox.empty(self.sum, self.weighted)
-
-  def add(self, payloads, active, weights=None) -> Inbox:
-    """Adds a chunk's uploads (leading axis), of its active clients; `weights` [chunk] are the
-    uploads' weights (a weighted inbox only)."""
-    if self.weighted:
-      w = jnp.where(active, weights, 0.0)
-      chunk_sum = jax.tree_util.tree_map(lambda a: jnp.tensordot(w, a, axes=1), payloads)
-    else:
-      chunk_sum = jax.tree_util.tree_map(
-          lambda a: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0).sum(axis=0),
-          payloads)
-    chunk_weight = w.sum() if self.weighted else active.sum(dtype=jnp.int32)
-    return self.replace(sum=jax.tree_util.tree_map(jnp.add, self.sum, chunk_sum),
-                        weight=self.weight + chunk_weight)
-
-  def mean(self):
-    """(the (weighted) mean of the round's uploads, whether any arrived)."""
-    total = self.weight
-    mean = jax.tree_util.tree_map(lambda s: s / jnp.where(total > 0, total, 1.0), self.sum)
-    return mean, total > 0
-
-
-def store_rows(table, client_ids, rows, active):
-  """Writes each active client's row into `table` [N, ...]; padding (dummy) clients are dropped."""
-  ids = jnp.where(active, client_ids, table.shape[0])
-  return table.at[ids].set(rows, mode='drop')
-
-
-def train_on_pairs(params, loss_fn: Callable, tx, values, labels, weights, key, *,
-                   epochs: int, batch_size: int):
-  """Server-side training on a round's (value, label) pairs, under jit: FedGH's header,
-  FedTGP's prototype generator.
-
-  `values` [M, D], `labels` [M] and `weights` [M] (> 0 on the M' valid pairs, 0 elsewhere)
-  hold a fixed-shape table of pairs. Each of `epochs` epochs orders them by
-  argsort(where(valid, uniform(fold_in(key, epoch)), +inf)), the valid pairs first in a random
-  order, and runs ceil(M' / batch_size) steps (a while_loop: the count is dynamic) on batches of
-  `batch_size` consecutive pairs, the last one partial; padding positions get weight 0. A step
-  is one update of the optax transformation `tx` (its state fresh here) with the gradient of
-  `loss_fn(params, x [b, D], y [b], w [b])`, a scalar (a weighted mean over the batch).
-
-  Returns (params, the sum of the steps' losses, the number of steps)."""
-  m = values.shape[0]
-  padded = -(-m // batch_size) * batch_size
-  valid = weights > 0
-  count = valid.sum()
-  num_steps = (count + batch_size - 1) // batch_size
-  grad_fn = jax.value_and_grad(loss_fn)
-
-  def epoch(e, carry):
-    r = jax.random.uniform(jax.random.fold_in(key, e), (m,))
-    order = jnp.pad(jnp.argsort(jnp.where(valid, r, jnp.inf)), (0, padded - m))
-
-    def step(inner):
-      j, params, opt_state, loss_sum = inner
-      pos = j * batch_size + jnp.arange(batch_size)
-      idx = jax.lax.dynamic_slice(order, (j * batch_size,), (batch_size,))
-      w = jnp.where(pos < count, weights[idx], 0.0)
-      loss, grads = grad_fn(params, values[idx], labels[idx], w)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return j + 1, optax.apply_updates(params, updates), opt_state, loss_sum + loss
-
-    _, params, opt_state, loss_sum = jax.lax.while_loop(
-        lambda inner: inner[0] < num_steps, step, (jnp.zeros((), jnp.int32), *carry))
-    return params, opt_state, loss_sum
-
-  params, _, loss_sum = jax.lax.fori_loop(
-      0, epochs, epoch, (params, tx.init(params), jnp.zeros((), jnp.float32)))
-  return params, loss_sum, epochs * num_steps
 
 
 class Method:
@@ -290,11 +218,25 @@ class Method:
   #   after_training(self, apply_fn, trainable, ctx, study, quiz, client) -> PyTree
   # on the trained `trainable` ({'model': params, **aux}), with the differentiable `apply_fn`
   # of the client's model, the loss's `ctx`, a study batch and the quiz set, each (x [b, H,
-  # W, C], y [b], valid [b]); `upload` finds its output in the accumulator under
-  # AFTER_TRAINING. `after_training_steps`: its FLOPs, in CE training steps of the client's own
-  # model per (study sample, quiz sample).
+  # W, C], y [b], valid [b]); `upload` finds its output as `acc.after_training`.
+  # `after_training_steps`: its FLOPs, in CE training steps of the client's own model per
+  # (study sample, quiz sample).
   after_training: Callable | None = None
   after_training_steps: tuple[float, float] = (0.0, 0.0)
+  # What evaluation reads besides the client's model (the module docstring), declared by the
+  # method (the class, or an instance from its config) and never found out by the engine:
+  # - eval_reads_state: evaluation brings each client's persistent state to `eval_forward`,
+  #   which the method overrides. False (the default): evaluation runs the family's apply alone
+  #   and never calls `eval_forward` nor reads the state.
+  # - eval_reads_server: a client's test results depend on the server's state (LG-FedAvg's
+  #   global header, FedProto's prototypes), through the `eval_params`, `eval_forward` or
+  #   `eval_extra` the method overrides. False (the default): they change only when the client
+  #   trains, and the engine re-evaluates only the clients that trained since the last
+  #   evaluation.
+  eval_reads_state: bool = False
+  eval_reads_server: bool = False
+  eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
+  headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
 
   def __init__(self, config, num_clients: int, num_classes: int,
                image_shape: Sequence[int] | None = None):
@@ -337,8 +279,9 @@ class Method:
     return NoServer()
 
   def init_client_state(self, key: jax.Array) -> PyTree:
-    """One client's persistent state beyond its own model (the engine vmaps this over N)."""
-    return {}
+    """One client's persistent state beyond its own model, a flax.struct dataclass of the
+    method's own (`NoState` when it keeps none; the engine vmaps this over N)."""
+    return NoState()
 
   # --- client side (one client; vmapped by the engine) ---------------------------------------
   def download(self, params, state, server, client: ClientView) -> Download:
@@ -347,19 +290,21 @@ class Method:
     return Download(params)
 
   def init_acc(self) -> PyTree:
-    """The accumulator of per-step statistics the loss returns (e.g. per-class logit sums)."""
-    return {}
+    """The zero accumulator of the per-step statistics the loss returns (e.g. FD's
+    `ClassSums` of the logits), a flax.struct dataclass; None, the default: the loss sums
+    nothing."""
+    return None
 
   def loss(self, apply_fn: Callable, trainable: dict, ctx, views, y, valid):
     """The local objective on one batch. `trainable` is {'model': params, **aux}; `views` holds
     `num_views` augmented copies of the batch [B, H, W, C]; `valid` [B] masks padding.
-    Returns (loss, (correct, accumulator update))."""
+    Returns (loss, (correct, accumulator update of init_acc's type))."""
     loss, correct = losses.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
-    return loss, (correct, {})
+    return loss, (correct, None)
 
   def forward_pass_stats(self, logits, rep, y, valid) -> PyTree:
     """What the forward pass (`forward_pass`) sums over a batch of the training split: by
-    default the V1 class sums of the representation r."""
+    default the V1 `ClassSums` of the representation r."""
     return class_sums(rep, y, valid, self.num_classes)
 
   def trains(self, round_index):
@@ -369,13 +314,16 @@ class Method:
     del round_index
     return True
 
-  def upload(self, trainable: dict, acc, ctx, state, client: ClientView) -> Upload:
+  def upload(self, trainable: dict, acc: Accumulated, ctx, state,
+             client: ClientView) -> Upload:
     """After training: the model the client keeps, its persistent state, what the server
-    receives, and the floats and FLOPs of the upload."""
+    receives, and the floats and FLOPs of the upload. `acc` holds what the round accumulated
+    (the loss's sums, the forward pass's, the step after training's output)."""
     return Upload(trainable['model'], state)
 
   def eval_params(self, params, server, client_id):
-    """The parameters a client is evaluated with (its current personalised model)."""
+    """The parameters a client is evaluated with (its current personalised model). An override
+    that reads the server declares `eval_reads_server`."""
     return params
 
   def eval_forward(self, apply_fn: Callable, params, state, server, client_id, x):
@@ -383,33 +331,16 @@ class Method:
     representation [B, d]), both float32. `apply_fn` is the client's family's (forward-only)
     apply, `params` what `eval_params` returned, `state` the client's persistent state
     (`init_client_state`'s structure). The representation is what `eval_extra` and the saved
-    test representations see. By default the client's model alone; a method overriding this
-    reads its client state (`eval_reads_state`) and, by default, the server's."""
+    test representations see. By default the client's model alone; evaluation calls an
+    override only where the method declares `eval_reads_state` (and `eval_reads_server` if it
+    reads the server)."""
     del state, server, client_id
     return apply_fn({'params': params}, x)
 
-  @property
-  def eval_reads_state(self) -> bool:
-    """Whether evaluation needs each client's persistent state: whether `eval_forward` is
-    overridden. If not, evaluation runs the family's apply alone and never reads the state."""
-    return type(self).eval_forward is not Method.eval_forward
-
-  eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
-  headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
-
-  @property
-  def eval_reads_server(self) -> bool:
-    """Whether a client's test results depend on the server's state (LG-FedAvg's global header,
-    FedProto's prototypes). If not, they change only when the client trains, and the engine
-    re-evaluates only the clients that trained since the last evaluation. By default: whether
-    `eval_params`, `eval_forward` or `eval_extra` is overridden."""
-    cls = type(self)
-    return (cls.eval_params is not Method.eval_params or cls.eval_extra is not Method.eval_extra
-            or cls.eval_forward is not Method.eval_forward)
-
   def eval_extra(self, server, client_id, logits, rep, y, valid) -> dict:
     """Extra per-client test metrics as int32 correct counts named `eval_metrics`, e.g.
-    FedProto's nearest-prototype accuracy. Reported as accuracies per client."""
+    FedProto's nearest-prototype accuracy. Reported as accuracies per client. An override that
+    reads the server declares `eval_reads_server`."""
     return {}
 
   # --- server side -----------------------------------------------------------------------------

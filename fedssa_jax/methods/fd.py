@@ -25,7 +25,7 @@ import ml_collections
 import optax
 from flax import struct
 
-from fedssa_jax.methods import base, losses
+from fedssa_jax.methods import aggregation, base, losses
 
 
 def distill_loss(logits, y, valid, targets, has_target, lam):
@@ -37,6 +37,20 @@ def distill_loss(logits, y, valid, targets, has_target, lam):
   dist = optax.softmax_cross_entropy(logits, soft) * has_target.astype(logits.dtype)[y]
   dist = jnp.sum(jnp.where(valid, dist, 0.0)) / jnp.maximum(valid.sum(), 1)
   return ce + lam * dist, correct
+
+
+@struct.dataclass
+class GlobalLogits:
+  """The loss's constants (Download.ctx): client k's global logits."""
+  has: jax.Array      # [C] bool g_k: whether G_k[c] exists
+  targets: jax.Array  # [C, C] G_k: row c is class c's global mean logits
+
+
+@struct.dataclass
+class FDUpload:
+  """A client's upload (Upload.payload)."""
+  has: jax.Array     # [C] bool: the classes held (S_k, trained on)
+  logits: jax.Array  # [C, C] L_k: row c the mean logits of class c, zero outside the held ones
 
 
 @struct.dataclass
@@ -93,32 +107,32 @@ class FD(base.Method):
   def download(self, params, state, server, client):
     targets, has = self.global_logits(server, client.id)
     rows = (client.seen & has).sum()
-    return base.Download(params, ctx={'targets': targets, 'has': has},
+    return base.Download(params, ctx=GlobalLogits(targets=targets, has=has),
                          floats=(self.num_classes * rows).astype(jnp.int32))
 
   def init_acc(self):
-    return base.empty_class_sums(self.num_classes, self.num_classes)
+    return base.ClassSums.zeros(self.num_classes, self.num_classes)
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, _ = apply_fn({'params': trainable['model']}, views[0])
-    loss, correct = distill_loss(logits, y, valid, ctx['targets'], ctx['has'], self.lam)
+    loss, correct = distill_loss(logits, y, valid, ctx.targets, ctx.has, self.lam)
     acc = base.class_sums(jax.lax.stop_gradient(logits), y, valid, self.num_classes)
     return loss, (correct, acc)
 
   def upload(self, trainable, acc, ctx, state, client):
-    logits, has = base.class_means(acc, client.seen)
-    payload = {'logits': logits, 'has': has}
-    return base.Upload(trainable['model'], state, payload,
+    logits, has = base.class_means(acc.loss, client.seen)
+    return base.Upload(trainable['model'], state, FDUpload(logits=logits, has=has),
                        floats=(self.num_classes * has.sum()).astype(jnp.int32))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(
-        uploads=base.store_rows(server.uploads, client_ids, payloads['logits'], active),
-        uploads_has=base.store_rows(server.uploads_has, client_ids, payloads['has'], active))
+        uploads=aggregation.store_rows(server.uploads, client_ids, payloads.logits, active),
+        uploads_has=aggregation.store_rows(server.uploads_has, client_ids, payloads.has, active))
 
   def server_aggregate(self, server, participants, round_index, key):
     contrib = server.uploads_has & participants[:, None]  # stale rows of absentees drop out
-    total, cnt = base.masked_sum(server.uploads, contrib)  # sums: exclude_own subtracts from them
+    # Sums, not means: exclude_own subtracts a client's own upload from them.
+    total, cnt = aggregation.masked_sum(server.uploads, contrib)
     server = server.replace(sum=total, cnt=cnt)
     if self.exclude_own:
       server = server.replace(own=jnp.where(contrib[:, :, None], server.uploads, 0.0),

@@ -1,7 +1,7 @@
 """FedClassAvg (Jang et al., ICPP 2022): header averaging plus SupCon and a proximal term
 (docs/algorithm.md §6).
 
-Exchange and server: exactly LG-FedAvg's (lg_fedavg.SharedHeader): participants overwrite their
+Exchange and server: exactly LG-FedAvg's (headers.SharedHeader): participants overwrite their
 whole [C, d + 1] header with the global H_g (the common initial header before the first round),
 train, upload the header with n_k, and H_g becomes the n_k-weighted mean over the round's
 participants (`fedclassavg.weighting`: 'samples', the default, or 'uniform'). Floats: (d + 1) C
@@ -29,9 +29,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import lg_fedavg, losses
+from fedssa_jax.methods import headers, losses
 
 
 def supcon(u, y, valid, tau: float, base_tau: float, normalize: bool):
@@ -57,7 +58,13 @@ def proximal(params, global_rows):
   return jnp.mean(jnp.square(d[:, :-1])) + jnp.mean(jnp.square(d[:, -1]))
 
 
-class FedClassAvg(lg_fedavg.SharedHeader):
+@struct.dataclass
+class GlobalHeader:
+  """The loss's constants (Download.ctx): the proximal term's anchor."""
+  rows: jax.Array  # [C, d + 1] p_g, the downloaded global header H_g
+
+
+class FedClassAvg(headers.SharedHeader):
   name = 'fedclassavg'
   per_sample_loss = False  # SupCon pairs every view of the batch
   config_section = 'fedclassavg'
@@ -94,7 +101,7 @@ class FedClassAvg(lg_fedavg.SharedHeader):
 
   def download(self, params, state, server, client):
     down = super().download(params, state, server, client)
-    return down._replace(ctx=server.global_header)  # p_g, the proximal term's anchor
+    return down._replace(ctx=GlobalHeader(rows=server.global_header))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     params = trainable['model']
@@ -103,7 +110,7 @@ class FedClassAvg(lg_fedavg.SharedHeader):
     ce, correct = losses.ce_and_correct(logits[:b], y, valid)
     sc = supcon(rep, jnp.concatenate([y, y]), jnp.concatenate([valid, valid]),
                 self.tau, self.base_tau, self.normalize)
-    return sc + ce + 0.5 * self.mu * proximal(params, ctx), (correct, {})
+    return sc + ce + 0.5 * self.mu * proximal(params, ctx.rows), (correct, None)
 
   def train_flops_per_sample(self, own, flops_of):
     """Approximation: the second view costs another forward+backward of the own model (`own`

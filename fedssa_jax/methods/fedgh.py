@@ -17,7 +17,7 @@ which the server trains on the clients' class prototypes; no client parameter le
   H_g is trained by plain SGD (fresh each round), lr eta_s = `server_lr` = 0.01, for
   `server_epochs` = 1 epochs, each reshuffling D_t into batches of B_s = `server_batch` = 10 (the
   last partial): per batch, the mean over its pairs of CE(W_g p_j + b_g, c_j)
-  (base.train_on_pairs; server_epochs * ceil(|D_t| / B_s) steps).
+  (aggregation.train_on_pairs; server_epochs * ceil(|D_t| / B_s) steps).
 - Inference: every client's own extractor with the latest H_g (`eval='global_header'`, as
   HtFLlib); 'post_train' keeps the client's own header as trained (the official code's).
 Floats per participating client and round: up d * s_k, down (d + 1) C (HtFLlib broadcasts H_g
@@ -34,7 +34,7 @@ import optax
 from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import base, fedproto, losses
+from fedssa_jax.methods import aggregation, base, losses, prototypes
 
 PAIR_WEIGHTS = ('uniform', 'samples')
 EVALS = ('global_header', 'post_train')
@@ -48,16 +48,6 @@ def header_loss(head, x, y, w):
   return (w * ce).sum() / jnp.where(total > 0, total, 1.0)
 
 
-def round_pairs(uploads, uploads_n, participants, pair_weight: str):
-  """The round's (prototype, class) pairs as a flat table of the N * C slots: values [N C, D],
-  labels [N C] and weights [N C] (> 0 for a participant's held class: 1, or n_k[c])."""
-  n, c, d = uploads.shape
-  held = (uploads_n > 0) & participants[:, None]
-  weights = jnp.where(held, uploads_n if pair_weight == 'samples' else 1.0, 0.0)
-  labels = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (n, c))
-  return uploads.reshape(n * c, d), labels.reshape(-1), weights.reshape(-1)
-
-
 @struct.dataclass
 class FedGHServer:
   head: jax.Array       # [C, d + 1] H_g, what clients download
@@ -65,10 +55,11 @@ class FedGHServer:
   uploads_n: jax.Array  # [N, C] their class sample counts (0: not held)
 
 
-class FedGH(fedproto.PrototypeUploads, base.Method):
+class FedGH(prototypes.PrototypeUploads, base.Method):
   name = 'fedgh'
   config_section = 'fedgh'
   per_sample_loss = True  # plain cross-entropy
+  eval_reads_server = True  # eval_params: H_g (False with eval='post_train', set in __init__)
 
   @classmethod
   def default_config(cls):
@@ -93,7 +84,7 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
     if not c.server_batch >= 1:
       raise ValueError(f'fedgh.server_batch must be >= 1, got {c.server_batch}.')
     for field, allowed in (('pair_weight', PAIR_WEIGHTS),
-                           ('proto_source', fedproto.PROTO_SOURCES), ('eval', EVALS)):
+                           ('proto_source', prototypes.PROTO_SOURCES), ('eval', EVALS)):
       if c[field] not in allowed:
         raise ValueError(f'fedgh.{field} must be one of {allowed}, got {c[field]!r}.')
 
@@ -105,10 +96,7 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
     self.forward_pass = 'after' if self.proto_source == 'post_pass' else None
     self.local_epochs = int(config.local_epochs)
     self.header_floats = self.header_row * num_classes
-
-  @property
-  def eval_reads_server(self):
-    return self.eval == 'global_header'
+    self.eval_reads_server = self.eval == 'global_header'
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
@@ -126,9 +114,9 @@ class FedGH(fedproto.PrototypeUploads, base.Method):
     return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):
-    values, labels, weights = round_pairs(server.uploads, server.uploads_n, participants,
+    values, labels, weights = prototypes.round_pairs(server.uploads, server.uploads_n, participants,
                                           self.pair_weight)
-    head, loss_sum, steps = base.train_on_pairs(
+    head, loss_sum, steps = aggregation.train_on_pairs(
         server.head, header_loss, optax.sgd(self.lr), values, labels, weights, key,
         epochs=self.epochs, batch_size=self.batch)
     steps = steps.astype(jnp.float32)

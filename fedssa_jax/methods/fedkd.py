@@ -42,7 +42,7 @@ import ml_collections
 from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import base, losses
+from fedssa_jax.methods import aggregation, base, losses
 
 MENTEE_FAMILY = 'cnn5'
 
@@ -116,9 +116,27 @@ def compress_update(delta, threshold):
 
 
 @struct.dataclass
+class FedKDState:
+  """A client's persistent state (init_client_state)."""
+  w_h: jax.Array  # [d, d] its projection W_h (a Dense kernel, [in, out]), trained jointly
+
+
+@struct.dataclass
+class FedKDContext:
+  """What the client keeps of the download for its upload (Download.ctx; the loss reads none)."""
+  theta: dict  # the downloaded global mentee theta_g, the base of the update
+
+
+@struct.dataclass
+class FedKDUpload:
+  """A client's upload (Upload.payload)."""
+  update: dict  # the reconstruction of its compressed mentee update Delta_k (CNN-5's tree)
+
+
+@struct.dataclass
 class FedKDServer:
-  theta: dict              # the global mentee theta_g (CNN-5)
-  inbox: base.Inbox        # this round's reconstructed updates (counted)
+  theta: dict               # the global mentee theta_g (CNN-5)
+  inbox: aggregation.Inbox  # this round's reconstructed updates (counted)
   held: jax.Array          # [N] int32: the round of the theta a client holds
   last_floats: jax.Array   # int32: the last compressed Delta_bar's floats ...
   last_rebuild: jax.Array  # float32: ... and its rebuild FLOPs
@@ -159,14 +177,14 @@ class FedKD(base.Method):
 
   def init_server(self, key, seen):
     theta = models.init_params(self.mentee_model, key)
-    return FedKDServer(theta=theta, inbox=base.Inbox.empty(theta),
+    return FedKDServer(theta=theta, inbox=aggregation.Inbox.empty(theta),
                        held=jnp.zeros((self.num_clients,), jnp.int32),
                        last_floats=jnp.zeros((), jnp.int32),
                        last_rebuild=jnp.zeros((), jnp.float32))
 
   def init_client_state(self, key):
     d = self.feature_dim
-    return {'w_h': models.torch_uniform_init(d)(key, (d, d))}
+    return FedKDState(w_h=models.torch_uniform_init(d)(key, (d, d)))
 
   def download(self, params, state, server, client):
     held = server.held[client.id]
@@ -174,8 +192,8 @@ class FedKD(base.Method):
     floats = jnp.where(held == client.round, 0,
                        jnp.where(delta_only, server.last_floats, self.mentee_floats))
     flops = jnp.where(delta_only, server.last_rebuild + self.mentee_floats, 0.0)
-    return base.Download(params, aux={'mentee': server.theta, 'w_h': state['w_h']},
-                         ctx=server.theta, floats=floats.astype(jnp.int32),
+    return base.Download(params, aux={'mentee': server.theta, 'w_h': state.w_h},
+                         ctx=FedKDContext(theta=server.theta), floats=floats.astype(jnp.int32),
                          flops=flops.astype(jnp.float32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
@@ -191,16 +209,16 @@ class FedKD(base.Method):
     kl = jnp.sum(jnp.where(valid[:, None], kl, 0.0)) / (n_valid * z.shape[-1])
     se = jnp.sum((h - h_s @ trainable['w_h']) ** 2, axis=-1)
     mse = jnp.sum(jnp.where(valid, se, 0.0)) / (n_valid * self.feature_dim)
-    return q + (kl + 2.0 * mse) / q, (correct, {})
+    return q + (kl + 2.0 * mse) / q, (correct, None)
 
   def upload(self, trainable, acc, ctx, state, client):
-    delta = jax.tree_util.tree_map(jnp.subtract, trainable['mentee'], ctx)
+    delta = jax.tree_util.tree_map(jnp.subtract, trainable['mentee'], ctx.theta)
     recon, floats, svd, _ = compress_update(delta, self.threshold(client.round))
-    return base.Upload(trainable['model'], {'w_h': trainable['w_h']}, payload=recon,
-                       floats=floats, flops=svd)
+    return base.Upload(trainable['model'], FedKDState(w_h=trainable['w_h']),
+                       payload=FedKDUpload(update=recon), floats=floats, flops=svd)
 
   def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(inbox=server.inbox.add(payloads, active))
+    return server.replace(inbox=server.inbox.add(payloads.update, active))
 
   def server_aggregate(self, server, participants, round_index, key):
     mean, any_ = server.inbox.mean()

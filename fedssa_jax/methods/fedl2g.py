@@ -89,7 +89,7 @@ def meta_gradient(apply_fn, params, vectors, study, quiz, *, lr, weight, variant
   v = jax.grad(lambda p: quiz_loss(apply_fn, p, quiz))(stepped)
   phi = lambda p: guided(*apply_fn({'params': p}, x), variant)
   _, jv = jax.jvp(phi, (params,), (v,))
-  sums = base.class_sums(jv, y, valid, vectors.shape[0])['sum']
+  sums = base.class_sums(jv, y, valid, vectors.shape[0]).sum
   return lr * weight * 2.0 / (jnp.maximum(valid.sum(), 1) * vectors.shape[1]) * sums
 
 
@@ -107,6 +107,19 @@ def clipped_step(vectors, grad, lr, clip):
   norm = jnp.sqrt(jnp.sum(grad ** 2))
   scale = jnp.minimum(1.0, clip / (norm + 1e-6))
   return vectors - lr * scale * grad, norm
+
+
+@struct.dataclass
+class GuidingVectors:
+  """The loss's and the meta step's constants (Download.ctx)."""
+  vectors: jax.Array  # [C, D] V, as downloaded
+
+
+@struct.dataclass
+class MetaGradient:
+  """The meta step's output (after_training), which is the client's upload (Upload.payload)."""
+  grad: jax.Array     # [C, D] g_V, zero outside the classes present in the study batch
+  present: jax.Array  # [C] bool: the classes present in the study batch (the rows sent)
 
 
 @struct.dataclass
@@ -173,32 +186,32 @@ class FedL2G(base.Method):
     return True if self.warmup == 0 else round_index >= self.warmup
 
   def download(self, params, state, server, client):
-    return base.Download(params, ctx={'vectors': server.vectors},
+    return base.Download(params, ctx=GuidingVectors(vectors=server.vectors),
                          floats=(self.dim * client.seen.sum()).astype(jnp.int32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
-    loss, correct = guided_loss(logits, rep, y, valid, jax.lax.stop_gradient(ctx['vectors']),
+    loss, correct = guided_loss(logits, rep, y, valid, jax.lax.stop_gradient(ctx.vectors),
                                 self.weight, self.variant)
-    return loss, (correct, {})
+    return loss, (correct, None)
 
   def after_training(self, apply_fn, trainable, ctx, study, quiz, client):
-    grad = meta_gradient(apply_fn, trainable['model'], ctx['vectors'], study, quiz,
+    grad = meta_gradient(apply_fn, trainable['model'], ctx.vectors, study, quiz,
                          lr=self.inner_lr, weight=self.weight, variant=self.variant)
     _, y, valid = study
     present = (jax.nn.one_hot(y, self.num_classes) * valid[:, None]).sum(axis=0) > 0
-    return {'grad': jnp.where(present[:, None], grad, 0.0), 'present': present}
+    return MetaGradient(grad=jnp.where(present[:, None], grad, 0.0), present=present)
 
   def upload(self, trainable, acc, ctx, state, client):
-    meta = acc[base.AFTER_TRAINING]
+    meta = acc.after_training
     return base.Upload(trainable['model'], state, meta,
-                       floats=(self.dim * meta['present'].sum()).astype(jnp.int32))
+                       floats=(self.dim * meta.present.sum()).astype(jnp.int32))
 
   def server_receive(self, server, client_ids, payloads, active):
-    rows = payloads['present'] & active[:, None]
+    rows = payloads.present & active[:, None]
     return server.replace(
         grad_sum=server.grad_sum + jnp.einsum('nc,ncd->cd', rows.astype(jnp.float32),
-                                              payloads['grad']),
+                                              payloads.grad),
         grad_count=server.grad_count + rows.sum(axis=0))
 
   def server_aggregate(self, server, participants, round_index, key):

@@ -40,7 +40,7 @@ import ml_collections
 from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import base, losses
+from fedssa_jax.methods import aggregation, base, losses
 
 SHARED_FAMILY = 'cnn5'
 SHARED_MODELS = ('fc2', 'pool')
@@ -48,9 +48,15 @@ AGGREGATIONS = ('samples', 'uniform')
 
 
 @struct.dataclass
+class FedMRLState:
+  """A client's persistent state (init_client_state)."""
+  proj: dict  # its projector J_k's parameters ({'kernel' [d1 + d, d], 'bias' [d]})
+
+
+@struct.dataclass
 class FedMRLServer:
-  shared: dict         # G_g, the shared model's parameters, what clients download
-  inbox: base.Inbox    # this round's uploaded shared models (weighted by n_k, or counted)
+  shared: dict              # G_g, the shared model's parameters, what clients download
+  inbox: aggregation.Inbox  # this round's uploaded shared models (weighted by n_k, or counted)
 
 
 class FedMRL(base.Method):
@@ -58,6 +64,8 @@ class FedMRL(base.Method):
   config_section = 'fedmrl'
   per_sample_loss = True  # two CE terms, each a mean over the batch's samples
   eval_metrics = ('shared_accuracy',)
+  # eval_forward: J_k from the client state, G_g from the server; eval_extra: G_g's header.
+  eval_reads_state = eval_reads_server = True
 
   @classmethod
   def default_config(cls):
@@ -109,10 +117,12 @@ class FedMRL(base.Method):
   # --- state -----------------------------------------------------------------------------------
   def init_server(self, key, seen):
     shared = models.init_params(self.shared_model, key)
-    return FedMRLServer(shared=shared, inbox=base.Inbox.empty(shared, weighted=self.weighted))
+    return FedMRLServer(shared=shared,
+                        inbox=aggregation.Inbox.empty(shared, weighted=self.weighted))
 
   def init_client_state(self, key):
-    return {'proj': self.projector.init(key, jnp.zeros((1, self.d1 + self.feature_dim)))['params']}
+    return FedMRLState(proj=self.projector.init(
+        key, jnp.zeros((1, self.d1 + self.feature_dim)))['params'])
 
   # --- the fused forward -------------------------------------------------------------------------
   def project(self, proj, g, r):
@@ -126,7 +136,7 @@ class FedMRL(base.Method):
 
   # --- client side -----------------------------------------------------------------------------
   def download(self, params, state, server, client):
-    return base.Download(params, aux={'shared': server.shared, 'proj': state['proj']},
+    return base.Download(params, aux={'shared': server.shared, 'proj': state.proj},
                          floats=jnp.int32(self.shared_floats))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
@@ -137,20 +147,20 @@ class FedMRL(base.Method):
     ce_f, correct = losses.ce_and_correct(models.apply_header(trainable['model'], u, self.dtype),
                                           y, valid)
     ce_g, _ = losses.ce_and_correct(self.shared_logits(trainable['shared'], u), y, valid)
-    return ce_f + ce_g, (correct, {})
+    return ce_f + ce_g, (correct, None)
 
   def upload(self, trainable, acc, ctx, state, client):
     # reset_projector (HtFLlib): the trained J_k is dropped and the initial one kept.
-    new_state = state if self.reset_projector else {'proj': trainable['proj']}
+    new_state = state if self.reset_projector else FedMRLState(proj=trainable['proj'])
     weight = jnp.asarray(client.num_samples if self.weighted else 1, jnp.float32)
     return base.Upload(trainable['model'], new_state,
-                       payload={'shared': trainable['shared'], 'weight': weight},
+                       payload=base.WeightedUpload(value=trainable['shared'], weight=weight),
                        floats=jnp.int32(self.shared_floats))
 
   # --- server side -----------------------------------------------------------------------------
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(
-        payloads['shared'], active, payloads['weight'] if self.weighted else None))
+        payloads.value, active, payloads.weight if self.weighted else None))
 
   def server_aggregate(self, server, participants, round_index, key):
     # The inbox holds exactly this round's participants' uploads.
@@ -163,7 +173,7 @@ class FedMRL(base.Method):
     """(h_k(u), u) with u = J_k([G_ex(x); F_k(x)]), G_g the server's latest shared model."""
     _, r = apply_fn({'params': params}, x)
     _, g = self.shared_eval_model.apply({'params': server.shared}, x)
-    u = self.project(state['proj'], g, r)
+    u = self.project(state.proj, g, r)
     return models.apply_header(params, u, self.dtype), u
 
   def eval_extra(self, server, client_id, logits, rep, y, valid):

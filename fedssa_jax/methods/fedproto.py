@@ -27,67 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import struct
 
-from fedssa_jax.methods import base, losses
-
-
-
-def proto_loss(logits, rep, y, valid, protos, avail, lam):
-  """mean CE + lam / (B d) * sum_i g[y_i] ||r_i - P[y_i]||^2 over valid samples, and #correct."""
-  ce, correct = losses.ce_and_correct(logits, y, valid)
-  sq = jnp.sum((rep - jax.lax.stop_gradient(protos)[y]) ** 2, axis=-1)
-  sq = jnp.where(valid & avail[y], sq, 0.0)
-  return ce + lam * sq.sum() / (jnp.maximum(valid.sum(), 1) * rep.shape[-1]), correct
-
-
-def nearest_prototype(rep, protos, avail):
-  """argmin_c ||r - P[c]||^2 over available classes, as ||r||^2 - 2 r.P^T + ||P||^2."""
-  dist = (jnp.sum(rep ** 2, -1, keepdims=True) - 2.0 * rep @ protos.T
-          + jnp.sum(protos ** 2, -1)[None, :])
-  return jnp.argmin(jnp.where(avail[None, :], dist, jnp.inf), axis=-1)
-
-
-# Where FedGH's and FedTGP's prototypes come from: the forward pass over the training split after
-# (or before) local training, or the training passes' V1 sums, as FedProto's.
-PROTO_SOURCES = ('post_pass', 'train_pass')
-
-
-def uploaded_prototypes(acc, seen, source: str, local_epochs: int):
-  """(prototypes [C, D], zero outside the held classes; the class sample counts n_k[c] [C];
-  held [C]) of a client, from the V1 class sums of r of the forward pass (`source`
-  'post_pass': acc[base.FORWARD_PASS], one visit of each sample) or of the training passes
-  ('train_pass': acc itself, E visits of each sample)."""
-  sums, visits = (acc, local_epochs) if source == 'train_pass' else (acc[base.FORWARD_PASS], 1)
-  protos, held = base.class_means(sums, seen)
-  return protos, jnp.where(held, sums['count'] / visits, 0.0), held
-
-
-class PrototypeUploads:
-  """The client side that FedProto, FedGH and FedTGP share: prototypes p_k[c] for c in S_k,
-  from the forward pass (`proto_source='post_pass'`, Method.forward_pass) or the training passes
-  ('train_pass', this module's accumulator; FedProto's only source), uploaded with their class
-  counts into a server's `uploads` [N, C, D] and `uploads_n` [N, C] tables. A mixin before
-  base.Method; the method sets `proto_source` and `local_epochs`."""
-  proto_source: str
-  local_epochs: int
-
-  def init_acc(self):
-    return base.empty_class_sums(self.num_classes, self.feature_dim) if self.proto_source == 'train_pass' else {}
-
-  def train_pass_sums(self, rep, y, valid):
-    """The loss's accumulator update: V1 class sums of r with 'train_pass', else nothing."""
-    if self.proto_source != 'train_pass':
-      return {}
-    return base.class_sums(jax.lax.stop_gradient(rep), y, valid, self.num_classes)
-
-  def upload(self, trainable, acc, ctx, state, client):
-    protos, n, held = uploaded_prototypes(acc, client.seen, self.proto_source, self.local_epochs)
-    return base.Upload(trainable['model'], state, {'protos': protos, 'n': n},
-                       floats=(self.feature_dim * held.sum()).astype(jnp.int32))
-
-  def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(
-        uploads=base.store_rows(server.uploads, client_ids, payloads['protos'], active),
-        uploads_n=base.store_rows(server.uploads_n, client_ids, payloads['n'], active))
+from fedssa_jax.methods import aggregation, base, prototypes
 
 
 @struct.dataclass
@@ -98,12 +38,13 @@ class FedProtoServer:
   avail: jax.Array      # [C] g
 
 
-class FedProto(PrototypeUploads, base.Method):
+class FedProto(prototypes.PrototypeUploads, base.Method):
   name = 'fedproto'
   proto_source = 'train_pass'  # the prototypes are the training passes' class means
   config_section = 'fedproto'
   per_sample_loss = True  # CE plus a per-sample prototype term
   eval_metrics = ('prototype_accuracy',)
+  eval_reads_server = True  # eval_extra: the server's prototypes
 
   @classmethod
   def default_config(cls):
@@ -142,22 +83,22 @@ class FedProto(PrototypeUploads, base.Method):
   def download(self, params, state, server, client):
     avail = server.avail
     rows = (client.seen & avail).sum() if self.inference == 'classifier' else avail.sum()
-    return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
+    return base.Download(params, ctx=prototypes.GlobalPrototypes(protos=server.protos,
+                                                                 avail=avail),
                          floats=(self.feature_dim * rows).astype(jnp.int32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
-    loss, correct = proto_loss(logits, rep, y, valid, ctx['protos'], ctx['avail'], self.lam)
+    loss, correct = prototypes.proto_loss(logits, rep, y, valid, ctx.protos, ctx.avail, self.lam)
     return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):
     held = (server.uploads_n > 0) & participants[:, None]  # stale rows of absentees drop out
     # masked_mean with a [N, C] weight mask: 1 per holder, or its class sample count.
     weights = held * server.uploads_n if self.weighting == 'samples' else held
-    protos, avail = base.masked_mean(server.uploads, weights)
+    protos, avail = aggregation.masked_mean(server.uploads, weights)
     return base.Aggregated(server.replace(protos=protos, avail=avail))
 
   def eval_extra(self, server, client_id, logits, rep, y, valid):
-    pred = nearest_prototype(rep, server.protos, server.avail)
-    hit = (pred == y) & valid & server.avail.any()
-    return {'prototype_accuracy': hit.sum().astype(jnp.int32)}
+    return {'prototype_accuracy': prototypes.prototype_hits(rep, y, valid, server.protos,
+                                                            server.avail)}

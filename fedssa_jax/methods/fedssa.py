@@ -24,7 +24,7 @@ import ml_collections
 from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import base
+from fedssa_jax.methods import aggregation, base
 
 # The stabilisation rules (fedssa.fusion, see above): a row's fused value from its local value,
 # the global row and mu_t.
@@ -50,8 +50,14 @@ def stabilize(rows, global_rows, mask, mu, fusion: str):
 
 def aggregate_headers(table, contrib, global_rows, avail):
   """Class-wise masked mean. table [N, S, d + 1], contrib [N, S] bool -> (global, avail)."""
-  new, has = base.masked_mean(table, contrib)
+  new, has = aggregation.masked_mean(table, contrib)
   return jnp.where(has[:, None], new, global_rows), avail | has
+
+
+@struct.dataclass
+class FedSSAUpload:
+  """A client's upload (Upload.payload)."""
+  rows: jax.Array  # [S, d + 1] its header rows theta_k^s of the seen classes, zero elsewhere
 
 
 @struct.dataclass
@@ -125,12 +131,13 @@ class FedSSA(base.Method):
   def upload(self, trainable, acc, ctx, state, client):
     params = trainable['model']
     rows = jnp.where(client.seen[:, None], models.header_rows(params), 0.0)
-    return base.Upload(params, state, payload=rows,
+    return base.Upload(params, state, payload=FedSSAUpload(rows=rows),
                        floats=self.header_row * client.seen.sum())
 
   def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(table=base.store_rows(server.table, client_ids, payloads, active),
-                          uploaded=base.store_rows(server.uploaded, client_ids, active, active))
+    return server.replace(
+        table=aggregation.store_rows(server.table, client_ids, payloads.rows, active),
+        uploaded=aggregation.store_rows(server.uploaded, client_ids, active, active))
 
   def server_aggregate(self, server, participants, round_index, key):
     owners = server.uploaded if self.scope == 'all_owners' else participants

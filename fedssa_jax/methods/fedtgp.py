@@ -7,7 +7,7 @@ trains a generator of prototypes T (the TGP net) that pushes the classes apart b
   server across rounds: P_T = d C + 2 (d^2 + d) parameters (506,000 for C = 10, d = 500). Drawn
   from the server's key.
 - Objective: L = mean_i CE(z_i, y_i) + lam * 1/(B d) * sum_i ||r_i - sg P^[y_i]||^2, lam =
-  `fedtgp.lam` = 10 (fedproto.proto_loss). P^ exists for every class after round 0, the first
+  `fedtgp.lam` = 10 (prototypes.proto_loss). P^ exists for every class after round 0, the first
   aggregation; round 0 is CE only.
 - Prototypes: p_k[c], the mean of r over the client's training samples of class c, c in S_k, from
   one forward pass over its training split after local training (`proto_timing='post_train'`,
@@ -21,12 +21,12 @@ trains a generator of prototypes T (the TGP net) that pushes the classes apart b
      (tau when no two classes were uploaded).
   3. T trains for S = `server_epochs` = 100 epochs of plain SGD (fresh each round, lr
      `server_lr` = 0.01), each reshuffling the round's pairs (p_k[c], c) into batches of B_s =
-     `server_batch` = 10 (base.train_on_pairs). Per batch, with G = T(0..C-1) [C, d],
+     `server_batch` = 10 (aggregation.train_on_pairs). Per batch, with G = T(0..C-1) [C, d],
      dist[j, c] = sqrt(max(||p_j||^2 - 2 p_j.G[c] + ||G[c]||^2, 1e-12)) (HtFLlib has no floor,
      which gives NaN gradients at 0), dist[j, c_j] += delta, loss = mean_j CE(-dist[j], c_j).
   4. P^ = T(0..C-1), for every class.
 - Inference: the local classifier is the headline (`inference='classifier'`); the accuracy of
-  the nearest global prototype (fedproto.nearest_prototype over all C classes; 0 before round
+  the nearest global prototype (prototypes.nearest_prototype over all C classes; 0 before round
   0's aggregation) is always logged as `prototype_accuracy`, and 'prototype' makes it the
   headline (what HtFLlib reports).
 Floats per participating client and round: up d * s_k; down d * |S_k & avail| with
@@ -45,7 +45,7 @@ import optax
 from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import base, fedgh, fedproto
+from fedssa_jax.methods import aggregation, base, prototypes
 
 PROTO_TIMINGS = ('post_train', 'pre_train')
 INFERENCES = ('classifier', 'prototype')
@@ -100,11 +100,12 @@ class FedTGPServer:
   avail: jax.Array      # [C] whether P^ exists (every class, after the first aggregation)
 
 
-class FedTGP(fedproto.PrototypeUploads, base.Method):
+class FedTGP(prototypes.PrototypeUploads, base.Method):
   name = 'fedtgp'
   config_section = 'fedtgp'
   per_sample_loss = True  # CE plus a per-sample prototype term
   eval_metrics = ('prototype_accuracy',)
+  eval_reads_server = True  # eval_extra: the server's prototypes P^
 
   @classmethod
   def default_config(cls):
@@ -134,7 +135,7 @@ class FedTGP(fedproto.PrototypeUploads, base.Method):
       raise ValueError(f'fedtgp.server_batch must be >= 1, got {c.server_batch}.')
     if not c.margin_cap >= 0:
       raise ValueError(f'fedtgp.margin_cap must be >= 0, got {c.margin_cap}.')
-    for field, allowed in (('proto_source', fedproto.PROTO_SOURCES),
+    for field, allowed in (('proto_source', prototypes.PROTO_SOURCES),
                            ('proto_timing', PROTO_TIMINGS), ('inference', INFERENCES)):
       if c[field] not in allowed:
         raise ValueError(f'fedtgp.{field} must be one of {allowed}, got {c[field]!r}.')
@@ -168,24 +169,25 @@ class FedTGP(fedproto.PrototypeUploads, base.Method):
   def download(self, params, state, server, client):
     avail = server.avail
     rows = (client.seen & avail).sum() if self.inference == 'classifier' else avail.sum()
-    return base.Download(params, ctx={'protos': server.protos, 'avail': avail},
+    return base.Download(params, ctx=prototypes.GlobalPrototypes(protos=server.protos,
+                                                                 avail=avail),
                          floats=(self.feature_dim * rows).astype(jnp.int32))
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, rep = apply_fn({'params': trainable['model']}, views[0])
-    loss, correct = fedproto.proto_loss(logits, rep, y, valid, ctx['protos'], ctx['avail'],
-                                        self.lam)
+    loss, correct = prototypes.proto_loss(logits, rep, y, valid, ctx.protos, ctx.avail,
+                                          self.lam)
     return loss, (correct, self.train_pass_sums(rep, y, valid))
 
   def server_aggregate(self, server, participants, round_index, key):
     c = self.num_classes
     held = (server.uploads_n > 0) & participants[:, None]
-    means, has = base.masked_mean(server.uploads, held)
+    means, has = aggregation.masked_mean(server.uploads, held)
     delta = margin(means, has, self.cap)
-    values, labels, weights = fedgh.round_pairs(server.uploads, server.uploads_n, participants,
-                                                'uniform')
+    values, labels, weights = prototypes.round_pairs(server.uploads, server.uploads_n,
+                                                     participants, 'uniform')
     loss_fn = lambda p, x, y, w: tgp_loss(p, x, y, w, delta=delta, num_classes=c)
-    tgp, loss_sum, steps = base.train_on_pairs(
+    tgp, loss_sum, steps = aggregation.train_on_pairs(
         server.tgp, loss_fn, optax.sgd(self.lr), values, labels, weights, key,
         epochs=self.epochs, batch_size=self.batch)
     steps = steps.astype(jnp.float32)
@@ -198,6 +200,5 @@ class FedTGP(fedproto.PrototypeUploads, base.Method):
         metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'steps': steps, 'margin': delta})
 
   def eval_extra(self, server, client_id, logits, rep, y, valid):
-    pred = fedproto.nearest_prototype(rep, server.protos, server.avail)
-    hit = (pred == y) & valid & server.avail.any()
-    return {'prototype_accuracy': hit.sum().astype(jnp.int32)}
+    return {'prototype_accuracy': prototypes.prototype_hits(rep, y, valid, server.protos,
+                                                            server.avail)}

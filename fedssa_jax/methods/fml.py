@@ -29,7 +29,7 @@ import ml_collections
 from flax import struct
 
 from fedssa_jax import models
-from fedssa_jax.methods import base, losses
+from fedssa_jax.methods import aggregation, base, losses
 
 MEME_FAMILY = 'cnn5'
 
@@ -42,9 +42,15 @@ def kl_batchmean(target_logits, logits, valid):
 
 
 @struct.dataclass
+class FMLUpload:
+  """A client's upload (Upload.payload)."""
+  meme: dict  # its trained meme's parameters
+
+
+@struct.dataclass
 class FMLServer:
-  meme: dict           # the global meme's parameters (CNN-5), what clients download
-  inbox: base.Inbox    # this round's uploaded memes (counted)
+  meme: dict                # the global meme's parameters (CNN-5), what clients download
+  inbox: aggregation.Inbox  # this round's uploaded memes (counted)
 
 
 class FML(base.Method):
@@ -86,7 +92,7 @@ class FML(base.Method):
 
   def init_server(self, key, seen):
     meme = models.init_params(self.meme_model, key)
-    return FMLServer(meme=meme, inbox=base.Inbox.empty(meme))
+    return FMLServer(meme=meme, inbox=aggregation.Inbox.empty(meme))
 
   def download(self, params, state, server, client):
     return base.Download(params, aux={'meme': server.meme},
@@ -101,14 +107,14 @@ class FML(base.Method):
     sg = jax.lax.stop_gradient if self.detach_targets else (lambda v: v)
     loss_loc = self.alpha * ce + (1 - self.alpha) * self.kl_scale * kl_batchmean(sg(z_m), z, valid)
     loss_meme = self.beta * ce_m + (1 - self.beta) * self.kl_scale * kl_batchmean(sg(z), z_m, valid)
-    return loss_loc + loss_meme, (correct, {})
+    return loss_loc + loss_meme, (correct, None)
 
   def upload(self, trainable, acc, ctx, state, client):
-    return base.Upload(trainable['model'], state, payload=trainable['meme'],
+    return base.Upload(trainable['model'], state, payload=FMLUpload(meme=trainable['meme']),
                        floats=jnp.int32(self.meme_floats))
 
   def server_receive(self, server, client_ids, payloads, active):
-    return server.replace(inbox=server.inbox.add(payloads, active))
+    return server.replace(inbox=server.inbox.add(payloads.meme, active))
 
   def server_aggregate(self, server, participants, round_index, key):
     mean, any_ = server.inbox.mean()
