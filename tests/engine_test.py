@@ -1,12 +1,14 @@
 """The round engine: chunked vmapped training with dummies equals one-client-at-a-time, no
 retracing across rounds, and cost counters that match hand counts."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, data
 from fedssa_jax.engine import evaluation, schedule, simulator
-from fedssa_jax.methods import base
+from fedssa_jax.engine.state import ChunkInputs
+from fedssa_jax.methods import base, standalone
 
 ROUNDS = 3
 
@@ -181,6 +183,38 @@ def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
     norms += [np.linalg.norm(rows[s]) for s in np.flatnonzero(sim.seen[0][c])]
   assert infos[-1].header_norm_max == pytest.approx(max(norms), rel=1e-5)
   assert infos[-1].header_norm_mean == pytest.approx(np.mean(norms), rel=1e-5)
+
+
+def test_a_chunk_reports_the_methods_norms_of_its_trained_clients():
+  """train_chunk reports each client's Method.trained_norms after training: by default those of
+  its seen-class header rows; a method may report norms of its own."""
+  rng = np.random.default_rng(0)
+  params = {'fc3': {'kernel': rng.normal(size=(3, 4, 5)).astype(np.float32),
+                    'bias': rng.normal(size=(3, 5)).astype(np.float32)}}
+  seen = np.array([[1, 1, 0, 0, 0], [0, 0, 1, 1, 1], [1, 0, 0, 0, 0], [0] * 5], bool)
+  inputs = ChunkInputs(slots=None, ids=jnp.array([0, 1, 3]), active=jnp.array([True, True, False]),
+                       seen=jnp.asarray(seen), data=None, round_index=None, root_key=None)
+  local = lambda p, state, server, inputs: (p, state, {}, 'client stats')
+
+  class WeightNorms(standalone.Standalone):
+    def trained_norms(self, params, seen):
+      return base.Norms(max=jnp.abs(params['fc3']['bias']).max(), sum=jnp.zeros(()),
+                        count=seen.sum() * 0)
+
+  for method in (standalone.Standalone(None, 4, 5), WeightNorms(None, 4, 5)):
+    _, _, _, stats = simulator.train_chunk(params, {}, (), inputs, method=method, local=local)
+    assert stats.clients == 'client stats'
+    np.testing.assert_array_equal(stats.nonfinite, [False, False, False])
+    for k, c in enumerate([0, 1, 3]):
+      if isinstance(method, WeightNorms):
+        want = [np.abs(params['fc3']['bias'][k]).max(), 0.0, 0]
+      else:
+        rows = np.concatenate([params['fc3']['kernel'][k].T, params['fc3']['bias'][k][:, None]],
+                              axis=1)
+        norms = np.linalg.norm(rows[seen[c]], axis=1)
+        want = [norms.max(initial=0.0), norms.sum(), seen[c].sum()]
+      got = [stats.norms.max[k], stats.norms.sum[k], stats.norms.count[k]]
+      np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_cohort_sampling_is_a_pure_function_of_seed_and_round():

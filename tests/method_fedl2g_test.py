@@ -243,9 +243,9 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
                          seen=seen, data=data_, round_index=jnp.asarray(t),
                          root_key=jax.random.PRNGKey(0))
     _, _, payload, stats = local({'w': jnp.zeros((3, 2))}, {}, server, inputs)
-    np.testing.assert_array_equal(np.asarray(stats['row']), rows[:, 4:])
+    np.testing.assert_array_equal(np.asarray(stats.train['row']), rows[:, 4:])
     n = np.array([12, 7, 0])
-    np.testing.assert_array_equal(np.asarray(stats['samples']), (n - 4).clip(0) * (t >= 2))
+    np.testing.assert_array_equal(np.asarray(stats.train['samples']), (n - 4).clip(0) * (t >= 2))
     # The meta step's output is the upload (FedL2G's payload is acc[AFTER_TRAINING]).
     np.testing.assert_array_equal(np.asarray(payload['row']), rows)
     np.testing.assert_array_equal(np.asarray(payload['n']), n)
@@ -256,10 +256,10 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
     np.testing.assert_array_equal(np.asarray(payload['present']), np.tile(np.arange(C) < 2,
                                                                          (3, 1)))
     study, quiz = np.minimum((n - 4).clip(0), 8), np.minimum(n, 4)
-    np.testing.assert_allclose(np.asarray(stats['extra_flops']),
+    np.testing.assert_allclose(np.asarray(stats.extra_flops),
                                3.0 * (5 / 3 * study + quiz), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(stats['up_floats']), [2 * D, 2 * D, 2 * D])
-    np.testing.assert_array_equal(np.asarray(stats['down_floats']), [C * D] * 3)
+    np.testing.assert_array_equal(np.asarray(stats.up_floats), [2 * D, 2 * D, 2 * D])
+    np.testing.assert_array_equal(np.asarray(stats.down_floats), [C * D] * 3)
 
 
 def own_params(sim, params, k):

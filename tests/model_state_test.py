@@ -83,7 +83,7 @@ def test_statistics_train_over_valid_rows_vmapped_as_alone_and_in_one_pass(small
     single, stats = one(row_c, keys[c], dd.train_idx[c], dd.train_n[c])
     jax.tree.map(lambda v, s: np.testing.assert_allclose(v[c], s, rtol=2e-5, atol=1e-6),
                  vm_rows, single)
-    assert int(vm_stats['steps'][c]) == int(stats['steps']) == -(-n // B)
+    assert int(vm_stats.steps[c]) == int(stats.steps) == -(-n // B)
   # The dummy client is unchanged, its statistics too.
   jax.tree.map(lambda v, r: np.testing.assert_array_equal(v[2], r[2]), vm_rows, rows)
 
@@ -251,6 +251,9 @@ def test_mixed_group_on_the_disk_store_equals_the_device_store(few_images, mixed
     if g == [x.family for x in sim.groups].index('resnet4'):
       assert models.split_state(row)[1] is not None
     # Another program (the store's gather and scatter around the same step): float rounding,
-    # grown through two rounds of batch norms on batches of a few images.
+    # grown through two rounds of batch norms on batches of a few images; an element near 0
+    # carries the rounding of its array's larger ones (XLA:CPU's at the tests' optimisation
+    # level moves with the order of a program's operations and outputs).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=1e-3, atol=1e-4 * float(np.abs(b).max())), row, mixed_runs['rows'][2][k])
+        a, b, rtol=1e-3, atol=max(1e-6, 1e-4 * float(np.abs(b).max()))), row,
+        mixed_runs['rows'][2][k])

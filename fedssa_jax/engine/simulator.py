@@ -14,7 +14,7 @@ per-client state [R, N, ...], the server state [R, ...], the costs [R]. A round
    rows, server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed
    it runs on the seed's slice, computing exactly what a run without the axis did;
 3. runs the method's server rule, per seed, under jit;
-4. adds up each seed's floats, FLOPs and training statistics (`RoundInfo`).
+4. adds up each seed's floats, FLOPs and training statistics (`ChunkStats` into `RoundInfo`).
 
 Shapes never depend on the round, so each family compiles its training call once. Dummy clients
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
@@ -39,7 +39,8 @@ from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_rep
 from fedssa_jax.engine.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
                                  STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
                                  STREAM_TRAIN, cohort_size, sample_cohort)
-from fedssa_jax.engine.state import ChunkInputs, Costs, RoundInfo, RunState
+from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, RoundInfo,
+                                     RunState)
 from fedssa_jax.errors import ConfigError
 from fedssa_jax.types import PyTree
 
@@ -135,8 +136,8 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
         per_study * study_count.astype(jnp.float32) + per_quiz * quiz_count.astype(jnp.float32))
   if when is not None:  # the pass: one forward of each training sample
     extra_flops = extra_flops + pass_flops_per_sample * n.astype(jnp.float32)
-  stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
-           'extra_flops': extra_flops}
+  stats = ClientStats(train=stats, down_floats=down.floats, up_floats=up.floats,
+                      extra_flops=extra_flops)
   return up.params, up.state, up.payload, stats
 
 
@@ -144,22 +145,17 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
                 local: Callable):
   """One chunk of a group, on its rows: `local` (local_round, per device under a mesh), then
   the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
-  server, stats); the store's call brings the rows and takes them back."""
+  server, ChunkStats); the store's call brings the rows and takes them back."""
   new_params, new_state, payload, stats = local(params, state, server, inputs)
   server = method.server_receive(server, inputs.ids, payload, inputs.active)
   # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
-  stats['nonfinite'] = jnp.stack([
+  nonfinite = jnp.stack([
       ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
       for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
   ]).any(axis=0) & inputs.active
-  # The norms of each trained client's seen-class header rows, after training (a diagnostic of
-  # header growth, e.g. FedSSA's `reference` fusion).
-  norms = jnp.linalg.norm(jax.vmap(models.header_rows)(new_params), axis=-1)
-  own = inputs.seen[inputs.ids]
-  stats['header_norm_max'] = jnp.where(own, norms, 0.0).max(axis=1)
-  stats['header_norm_sum'] = jnp.where(own, norms, 0.0).sum(axis=1)
-  stats['header_rows'] = own.sum(axis=1)
-  return new_params, new_state, server, stats
+  norms = jax.vmap(method.trained_norms)(new_params, inputs.seen[inputs.ids])
+  return new_params, new_state, server, ChunkStats(clients=stats, nonfinite=nonfinite,
+                                                   norms=norms)
 
 
 def check_seeds(config, seeds, widths) -> None:
@@ -277,8 +273,8 @@ class Simulator:
     self.phase('aggregate', server)
     # One transfer for the round: the chunks' statistics, the server's FLOPs and diagnostics.
     all_stats, server_flops, server_metrics = self.fetch((chunk_stats, agg.flops, agg.metrics))
-    infos = [self._round_info(cohorts[i], chunks, [{k: v[i] for k, v in s.items()}
-                                                   for s in all_stats], i)
+    infos = [self._round_info(cohorts[i], chunks,
+                              [jax.tree.map(lambda v, i=i: v[i], s) for s in all_stats], i)
              .replace(server_flops=float(server_flops[i]),
                       server_metrics={k: float(v[i]) for k, v in server_metrics.items()})
              for i in range(self.num_seeds)]
@@ -341,30 +337,33 @@ class Simulator:
     key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
     return self.method.server_aggregate(server, participants, round_index, key)
 
-  def _round_info(self, cohort: np.ndarray, chunks, chunk_stats, i: int) -> RoundInfo:
+  def _round_info(self, cohort: np.ndarray, chunks, chunk_stats: list[ChunkStats],
+                  i: int) -> RoundInfo:
     """Seed i's round: per-client stats and counts, from the fetched stats of every chunk."""
-    per_client = {}
+    per_client = jax.tree.map(lambda _: np.zeros(self.num_clients), chunk_stats[0])
     for c, stats in zip(chunks, chunk_stats):
       active = c.active[i]
       cids = self.groups[c.group].members[c.slots[i][active]]
-      for k, v in stats.items():
-        per_client.setdefault(k, np.zeros(self.num_clients))[cids] = np.asarray(v)[active]
-    s = {k: v[cohort] for k, v in per_client.items()}
+      jax.tree.map(lambda table, v: table.__setitem__(cids, np.asarray(v)[active]),
+                   per_client, stats)
+    s = jax.tree.map(lambda v: v[cohort], per_client)
+    train = s.clients.train
     # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
-    flops = self.client_flops_per_sample[cohort] * s['samples'] + s['extra_flops']
-    samples = max(s['samples'].sum(), 1)
+    flops = self.client_flops_per_sample[cohort] * train.samples + s.clients.extra_flops
+    samples = max(train.samples.sum(), 1)
     return RoundInfo(
         cohort=cohort,
-        up_floats=float(s['up_floats'].sum()), down_floats=float(s['down_floats'].sum()),
+        up_floats=float(s.clients.up_floats.sum()),
+        down_floats=float(s.clients.down_floats.sum()),
         client_flops=float(flops.sum()),
-        train_loss=float(s['loss_sum'].sum() / samples),
-        train_accuracy=float(s['correct'].sum() / samples),
-        train_samples=s['samples'], train_loss_sum=s['loss_sum'], train_steps=s['steps'],
-        client_up_floats=s['up_floats'], client_down_floats=s['down_floats'],
+        train_loss=float(train.loss_sum.sum() / samples),
+        train_accuracy=float(train.correct.sum() / samples),
+        train_samples=train.samples, train_loss_sum=train.loss_sum, train_steps=train.steps,
+        client_up_floats=s.clients.up_floats, client_down_floats=s.clients.down_floats,
         client_flops_per_client=flops,
-        nonfinite_params=s['nonfinite'].astype(bool),
-        header_norm_max=float(s['header_norm_max'].max()),
-        header_norm_mean=float(s['header_norm_sum'].sum() / max(s['header_rows'].sum(), 1)),
+        nonfinite_params=s.nonfinite.astype(bool),
+        header_norm_max=float(s.norms.max.max()),
+        header_norm_mean=float(s.norms.sum.sum() / max(s.norms.count.sum(), 1)),
         server_flops=0.0, server_metrics={})  # the server's: run_round fills them in
 
   # ------------------------------------------------------------------------------------------

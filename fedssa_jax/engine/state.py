@@ -4,7 +4,8 @@ pytrees.
 `RunState` holds every seed of a run on a leading seed axis; one seed's slice is what its
 checkpoint saves (as a plain dict, `to_saved`/`from_saved`, the layout checkpoints have always
 had). `RoundInfo` is what `Simulator.run_round` tells the run loop about one seed's round.
-`ChunkInputs` is what the jitted call of a chunk takes besides its rows and the server state.
+`ChunkInputs` is what the jitted call of a chunk takes besides its rows and the server state, and
+`ChunkStats` what it reports of each of its clients.
 All are flax.struct dataclasses: a reader sees their fields, and jit, orbax and `jax.tree` see
 pytrees.
 """
@@ -13,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 from flax import struct
 
 from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine.training import TrainStats
+from fedssa_jax.methods.base import Norms
 
 
 
@@ -67,6 +71,24 @@ class RunState:
 
 
 @struct.dataclass
+class ClientStats:
+  """What `local_round` reports of each client of a chunk (arrays over its clients)."""
+  train: TrainStats        # local training's sums (training.local_train)
+  down_floats: jax.Array   # floats received (methods.Download.floats)
+  up_floats: jax.Array     # floats sent (methods.Upload.floats)
+  extra_flops: jax.Array   # client FLOPs beyond the training steps: the download's, the
+                           # upload's, the forward pass's and the step after training's
+
+
+@struct.dataclass
+class ChunkStats:
+  """What a chunk's call reports of each of its clients (arrays over its clients)."""
+  clients: ClientStats
+  nonfinite: jax.Array     # whether its parameters hold a NaN or inf after training
+  norms: Norms             # the method's norms of its trained model (Method.trained_norms)
+
+
+@struct.dataclass
 class RoundInfo:
   """One round, for the run loop: the cohort and the costs and training statistics of its
   clients (arrays over the cohort, in cohort order)."""
@@ -83,8 +105,8 @@ class RoundInfo:
   client_down_floats: np.ndarray
   client_flops_per_client: np.ndarray
   nonfinite_params: np.ndarray  # ... whether its parameters hold a NaN or inf after training
-  header_norm_max: float        # over the participants' seen-class header rows, after training
-  header_norm_mean: float
+  header_norm_max: float        # the largest of the participants' norms (Method.trained_norms;
+  header_norm_mean: float       # by default their seen-class header rows'), and their mean
   server_flops: float           # FLOPs the server spent this round (methods.Aggregated)
   server_metrics: dict          # the server's scalar diagnostics of the round, by name
 
