@@ -117,7 +117,7 @@ def test_costs_match_hand_counts(runs):
   # each participant's seen rows, round 0 included.
   for i in infos:
     assert i.down_floats == 501 * sim.seen[0][i.cohort].sum() == i.up_floats
-  fps = np.array([sim.flops_per_sample[sim.config.model.families[c % 2]]
+  fps = np.array([sim.flops.per_sample[sim.config.model.families[c % 2]]
                   for c in range(sim.num_clients)])  # client k has families[k % 2]
   train_flops = sum((fps[i.cohort] * cfg.local_epochs * sim.train_n[0][i.cohort]).sum()
                     for i in infos)

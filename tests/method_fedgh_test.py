@@ -230,8 +230,8 @@ def test_rounds_upload_post_training_prototypes(two_rounds, small_ds):
     np.testing.assert_array_equal(info.client_down_floats, ROW * sim.num_classes)
     # The pass's FLOPs: one forward over the n_k training samples.
     extra = (info.client_flops_per_client
-             - sim.client_flops_per_sample[info.cohort] * info.train_samples)
-    np.testing.assert_allclose(extra, sim.forward_flops('cnn5') * sim.train_n[0, info.cohort],
+             - sim.flops.per_client[info.cohort] * info.train_samples)
+    np.testing.assert_allclose(extra, sim.flops.forward('cnn5') * sim.train_n[0, info.cohort],
                                rtol=1e-6)
     assert np.isfinite(info.server_metrics['loss']) and info.server_flops > 0
   assert np.abs(np.asarray(out[0][0].server.head) - head0).max() > 0  # H_g trained

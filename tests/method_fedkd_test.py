@@ -240,8 +240,8 @@ def test_engine_round_trip(small_sim):
   sim = small_sim('fedkd', num_rounds=3, seed=1)
   c = sim.config
   p5 = 665_048 + 501 * 10
-  for fam, fps in sim.flops_per_sample.items():
-    assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5') + 6 * 500 ** 2)
+  for fam, fps in sim.flops.per_sample.items():
+    assert fps == pytest.approx(sim.flops.model(fam) + sim.flops.model('cnn5') + 6 * 500 ** 2)
   state = sim.init_state()
   held = np.zeros(c.num_clients, int)
   charged = set()

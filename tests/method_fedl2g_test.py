@@ -295,8 +295,8 @@ def test_rounds_warmup_then_training(small_ds):
     assert (info.client_up_floats <= D * seen.sum(1)).all() and (info.client_up_floats > 0).all()
     assert info.client_up_floats.sum() % D == 0
     extra = (info.client_flops_per_client
-             - sim.client_flops_per_sample[info.cohort] * info.train_samples)
-    want = sim.model_flops('cnn5') * (5 / 3 * np.minimum(n - q, b) + q)
+             - sim.flops.per_client[info.cohort] * info.train_samples)
+    want = sim.flops.model('cnn5') * (5 / 3 * np.minimum(n - q, b) + q)
     np.testing.assert_allclose(extra, want, rtol=1e-6)
     assert np.isfinite(info.server_metrics['grad_norm'])
     before = after

@@ -343,9 +343,9 @@ def plain_eval(sim, state, seed_state):
 def test_a_round_sends_p_s_each_way_keeps_projectors_and_moves_g(run):
   sim, before, after, state, info = run
   p_s = 478_676 + 129 * 10
-  for fam, fps in sim.flops_per_sample.items():
-    shared = sim.model_flops('cnn5') + 6.0 * (500 * D1 + D1 * 10 - 500 * 500 - 500 * 10)
-    assert fps == pytest.approx(sim.model_flops(fam) + shared + 6.0 * (D1 + 500) * 500)
+  for fam, fps in sim.flops.per_sample.items():
+    shared = sim.flops.model('cnn5') + 6.0 * (500 * D1 + D1 * 10 - 500 * 500 - 500 * 10)
+    assert fps == pytest.approx(sim.flops.model(fam) + shared + 6.0 * (D1 + 500) * 500)
   assert np.isfinite(info.train_loss)
   assert_floats_each_way(info, p_s)
   assert state.costs.up_floats[0] == state.costs.down_floats[0] == 2 * p_s

@@ -242,6 +242,6 @@ def test_rounds_upload_pre_training_prototypes(two_rounds, small_ds):
                                rtol=1e-5, atol=1e-6)
     assert np.isfinite(info.server_metrics['loss']) and info.server_flops > 0
     extra = (info.client_flops_per_client
-             - sim.client_flops_per_sample[info.cohort] * info.train_samples)
-    np.testing.assert_allclose(extra, sim.forward_flops('cnn5') * sim.train_n[0, info.cohort],
+             - sim.flops.per_client[info.cohort] * info.train_samples)
+    np.testing.assert_allclose(extra, sim.flops.forward('cnn5') * sim.train_n[0, info.cohort],
                                rtol=1e-6)

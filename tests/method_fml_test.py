@@ -141,8 +141,8 @@ def test_engine_round_trip(small_sim):
   c = sim.config
   p5 = 665_048 + 501 * 10
   assert sim.method.meme_floats == p5
-  for fam, fps in sim.flops_per_sample.items():
-    assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5'))
+  for fam, fps in sim.flops.per_sample.items():
+    assert fps == pytest.approx(sim.flops.model(fam) + sim.flops.model('cnn5'))
   state = sim.init_state()
   meme0 = jax.tree_util.tree_map(np.asarray, sim.seed_state(state).server.meme)
   for state, info in rounds(sim, c.num_rounds, state):

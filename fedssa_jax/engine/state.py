@@ -1,18 +1,17 @@
-"""The run's state between rounds, what a round reports, and what a chunk's call takes: typed
-pytrees.
+"""The run's state between rounds, what a round reports, and what a chunk's call takes and gives:
+typed pytrees.
 
 `RunState` holds every seed of a run on a leading seed axis; one seed's slice is what its
 checkpoint saves (as a plain dict, `to_saved`/`from_saved`, the layout checkpoints have always
 had). `RoundInfo` is what `Simulator.run_round` tells the run loop about one seed's round.
 `ChunkInputs` is what the jitted call of a chunk takes besides its rows and the server state, and
-`ChunkStats` what it reports of each of its clients.
-All are flax.struct dataclasses: a reader sees their fields, and jit, orbax and `jax.tree` see
-pytrees.
+`ChunkStats` what it reports of each of its clients. All are flax.struct dataclasses: a reader
+sees their fields, and jit, orbax and `jax.tree` see pytrees.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -21,15 +20,23 @@ from flax import struct
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine.training import TrainStats
 from fedssa_jax.methods.base import Norms
+from fedssa_jax.types import PyTree
 
+
+class ServerState(Protocol):
+  """A method's server state: a flax.struct dataclass of the method's own (methods/base.py),
+  each leaf with a leading seed axis in a RunState."""
+
+  def replace(self, **changes) -> ServerState:
+    ...
 
 
 @struct.dataclass
 class Costs:
   """A run's cumulative costs: floats (arrays [R] over the seeds, or one seed's)."""
-  up_floats: Any          # floats the clients sent
-  down_floats: Any        # ... received
-  client_flops: Any       # client FLOPs
+  up_floats: np.ndarray | float     # floats the clients sent
+  down_floats: np.ndarray | float   # ... received
+  client_flops: np.ndarray | float  # client FLOPs
 
   @classmethod
   def zeros(cls, num_seeds: int) -> Costs:
@@ -54,10 +61,10 @@ FIELDS = tuple(f.name for f in dataclasses.fields(Costs))
 @struct.dataclass
 class RunState:
   round: int          # rounds done
-  params: tuple       # per family group: the members' stacked models, or the store's table
-  client_state: Any   # every client's method state (e.g. FedKD's W_h), or the store's table
-  server: Any         # the method's server state (a flax.struct dataclass of the method's)
-  costs: Costs        # cumulative costs
+  params: tuple          # per family group: the members' stacked models, or the store's table
+  client_state: PyTree   # every client's method state (e.g. FedKD's W_h), or the store's table
+  server: ServerState    # the method's server state
+  costs: Costs           # cumulative costs
 
   def to_saved(self) -> dict:
     """The dict a checkpoint holds (its keys are the fields; the costs a dict of floats)."""
@@ -114,17 +121,18 @@ class RoundInfo:
 @struct.dataclass
 class ChunkInputs:
   """What a chunk's jitted call takes besides the rows it trains and the server state, for one
-  seed (the call vmaps them over the seeds as `SEED_AXES` says)."""
-  slots: Any               # [P] the chunk's rows of its group (g.rows: a dummy)
-  ids: Any                 # [P] their client ids
-  active: Any              # [P] False for dummies
-  seen: Any                # [N, C] every client's seen-class mask
-  data: DeviceData  # the images and the clients' training indices
-  round_index: Any         # the global round t (the same for every seed)
-  root_key: Any            # the seed's key
+  seed (the call vmaps them over the seeds as `SEED_AXES`, the same dataclass holding axes,
+  says)."""
+  slots: jax.Array         # [P] the chunk's rows of its group (g.rows: a dummy)
+  ids: jax.Array           # [P] their client ids
+  active: jax.Array        # [P] False for dummies
+  seen: jax.Array          # [N, C] every client's seen-class mask
+  data: DeviceData         # the images and the clients' training indices
+  round_index: jax.Array   # the global round t (the same for every seed)
+  root_key: jax.Array      # the seed's key
 
 
 SEED_AXES = ChunkInputs(
     slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0,
     data=DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
-                           test_n=None))  # the images are shared
+                    test_n=None))  # the images are shared

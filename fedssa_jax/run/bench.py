@@ -33,7 +33,7 @@ import numpy as np
 
 from fedssa_jax import config_lib, data, models
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import costs, simulator, training
+from fedssa_jax.engine import costs, parts, simulator, training
 from fedssa_jax.methods import standalone
 
 FLAGS = flags.FLAGS
@@ -244,9 +244,9 @@ def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAME
 
 
 def _training(out, quick, ds, roof, families):
-  # Batch 512 as the engine runs it on this backend (in passes of simulator.micro_batch's auto
+  # Batch 512 as the engine runs it on this backend (in passes of parts.micro_batch's auto
   # rows), batch 64, and batch 512 in one pass for one client.
-  passes = simulator.micro_batch(config_lib.build('cifar10', 'hetero'))
+  passes = parts.micro_batch(config_lib.build('cifar10', 'hetero'))
   cases = ([('cnn5', 64, 2, 2, 0)] if quick else  # quick: one vmapped group
            [(f, b, k, max(2, 2048 // b), m) for f in families
             for b, m in ((512, passes), (64, 0)) for k in (1, 2, 5, 10)]

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from fedssa_jax import config_lib, data
-from fedssa_jax.engine import distributed, simulator
+from fedssa_jax.engine import distributed, parts, simulator
 from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
 from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
 from fedssa_jax.errors import ConfigError, DataError
@@ -100,7 +100,7 @@ def train_replicas(configs: list, workdirs: list[str], dataset: data.Dataset | N
   if len({os.path.realpath(w) for w in workdirs}) != len(workdirs):
     raise ConfigError(f'Packed seeds need a workdir each, got {workdirs}.')
   # Before anything is loaded or written.
-  simulator.check_seeds(configs[0], [c.seed for c in configs], widths=[])
+  parts.check_seeds(configs[0], [c.seed for c in configs], widths=[])
   for workdir in workdirs:
     check_workdir_writable(workdir)
   with contextlib.ExitStack() as stack:
@@ -222,7 +222,7 @@ def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
       'client_family': [sim.groups[g].family for g in sim.group_of],
       'client_train_samples': cd.train_n, 'client_test_samples': cd.test_n,
       'client_seen_classes': [np.flatnonzero(s).tolist() for s in cd.seen],
-      'flops_per_train_sample': sim.flops_per_sample,
+      'flops_per_train_sample': sim.flops.per_sample,
       'eval_client_ids': 'all' if len(evaluated) == sim.num_clients else evaluated,
       'backend': jax.default_backend(),
       'jax_version': jax.__version__,
