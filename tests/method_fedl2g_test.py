@@ -13,7 +13,7 @@ import pytest
 from fedssa_jax import config_lib, models
 
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import simulator, training
+from fedssa_jax.engine import simulator, snapshots, training
 from fedssa_jax.engine.schedule import STREAM_STUDY
 from fedssa_jax.engine.state import ChunkInputs
 from fedssa_jax.methods import base, fedl2g
@@ -263,7 +263,7 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
 
 
 def own_params(sim, params, k):
-  """Client k's parameters, as numpy arrays, out of one seed's state (Simulator.seed_state)."""
+  """Client k's parameters, as numpy arrays, out of one seed's state (snapshots.seed_state)."""
   return jax.tree.map(lambda a: np.asarray(a[sim.slot_of[k]]), params[sim.group_of[k]])
 
 
@@ -276,18 +276,18 @@ def test_rounds_warmup_then_training(small_ds):
   sim = make_small_sim(small_ds, 'fedl2g', **{'fedl2g.warmup': 1})
   q, b = sim.method.held_out_samples, sim.config.batch_size
   state = sim.init_state()
-  before = sim.seed_state(state)
+  before = snapshots.seed_state(sim.store, state)
   for t in range(2):
     state, (info,) = sim.run_round(state)
-    after = sim.seed_state(state)
+    after = snapshots.seed_state(sim.store, state)
     n = sim.train_n[0, info.cohort]
     seen = sim.seen[0, info.cohort]
     np.testing.assert_array_equal(info.train_samples, (n - q) * (t >= 1))
     np.testing.assert_array_equal(info.train_steps, -(-(n - q) // b) * (t >= 1))
     for k in info.cohort:
       changed = [not np.array_equal(x, y) for x, y in zip(
-          jax.tree.leaves(own_params(sim, before.params, k)),
-          jax.tree.leaves(own_params(sim, after.params, k)))]
+          jax.tree.leaves(own_params(sim, before.population.params, k)),
+          jax.tree.leaves(own_params(sim, after.population.params, k)))]
       assert (any(changed) if t >= 1 else not any(changed)), (t, k)
     moved = np.abs(np.asarray(after.server.vectors) - np.asarray(before.server.vectors)).max(1)
     assert (moved > 0).any() and not moved[~seen.any(0)].any()

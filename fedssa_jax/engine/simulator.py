@@ -2,8 +2,8 @@
 
 A Simulator runs R >= 1 seeds of one config (R = 1 for a plain run; `--seeds` packs more). Every
 array of the state has a leading seed axis: each group's stacked parameters [R, rows, ...], the
-per-client state [R, N, ...] (kept by the population store: population.py), the server state
-[R, ...], the costs [R]. A round (`Simulator.run_round`):
+per-client state [R, N, ...] (the population, which the store keeps: population.py), the server
+state [R, ...], the costs [R]. A round (`Simulator.run_round`):
 
 1. samples each seed's cohort and cuts it into chunks of one family group (schedule.py); chunk j
    of a group holds chunk j of every seed;
@@ -20,7 +20,7 @@ Shapes never depend on the round, so each family compiles its training call once
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
 change nothing. The Simulator's parts are built elsewhere: the seeds' data and round 0
 (parts.py), the FLOP counts (costs.py), the store (population.py), the evaluator
-(evaluation.py); devices and processes: placement.py.
+(evaluation.py); devices and processes: placement.py; checkpoints: snapshots.py.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from fedssa_jax.engine.population import make_store
 from fedssa_jax.engine.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
                                  STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
                                  STREAM_TRAIN, cohort_size, sample_cohort)
-from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, RoundInfo,
-                                     RunState)
+from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
+                                     RoundInfo, RunState, ServerState)
 
 
 # Under a mesh, each device trains its share of a chunk's clients (local_round's arguments).
@@ -164,8 +164,9 @@ def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
 class Simulator:
   """Holds the static parts of a run of `seeds` (default: the config's), each with its client
   data `cd` (one ClientData for all, or one per seed): data, groups, FLOP counts, the store and
-  the compiled calls. The state is passed in and out. `phase(name, *arrays)`, if given, is
-  called after each phase of a round (a benchmark's timer; bench.py)."""
+  the compiled calls. The state is passed in and out (`init_state`, `run_round`; its
+  checkpoints: snapshots.py). `phase(name, *arrays)`, if given, is called after each phase of a
+  round (a benchmark's timer; bench.py)."""
 
   def __init__(self, config, ds: data.Dataset, cd, workdir: str | None = None,
                phase: Callable | None = None, *, seeds=None):
@@ -216,8 +217,7 @@ class Simulator:
     """Round 0 of every seed: each client's initial model and method state (parts.Initial), in
     storage of its own (no aliasing across clients, docs/algorithm.md §2), and the server's
     initial state. `fresh`: no checkpoint will be restored (population.Store.initial)."""
-    params, client_state = self.store.initial(fresh)
-    return RunState(round=0, params=params, client_state=client_state,
+    return RunState(round=0, population=self.store.initial(fresh),
                     server=self.initial.servers(self.seen), costs=Costs.zeros(self.num_seeds))
 
   # ------------------------------------------------------------------------------------------
@@ -225,15 +225,15 @@ class Simulator:
   # ------------------------------------------------------------------------------------------
   def run_round(self, state: RunState) -> tuple[RunState, list[RoundInfo]]:
     """One round of every seed: sample, train the cohorts chunk by chunk, aggregate, account.
-    Returns the new state and each seed's RoundInfo."""
+    Returns the new state and each seed's RoundInfo; `state` is used up (its population is the
+    store's to change: population.py)."""
     t = int(state.round)
     cohorts = [self.cohort(t, i) for i in range(self.num_seeds)]
     chunks = self.plan(cohorts)
     self.phase('sample')
-    params = list(state.params)
-    client_state, server, chunk_stats = self.train_chunks(params, state.client_state,
-                                                          state.server, chunks, t)
-    self.phase('train', params, server)
+    population, server, chunk_stats = self.train_chunks(state.population, state.server,
+                                                        chunks, t)
+    self.phase('train', population, server)
     participants = np.zeros((self.num_seeds, self.num_clients), bool)
     for i, c in enumerate(cohorts):
       participants[i, c] = True
@@ -250,8 +250,8 @@ class Simulator:
                       server_metrics={k: float(v[i]) for k, v in server_metrics.items()})
              for i in range(self.num_seeds)]
     self.phase('host')
-    return RunState(round=t + 1, params=tuple(params), client_state=client_state,
-                    server=server, costs=state.costs.add(infos)), infos
+    return RunState(round=t + 1, population=population, server=server,
+                    costs=state.costs.add(infos)), infos
 
   def cohort(self, t: int, seed_index: int = 0) -> np.ndarray:
     return sample_cohort(self.seeds[seed_index], t, self.num_clients, self.k)
@@ -266,12 +266,13 @@ class Simulator:
     """The calls of a round whose cohorts (one per seed) are `cohorts` (schedule.plan)."""
     return schedule.plan(self.groups, self.group_of, self.slot_of, self.train_n, cohorts)
 
-  def train_chunks(self, params: list, client_state, server, chunks, t: int):
-    """Trains round `t`'s `chunks`, updating the list `params` (one entry per group) in place.
-    Returns (client_state, server, [stats of each chunk])."""
+  def train_chunks(self, population: Population, server: ServerState, chunks, t: int
+                   ) -> tuple[Population, ServerState, list[ChunkStats]]:
+    """Trains round `t`'s `chunks`. Returns (the new population, the server, [the statistics of
+    each chunk]); `population` and `server` are used up."""
     inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
                          round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys)
-    return self.store.train(params, client_state, server, chunks, self._train_calls, inputs)
+    return self.store.train(population, server, chunks, self._train_calls, inputs)
 
   def _round_info(self, cohort: np.ndarray, chunks, chunk_stats: list[ChunkStats],
                   i: int) -> RoundInfo:
@@ -315,45 +316,6 @@ class Simulator:
   def save_representations(self, state: RunState, workdir: str, seed_index: int = 0) -> str:
     return self.evaluator.save_representations(state, seed_index,
                                                self.seed_data[seed_index], workdir)
-
-  # ------------------------------------------------------------------------------------------
-  # Checkpoints: the stacked state, and each seed's own (what its checkpoint holds)
-  # ------------------------------------------------------------------------------------------
-  def saved(self, state: RunState, seed_index: int = 0) -> dict:
-    """What seed `seed_index`'s checkpoint holds of the stacked `state`, whatever the device
-    count and store: host arrays without padding rows (the disk store's slot maps), a dict."""
-    params, client_state = self.store.saved(state.params, state.client_state, seed_index)
-    server = self.placement.fetch_seed(state.server, seed_index)
-    return RunState(round=state.round, params=params, client_state=client_state, server=server,
-                    costs=state.costs.of(seed_index)).to_saved()
-
-  def seed_state(self, state: RunState, seed_index: int = 0) -> RunState:
-    """Seed `seed_index`'s own state out of the stacked one, without the seed axis: host copies
-    of its arrays (a row store's tables as they are). For tests and tools; the run loop reads
-    the stacked state."""
-    params, client_state = self.store.seed_slice(state.params, state.client_state, seed_index)
-    return RunState(round=state.round, params=params, client_state=client_state,
-                    server=self.placement.fetch_seed(state.server, seed_index),
-                    costs=state.costs.of(seed_index))
-
-  def stacked(self, saved: list[dict]) -> RunState:
-    """The state of every seed from what their checkpoints hold (`saved`, one per seed, of the
-    same round), live in the store and on the devices."""
-    states = [RunState.from_saved(s) for s in saved]
-    if len({int(s.round) for s in states}) != 1:
-      raise ValueError(f'Seeds at different rounds: {[int(s.round) for s in states]}.')
-    params, client_state = self.store.stacked([(s.params, s.client_state) for s in states])
-    return RunState(round=states[0].round, params=params, client_state=client_state,
-                    server=self.placement.stack_seeds([s.server for s in states]),
-                    costs=Costs.stack([s.costs for s in states]))
-
-  def before_checkpoint(self, state: RunState, seed_index: int = 0) -> dict:
-    """The store's bookkeeping, then what seed `seed_index`'s checkpoint holds (`saved`)."""
-    self.store.before_checkpoint(state.params, state.client_state, state.round)
-    return self.saved(state, seed_index)
-
-  def after_checkpoint(self, state: RunState, kept_steps: list[int]) -> None:
-    self.store.after_checkpoint(state.params, state.client_state, kept_steps)
 
 
 def aggregate_seed(method: methods.Method, server, participants, round_index,

@@ -1,12 +1,13 @@
 """The run's state between rounds, what a round reports, and what a chunk's call takes and gives:
 typed pytrees.
 
-`RunState` holds every seed of a run on a leading seed axis; one seed's slice is what its
-checkpoint saves (as a plain dict, `to_saved`/`from_saved`, the layout checkpoints have always
-had). `RoundInfo` is what `Simulator.run_round` tells the run loop about one seed's round.
-`ChunkInputs` is what the jitted call of a chunk takes besides its rows and the server state, and
-`ChunkStats` what it reports of each of its clients. All are flax.struct dataclasses: a reader
-sees their fields, and jit, orbax and `jax.tree` see pytrees.
+`RunState` holds every seed of a run on a leading seed axis: the round, the client population
+(`Population`), the server state and the costs. One seed's slice is what its checkpoint saves, as
+the plain dict checkpoints have always held (snapshots.py). `RoundInfo` is what
+`Simulator.run_round` tells the run loop about one seed's round. `ChunkInputs` is what the jitted
+call of a chunk takes besides its rows and the server state, and `ChunkStats` what it reports of
+each of its clients. All are flax.struct dataclasses: a reader sees their fields, and jit, orbax
+and `jax.tree` see pytrees.
 """
 from __future__ import annotations
 
@@ -58,23 +59,45 @@ class Costs:
 FIELDS = tuple(f.name for f in dataclasses.fields(Costs))
 
 
+class StalePopulation(RuntimeError):
+  """A population read after the store's tables moved on: a later round wrote them in place, or
+  a restore replaced them (population.py)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A row store's handle on its tables (hashable: a static part of the Population's pytree):
+  which store, and the generation of the tables it names. The store advances the generation
+  whenever it writes rows (a round) or replaces its tables (a start or a restore)."""
+  store: str       # the store's name: 'host' or 'disk'
+  owner: int       # which store object of the process (population.py numbers them)
+  generation: int
+
+
+@struct.dataclass
+class Population:
+  """The clients of every seed between rounds: each family group's stacked models and every
+  client's method state, the same type whatever the store (population.py), which alone reads
+  and writes it.
+
+  The device store's: `params` (per group, the members' models [R, rows, ...]) and
+  `client_state` ([R, N', ...]) are device arrays; a round donates them, so a population a round
+  took is gone (JAX raises on its deleted arrays). A host or disk store's: `tables`, the handle
+  on the store's tables of rows, `params` and `client_state` None; a round writes the rows in
+  place and moves the tables to a new generation, so reading a population a round took raises
+  StalePopulation rather than returning the newer rows. A state the caller keeps is never
+  changed by a round: it is either still valid or refused."""
+  params: tuple[PyTree, ...] | None = None
+  client_state: PyTree | None = None
+  tables: Tables | None = struct.field(pytree_node=False, default=None)
+
+
 @struct.dataclass
 class RunState:
-  round: int          # rounds done
-  params: tuple          # per family group: the members' stacked models, or the store's table
-  client_state: PyTree   # every client's method state (e.g. FedKD's W_h), or the store's table
-  server: ServerState    # the method's server state
-  costs: Costs           # cumulative costs
-
-  def to_saved(self) -> dict:
-    """The dict a checkpoint holds (its keys are the fields; the costs a dict of floats)."""
-    saved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    saved['costs'] = {f: getattr(self.costs, f) for f in FIELDS}
-    return saved
-
-  @classmethod
-  def from_saved(cls, saved: dict) -> RunState:
-    return cls(**{**saved, 'costs': Costs(**{f: float(saved['costs'][f]) for f in FIELDS})})
+  round: int               # rounds done
+  population: Population   # the clients' models and method state, every seed's
+  server: ServerState      # the method's server state
+  costs: Costs             # cumulative costs
 
 
 @struct.dataclass

@@ -151,15 +151,15 @@ def peak_memory() -> dict:
 def masked_train_seconds(sim: simulator.Simulator, state, rounds: int) -> float:
   """Seconds per round of the training calls' work besides training: the same compiled calls
   on the chunks of the last `rounds` rounds (run already, so compiled) with every client
-  masked, so that no step runs (`Simulator.train_chunks`). The calls take the state's arrays
-  (donated), so `state` is used up."""
-  params, client_state, server = list(state.params), state.client_state, state.server
+  masked, so that no step runs (`Simulator.train_chunks`). The calls take the state's
+  population (donated), so `state` is used up."""
+  population, server = state.population, state.server
   t0 = time.perf_counter()
   for t in range(state.round - rounds, state.round):
     masked = [dataclasses.replace(c, active=np.zeros_like(c.active))
               for c in sim.plan([sim.cohort(t)])]
-    client_state, server, _ = sim.train_chunks(params, client_state, server, masked, t)
-  jax.block_until_ready((params, client_state, server))
+    population, server, _ = sim.train_chunks(population, server, masked, t)
+  jax.block_until_ready((population, server))
   return (time.perf_counter() - t0) / rounds
 
 
