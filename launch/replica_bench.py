@@ -38,7 +38,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from fedssa_jax import config_lib, data, methods
-from fedssa_jax.engine import simulator
+from fedssa_jax.engine import costs, simulator
 from fedssa_jax.run import bench, console
 
 FLAGS = flags.FLAGS
@@ -181,8 +181,8 @@ def grid_flops() -> dict:
       partitions[key] = data.partition_from_config(c, datasets[classes]).train_n
     train_n = partitions[key]
     method = methods.get_method(c.method)(c, len(train_n), classes)
-    flops_of = lambda f, classes=classes, c=c: simulator.model_flops(f, classes, c.batch_size,
-                                                                     c.model.feature_dim)
+    flops_of = lambda f, classes=classes, c=c: costs.model_flops(f, classes, c.batch_size,
+                                                                 c.model.feature_dim)
     per_family = {f: method.train_flops_per_sample(flops_of(f), flops_of)
                   for f in c.model.families}
     per_sample = np.array([per_family[c.model.families[i % len(c.model.families)]]

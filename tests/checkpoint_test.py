@@ -212,9 +212,9 @@ def put_a_nan_after_round(monkeypatch, nan_round):
       cohort = schedule.sample_cohort(sim.config.seed, state.round, sim.num_clients, sim.k)
       client = int(cohort[-1])
       g, slot = sim.group_of[client], sim.slot_of[client]
-      params = list(state.params)
+      params = list(state.population.params)
       params[g] = jax.tree.map(lambda p: p.at[0, slot].set(np.nan), params[g])
-      state = state.replace(params=tuple(params))
+      state = state.replace(population=state.population.replace(params=tuple(params)))
       print(f'NaN in client {client} of family {sim.groups[g].family}', flush=True)
     return run_round(sim, state)
 

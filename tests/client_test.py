@@ -56,8 +56,8 @@ def test_vmapped_group_equals_singletons(small_ds, use_augment):
     single, stats = one(p_c, keys[c], dd.train_idx[c], dd.train_n[c], dd)
     tree_allclose(jax.tree_util.tree_map(lambda x: x[c], vm_params), single, rtol=2e-4,
                   atol=2e-6)
-    assert int(stats['samples']) == int(vm_stats['samples'][c]) == 2 * n
-    assert int(stats['steps']) == int(vm_stats['steps'][c]) == 2 * -(-n // 8)
+    assert int(stats.samples) == int(vm_stats.samples[c]) == 2 * n
+    assert int(stats.steps) == int(vm_stats.steps[c]) == 2 * -(-n // 8)
   # The empty client is bit-for-bit unchanged.
   tree_allclose(jax.tree_util.tree_map(lambda x: x[2], vm_params),
                 jax.tree_util.tree_map(lambda x: x[2], params), rtol=0, atol=0)
@@ -75,8 +75,8 @@ def test_micro_batched_steps_equal_whole_batches(small_ds):
         params, keys, dd.train_idx, dd.train_n, dd)
   tree_allclose(got[4][0], got[0][0], rtol=2e-4, atol=2e-6)
   for k in ('samples', 'steps', 'correct'):
-    np.testing.assert_array_equal(got[4][1][k], got[0][1][k])
-  np.testing.assert_allclose(got[4][1]['loss_sum'], got[0][1]['loss_sum'], rtol=1e-5)
+    np.testing.assert_array_equal(getattr(got[4][1], k), getattr(got[0][1], k))
+  np.testing.assert_allclose(got[4][1].loss_sum, got[0][1].loss_sum, rtol=1e-5)
 
 
 def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):

@@ -5,6 +5,7 @@ import pytest
 
 from fedssa_jax import data
 from fedssa_jax.data import datasets
+from fedssa_jax.engine import snapshots
 from conftest import synthetic_dataset
 
 
@@ -201,7 +202,8 @@ def test_one_fedssa_round_on_each_mock_data_set():
     sim = make_small_sim(ds, 'fedssa', dataset=name, image_size=image_size, batch_size=8,
                          eval_batch_size=8, **partition)
     state = sim.init_state()
-    params = sim.seed_state(state).params[0]  # the group's stacked clients
+    # the group's stacked clients
+    params = snapshots.seed_state(sim.store, state).population.params[0]
     assert params['conv1']['kernel'].shape[1:] == (5, 5, shape[2], 16)
     assert params['fc3']['kernel'].shape[1:] == (500, classes)
     state, (info,) = sim.run_round(state)

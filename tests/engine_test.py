@@ -1,12 +1,14 @@
 """The round engine: chunked vmapped training with dummies equals one-client-at-a-time, no
 retracing across rounds, and cost counters that match hand counts."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, data
-from fedssa_jax.engine import evaluation, schedule, simulator
-from fedssa_jax.methods import base
+from fedssa_jax.engine import evaluation, schedule, simulator, snapshots
+from fedssa_jax.engine.state import ChunkInputs
+from fedssa_jax.methods import base, standalone
 
 ROUNDS = 3
 
@@ -115,7 +117,7 @@ def test_costs_match_hand_counts(runs):
   # each participant's seen rows, round 0 included.
   for i in infos:
     assert i.down_floats == 501 * sim.seen[0][i.cohort].sum() == i.up_floats
-  fps = np.array([sim.flops_per_sample[sim.config.model.families[c % 2]]
+  fps = np.array([sim.flops.per_sample[sim.config.model.families[c % 2]]
                   for c in range(sim.num_clients)])  # client k has families[k % 2]
   train_flops = sum((fps[i.cohort] * cfg.local_epochs * sim.train_n[0][i.cohort]).sum()
                     for i in infos)
@@ -128,25 +130,25 @@ def test_costs_match_hand_counts(runs):
 @pytest.mark.slow  # simulators compiled and run
 def test_standalone_exchanges_nothing_and_differs_from_fedssa(small_ds, runs):
   sim, state, infos, ev = run(small_config('standalone'), small_ds)
-  state = sim.seed_state(state)
+  state = snapshots.seed_state(sim.store, state)
   assert state.server == base.NoServer() and not jax.tree.leaves(state.server)
   assert state.costs.up_floats == state.costs.down_floats == 0
   fs_sim, fs_state, fs_infos, fs_ev = runs[1]
-  fs_state = fs_sim.seed_state(fs_state)
+  fs_state = snapshots.seed_state(fs_sim.store, fs_state)
   # The same initial models and cohorts; FedSSA fuses the initial global header from round 0.
-  jax.tree.map(np.testing.assert_array_equal, sim.init_state().params,
-               fs_sim.init_state().params)
+  jax.tree.map(np.testing.assert_array_equal, sim.init_state().population.params,
+               fs_sim.init_state().population.params)
   np.testing.assert_array_equal(infos[0].cohort, fs_infos[0].cohort)
   assert infos[0].train_loss != pytest.approx(fs_infos[0].train_loss, rel=1e-4)
-  assert not np.allclose(state.params[0]['fc3']['kernel'],
-                         fs_state.params[0]['fc3']['kernel'])
+  assert not np.allclose(state.population.params[0]['fc3']['kernel'],
+                         fs_state.population.params[0]['fc3']['kernel'])
   # Extractors of clients that never took part are their own initial ones, in both runs.
   never = sorted(set(range(10)) - set(np.concatenate([i.cohort for i in infos]).tolist()))
   assert never, 'pick a seed that leaves a client out'
   for c in never:
     g, slot = sim.group_of[c], sim.slot_of[c]
-    np.testing.assert_array_equal(state.params[g]['fc1']['kernel'][slot],
-                                  fs_state.params[g]['fc1']['kernel'][slot])
+    np.testing.assert_array_equal(state.population.params[g]['fc1']['kernel'][slot],
+                                  fs_state.population.params[g]['fc1']['kernel'][slot])
 
 
 @pytest.mark.slow  # simulators compiled and run
@@ -155,7 +157,7 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
   config = small_config()
   config.model.init_scope = scope
   sim = simulator.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
-  params = sim.seed_state(sim.init_state()).params
+  params = snapshots.seed_state(sim.store, sim.init_state()).population.params
   kernels = [np.asarray(p['conv1']['kernel']) for p in params]  # same shape in both families
   distinct = {k.tobytes() for group in kernels for k in group}
   if scope == 'client':
@@ -165,22 +167,54 @@ def test_initial_models_per_family_or_per_client(small_ds, scope):
     # The family's model is its own draw: the same whichever families the run has.
     config.model.families = ('cnn4',)
     sim4 = simulator.Simulator(config, small_ds, data.partition_from_config(config, small_ds))
-    np.testing.assert_array_equal(sim4.init_state().params[0]['conv1']['kernel'][0, 0],
-                                  kernels[1][0])
+    np.testing.assert_array_equal(
+        sim4.init_state().population.params[0]['conv1']['kernel'][0, 0], kernels[1][0])
 
 
 @pytest.mark.slow  # simulators compiled and run
 def test_header_norms_are_those_of_the_trained_clients_seen_rows(runs):
   sim, state, infos, _ = runs[3]
-  state = sim.seed_state(state)
+  state = snapshots.seed_state(sim.store, state)
   norms = []
   for c in infos[-1].cohort:
     g, slot = sim.group_of[c], sim.slot_of[c]
-    rows = np.concatenate([state.params[g]['fc3']['kernel'][slot].T,
-                           state.params[g]['fc3']['bias'][slot][:, None]], axis=1)
+    rows = np.concatenate([state.population.params[g]['fc3']['kernel'][slot].T,
+                           state.population.params[g]['fc3']['bias'][slot][:, None]], axis=1)
     norms += [np.linalg.norm(rows[s]) for s in np.flatnonzero(sim.seen[0][c])]
   assert infos[-1].header_norm_max == pytest.approx(max(norms), rel=1e-5)
   assert infos[-1].header_norm_mean == pytest.approx(np.mean(norms), rel=1e-5)
+
+
+def test_a_chunk_reports_the_methods_norms_of_its_trained_clients():
+  """train_chunk reports each client's Method.trained_norms after training: by default those of
+  its seen-class header rows; a method may report norms of its own."""
+  rng = np.random.default_rng(0)
+  params = {'fc3': {'kernel': rng.normal(size=(3, 4, 5)).astype(np.float32),
+                    'bias': rng.normal(size=(3, 5)).astype(np.float32)}}
+  seen = np.array([[1, 1, 0, 0, 0], [0, 0, 1, 1, 1], [1, 0, 0, 0, 0], [0] * 5], bool)
+  inputs = ChunkInputs(slots=None, ids=jnp.array([0, 1, 3]), active=jnp.array([True, True, False]),
+                       seen=jnp.asarray(seen), data=None, round_index=None, root_key=None)
+  local = lambda p, state, server, inputs: (p, state, {}, 'client stats')
+
+  class WeightNorms(standalone.Standalone):
+    def trained_norms(self, params, seen):
+      return base.Norms(max=jnp.abs(params['fc3']['bias']).max(), sum=jnp.zeros(()),
+                        count=seen.sum() * 0)
+
+  for method in (standalone.Standalone(None, 4, 5), WeightNorms(None, 4, 5)):
+    _, _, _, stats = simulator.train_chunk(params, {}, (), inputs, method=method, local=local)
+    assert stats.clients == 'client stats'
+    np.testing.assert_array_equal(stats.nonfinite, [False, False, False])
+    for k, c in enumerate([0, 1, 3]):
+      if isinstance(method, WeightNorms):
+        want = [np.abs(params['fc3']['bias'][k]).max(), 0.0, 0]
+      else:
+        rows = np.concatenate([params['fc3']['kernel'][k].T, params['fc3']['bias'][k][:, None]],
+                              axis=1)
+        norms = np.linalg.norm(rows[seen[c]], axis=1)
+        want = [norms.max(initial=0.0), norms.sum(), seen[c].sum()]
+      got = [stats.norms.max[k], stats.norms.sum[k], stats.norms.count[k]]
+      np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
@@ -194,12 +228,12 @@ def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
 @pytest.mark.slow  # simulators compiled and run
 def test_evaluation_equals_plain_per_client_loop(runs, small_ds):
   sim, state, _, ev = runs[3]
-  state, data_ = sim.seed_state(state), sim.seed_data[0]
+  state, data_ = snapshots.seed_state(sim.store, state), sim.seed_data[0]
   images = np.asarray(jax.numpy.asarray(small_ds.images, np.float32) / 255.0)
   images = (images - np.array(small_ds.mean)) / np.array(small_ds.std)
   for c in range(sim.num_clients):
     g, slot = sim.group_of[c], sim.slot_of[c]
-    params = jax.tree_util.tree_map(lambda p: p[slot], state.params[g])
+    params = jax.tree_util.tree_map(lambda p: p[slot], state.population.params[g])
     idx = data_.test_idx[c, :data_.test_n[c]]
     logits, _ = sim.groups[g].eval_model.apply({'params': params}, images[np.asarray(idx)])
     correct = np.argmax(logits, -1) == small_ds.labels[np.asarray(idx)]

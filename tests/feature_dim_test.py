@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, errors, methods, models
-from fedssa_jax.engine import costs, simulator
+from fedssa_jax.engine import costs
 
 from conftest import client_view, make_small_sim, params_of, rounds, synthetic_dataset
 
@@ -68,7 +68,7 @@ def test_d_is_read_from_the_config_and_nowhere_defaults():
   for fn in (models.make_model, models.forward_macs, models.init_header,
              models.zoo.make_zoo_model, costs.xla_train_flops_per_sample,
              costs.xla_forward_flops_per_sample, costs.analytic_train_flops_per_sample,
-             simulator.model_flops, simulator.forward_flops):
+             costs.model_flops, costs.forward_flops):
     param = inspect.signature(inspect.unwrap(fn)).parameters['feature_dim']
     assert param.default is inspect.Parameter.empty, fn.__qualname__
   assert models.CNN.__dataclass_fields__['feature_dim'].default is dataclasses.MISSING
@@ -112,7 +112,7 @@ def test_a_512_d_run_has_513_wide_header_rows_end_to_end():
   np.testing.assert_array_equal(info.client_down_floats, want)
   np.testing.assert_array_equal(info.client_up_floats, want)
   # The training FLOPs are those of the d-wide model.
-  assert sim.model_flops('cnn5') == simulator.model_flops(
+  assert sim.flops.model('cnn5') == costs.model_flops(
       'cnn5', s, sim.config.batch_size, d, sim.image_shape)
-  assert sim.model_flops('cnn5') > simulator.model_flops(
+  assert sim.flops.model('cnn5') > costs.model_flops(
       'cnn5', s, sim.config.batch_size, 500, sim.image_shape)

@@ -212,12 +212,12 @@ def test_one_round_through_the_engine(small_sim):
   sim = small_sim('fedclassavg')
   c = sim.config
   for fam in c.model.families:  # a second view plus the 2B x 2B similarity matrix
-    assert sim.flops_per_sample[fam] == 2 * sim.model_flops(fam) + 24 * 16 * 500
+    assert sim.flops.per_sample[fam] == 2 * sim.flops.model(fam) + 24 * 16 * 500
   for state, info in rounds(sim, 2):
     assert np.isfinite(info.train_loss)
     assert_floats_each_way(info, 501 * sim.num_classes)  # 5,010 each way
     np.testing.assert_allclose(info.client_flops_per_client,
-                               sim.client_flops_per_sample[info.cohort]
+                               sim.flops.per_client[info.cohort]
                                * sim.train_n[0][info.cohort])
   ev = sim.evaluate(state)
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

@@ -9,7 +9,7 @@ import pytest
 
 from fedssa_jax import config_lib, models
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import training
+from fedssa_jax.engine import snapshots, training
 from fedssa_jax.methods import base, fedgh, prototypes
 
 from conftest import client_view, log_softmax, make_small_sim
@@ -20,7 +20,7 @@ ROW = D + 1  # a header row: d weights and a bias
 
 
 def own_params(sim, params, k):
-  """Client k's parameters, as numpy arrays, out of one seed's state (Simulator.seed_state)."""
+  """Client k's parameters, as numpy arrays, out of one seed's state (snapshots.seed_state)."""
   return jax.tree.map(lambda a: np.asarray(a[sim.slot_of[k]]), params[sim.group_of[k]])
 
 def make_method(n=5, c=C, **fields):
@@ -201,11 +201,11 @@ def two_rounds(small_ds):
   """FedGH's simulator, its initial state's server and two rounds (state, info) of it."""
   sim = make_small_sim(small_ds, 'fedgh')
   state = sim.init_state()
-  head0 = np.asarray(sim.seed_state(state).server.head)
+  head0 = np.asarray(snapshots.seed_state(sim.store, state).server.head)
   out = []
   for _ in range(2):
     state, (info,) = sim.run_round(state)
-    out.append((sim.seed_state(state), info))
+    out.append((snapshots.seed_state(sim.store, state), info))
   return sim, head0, out
 
 
@@ -222,7 +222,7 @@ def test_rounds_upload_post_training_prototypes(two_rounds, small_ds):
     for k in info.cohort:  # the trained model's forward over the client's training split
       idx = np.asarray(cd.train_idx[0, k])[:int(sim.train_n[0, k])]
       x = (small_ds.images[idx] / 255.0 - mean) / std
-      rep = np.asarray(forward(own_params(sim, state.params, k), x.astype(np.float32)),
+      rep = np.asarray(forward(own_params(sim, state.population.params, k), x.astype(np.float32)),
                        np.float64)
       y = small_ds.labels[idx]
       for c in range(sim.num_classes):
@@ -234,8 +234,8 @@ def test_rounds_upload_post_training_prototypes(two_rounds, small_ds):
     np.testing.assert_array_equal(info.client_down_floats, ROW * sim.num_classes)
     # The pass's FLOPs: one forward over the n_k training samples.
     extra = (info.client_flops_per_client
-             - sim.client_flops_per_sample[info.cohort] * info.train_samples)
-    np.testing.assert_allclose(extra, sim.forward_flops('cnn5') * sim.train_n[0, info.cohort],
+             - sim.flops.per_client[info.cohort] * info.train_samples)
+    np.testing.assert_allclose(extra, sim.flops.forward('cnn5') * sim.train_n[0, info.cohort],
                                rtol=1e-6)
     assert np.isfinite(info.server_metrics['loss']) and info.server_flops > 0
   assert np.abs(np.asarray(out[0][0].server.head) - head0).max() > 0  # H_g trained

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
+from fedssa_jax.engine import snapshots
 from fedssa_jax.methods import aggregation, base, fedkd
 
 from conftest import aggregate, client_view, log_softmax, random_params, stack_trees
@@ -245,13 +246,13 @@ def test_engine_round_trip(small_sim):
   sim = small_sim('fedkd', num_rounds=3, seed=1)
   c = sim.config
   p5 = 665_048 + 501 * 10
-  for fam, fps in sim.flops_per_sample.items():
-    assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5') + 6 * 500 ** 2)
+  for fam, fps in sim.flops.per_sample.items():
+    assert fps == pytest.approx(sim.flops.model(fam) + sim.flops.model('cnn5') + 6 * 500 ** 2)
   state = sim.init_state()
   held = np.zeros(c.num_clients, int)
   charged = set()
   for t in range(c.num_rounds):
-    last = int(sim.seed_state(state).server.last_floats)
+    last = int(snapshots.seed_state(sim.store, state).server.last_floats)
     state, (info,) = sim.run_round(state)
     assert np.isfinite(info.train_loss)
     want_down = [0 if t == 0 else last if held[k] == t - 1 else p5 for k in info.cohort]
@@ -260,10 +261,11 @@ def test_engine_round_trip(small_sim):
     up = info.client_up_floats
     assert np.all((up > 1048 + 10) & (up <= p5))
     held[info.cohort] = t
-    np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server.held), held)
+    np.testing.assert_array_equal(
+        np.asarray(snapshots.seed_state(sim.store, state).server.held), held)
   assert charged == {'zero', 'delta', 'dense'}
-  last = sim.seed_state(state)
+  last = snapshots.seed_state(sim.store, state)
   assert 0 < int(last.server.last_floats) <= p5
-  assert np.asarray(last.client_state.w_h).shape == (c.num_clients, 500, 500)
+  assert np.asarray(last.population.client_state.w_h).shape == (c.num_clients, 500, 500)
   ev = sim.evaluate(state)
   assert np.all((0 <= ev.accuracy) & (ev.accuracy <= 1))  # also false for NaN

@@ -14,7 +14,7 @@ from flax import struct
 from fedssa_jax import config_lib
 
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import simulator, training
+from fedssa_jax.engine import simulator, snapshots, training
 from fedssa_jax.engine.schedule import STREAM_STUDY
 from fedssa_jax.engine.state import ChunkInputs
 from fedssa_jax.methods import base, fedl2g
@@ -254,9 +254,9 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
                          seen=seen, data=data_, round_index=jnp.asarray(t),
                          root_key=jax.random.PRNGKey(0))
     _, _, payload, stats = local({'w': jnp.zeros((3, 2))}, base.NoState(), server, inputs)
-    np.testing.assert_array_equal(np.asarray(stats['row']), rows[:, 4:])
+    np.testing.assert_array_equal(np.asarray(stats.train['row']), rows[:, 4:])
     n = np.array([12, 7, 0])
-    np.testing.assert_array_equal(np.asarray(stats['samples']), (n - 4).clip(0) * (t >= 2))
+    np.testing.assert_array_equal(np.asarray(stats.train['samples']), (n - 4).clip(0) * (t >= 2))
     # The meta step's output is the upload (FedL2G's payload is acc.after_training).
     np.testing.assert_array_equal(np.asarray(payload.row), rows)
     np.testing.assert_array_equal(np.asarray(payload.n), n)
@@ -267,14 +267,14 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
     np.testing.assert_array_equal(np.asarray(payload.present), np.tile(np.arange(C) < 2,
                                                                        (3, 1)))
     study, quiz = np.minimum((n - 4).clip(0), 8), np.minimum(n, 4)
-    np.testing.assert_allclose(np.asarray(stats['extra_flops']),
+    np.testing.assert_allclose(np.asarray(stats.extra_flops),
                                3.0 * (5 / 3 * study + quiz), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(stats['up_floats']), [2 * D, 2 * D, 2 * D])
-    np.testing.assert_array_equal(np.asarray(stats['down_floats']), [C * D] * 3)
+    np.testing.assert_array_equal(np.asarray(stats.up_floats), [2 * D, 2 * D, 2 * D])
+    np.testing.assert_array_equal(np.asarray(stats.down_floats), [C * D] * 3)
 
 
 def own_params(sim, params, k):
-  """Client k's parameters, as numpy arrays, out of one seed's state (Simulator.seed_state)."""
+  """Client k's parameters, as numpy arrays, out of one seed's state (snapshots.seed_state)."""
   return jax.tree.map(lambda a: np.asarray(a[sim.slot_of[k]]), params[sim.group_of[k]])
 
 
@@ -287,18 +287,18 @@ def test_rounds_warmup_then_training(small_ds):
   sim = make_small_sim(small_ds, 'fedl2g', **{'fedl2g.warmup': 1})
   q, b = sim.method.held_out_samples, sim.config.batch_size
   state = sim.init_state()
-  before = sim.seed_state(state)
+  before = snapshots.seed_state(sim.store, state)
   for t in range(2):
     state, (info,) = sim.run_round(state)
-    after = sim.seed_state(state)
+    after = snapshots.seed_state(sim.store, state)
     n = sim.train_n[0, info.cohort]
     seen = sim.seen[0, info.cohort]
     np.testing.assert_array_equal(info.train_samples, (n - q) * (t >= 1))
     np.testing.assert_array_equal(info.train_steps, -(-(n - q) // b) * (t >= 1))
     for k in info.cohort:
       changed = [not np.array_equal(x, y) for x, y in zip(
-          jax.tree.leaves(own_params(sim, before.params, k)),
-          jax.tree.leaves(own_params(sim, after.params, k)))]
+          jax.tree.leaves(own_params(sim, before.population.params, k)),
+          jax.tree.leaves(own_params(sim, after.population.params, k)))]
       assert (any(changed) if t >= 1 else not any(changed)), (t, k)
     moved = np.abs(np.asarray(after.server.vectors) - np.asarray(before.server.vectors)).max(1)
     assert (moved > 0).any() and not moved[~seen.any(0)].any()
@@ -306,8 +306,8 @@ def test_rounds_warmup_then_training(small_ds):
     assert (info.client_up_floats <= D * seen.sum(1)).all() and (info.client_up_floats > 0).all()
     assert info.client_up_floats.sum() % D == 0
     extra = (info.client_flops_per_client
-             - sim.client_flops_per_sample[info.cohort] * info.train_samples)
-    want = sim.model_flops('cnn5') * (5 / 3 * np.minimum(n - q, b) + q)
+             - sim.flops.per_client[info.cohort] * info.train_samples)
+    want = sim.flops.model('cnn5') * (5 / 3 * np.minimum(n - q, b) + q)
     np.testing.assert_allclose(extra, want, rtol=1e-6)
     assert np.isfinite(info.server_metrics['grad_norm'])
     before = after

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, methods, models
-from fedssa_jax.engine import population, schedule
+from fedssa_jax.engine import population, schedule, snapshots
 from fedssa_jax.engine.placement import Placement
 from fedssa_jax.methods import base, fedmrl
 from fedssa_jax.methods.aggregation import Inbox
@@ -259,20 +259,16 @@ def test_stores_bring_the_members_state_rows_to_evaluation_calls_only_when_asked
   jobs = [(0, np.array([0, 2, 2]), 2)]  # slots 0 and 2, padded by repeating the last
   place = Placement(1)
   stacked = lambda tree: jax.tree.map(lambda a: jnp.asarray(a)[None], tree)  # the seed axis
-  stores = {
-      'device': (population.DeviceStore(place, [g], 5, 1, None, None),
-                 (stacked(slot_params),), stacked(state), stacked({'z': np.zeros(1)})),
-      'host': (population.HostStore(place, [g], 5, 1, None, None),
-               (population.HostRows(slot_params),), population.HostRows(state),
-               stacked({'z': np.zeros(1)})),
-  }
-  for name, (store, params, client_state, server) in stores.items():
+  server = stacked({'z': np.zeros(1)})
+  for name in ('device', 'host'):
+    store = population.STORES[name](place, [g], 5, 1, None, None)
+    held = store.stacked([((slot_params,), state)])  # the store's own, as from a checkpoint
     for with_state in (False, True):
       def rows(p, cids, valid, server, data_, *state_rows):
         return p, cids, valid, state_rows
       calls = [store.eval_call(g, rows, with_state=with_state)]
       (_, _, (p, cids, valid, state_rows)), = store.evaluate(
-          params, 0, jobs, calls, server, None, client_state if with_state else None)
+          held, 0, jobs, calls, server, None, with_state)
       np.testing.assert_array_equal(np.asarray(p['w']), slot_params['w'][[0, 2, 2]], name)
       np.testing.assert_array_equal(np.asarray(cids), [1, 4, 4], name)
       np.testing.assert_array_equal(np.asarray(valid), [True, True, False], name)
@@ -291,9 +287,9 @@ def run(small_ds):
   round's RoundInfo)."""
   sim = make_small_sim(small_ds, 'fedmrl')
   state = sim.init_state()
-  before = sim.seed_state(state)  # host copies: a round donates the state's buffers
+  before = snapshots.seed_state(sim.store, state)  # host copies: a round donates the state
   (state, info), = rounds(sim, 1, state)
-  return sim, before, sim.seed_state(state), state, info
+  return sim, before, snapshots.seed_state(sim.store, state), state, info
 
 
 def numpy_representation(p, x):
@@ -324,12 +320,12 @@ def plain_eval(sim, state, seed_state):
   mean, std = np.asarray(cfg.mean), np.asarray(cfg.std)
   f64 = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
   shared = f64(seed_state.server.shared)
-  group_params = host(state.params)  # then indexed on the host (params_of would compile)
+  group_params = host(state.population.params)  # then indexed on the host (params_of would compile)
   acc, shared_acc = np.zeros(sim.num_clients), np.zeros(sim.num_clients)
   for k in range(sim.num_clients):
     assert sim.groups[sim.group_of[k]].family == 'cnn5'
     params = f64(params_of(sim, group_params, k))
-    proj = f64(jax.tree.map(lambda a: a[k], seed_state.client_state.proj))
+    proj = f64(jax.tree.map(lambda a: a[k], seed_state.population.client_state.proj))
     idx = test_idx[k][:int(test_n[k])]
     x = (images[idx] / 255.0 - mean) / std  # augment.normalize
     y = labels[idx]
@@ -345,22 +341,22 @@ def plain_eval(sim, state, seed_state):
 def test_a_round_sends_p_s_each_way_keeps_projectors_and_moves_g(run):
   sim, before, after, state, info = run
   p_s = 478_676 + 129 * 10
-  for fam, fps in sim.flops_per_sample.items():
-    shared = sim.model_flops('cnn5') + 6.0 * (500 * D1 + D1 * 10 - 500 * 500 - 500 * 10)
-    assert fps == pytest.approx(sim.model_flops(fam) + shared + 6.0 * (D1 + 500) * 500)
+  for fam, fps in sim.flops.per_sample.items():
+    shared = sim.flops.model('cnn5') + 6.0 * (500 * D1 + D1 * 10 - 500 * 500 - 500 * 10)
+    assert fps == pytest.approx(sim.flops.model(fam) + shared + 6.0 * (D1 + 500) * 500)
   assert np.isfinite(info.train_loss)
   assert_floats_each_way(info, p_s)
   assert state.costs.up_floats[0] == state.costs.down_floats[0] == 2 * p_s
   trained = info.cohort
   assert len(trained) == 2
   # Each client's J_k: its own draw of PyTorch's Linear(628, 500) init.
-  first = before.client_state.proj['kernel']
+  first = before.population.client_state.proj['kernel']
   bound = 1 / np.sqrt(D1 + 500)
   assert np.abs(first).max() <= bound and np.abs(first).max() > 0.9 * bound
   assert not np.allclose(first[0], first[1])
   for k in range(sim.num_clients):  # J_k moved exactly for the clients that trained
-    moved = not np.allclose(before.client_state.proj['kernel'][k],
-                            after.client_state.proj['kernel'][k])
+    moved = not np.allclose(before.population.client_state.proj['kernel'][k],
+                            after.population.client_state.proj['kernel'][k])
     assert moved == (k in trained), k
   for a, b in zip(jax.tree_util.tree_leaves(before.server.shared),
                   jax.tree_util.tree_leaves(after.server.shared)):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
+from fedssa_jax.engine import snapshots
 from fedssa_jax.methods import base, fedproto, prototypes
 
 from conftest import (client_view, clients_loss, init_clients, log_softmax, padded_batches, rounds,
@@ -163,7 +164,7 @@ def test_engine_smoke(small_sim):
   avail = sim.seen[0][info0.cohort].any(0)  # held by a round-0 participant
   np.testing.assert_array_equal(info1.client_down_floats,
                                 D * (sim.seen[0][info1.cohort] & avail).sum(1))
-  np.testing.assert_array_equal(np.asarray(sim.seed_state(state).server.avail),
+  np.testing.assert_array_equal(np.asarray(snapshots.seed_state(sim.store, state).server.avail),
                                 sim.seen[0][info1.cohort].any(0))
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()
   assert 'prototype_accuracy' in ev.metrics and np.all((0 <= ev.metrics['prototype_accuracy'])

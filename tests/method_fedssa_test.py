@@ -10,7 +10,7 @@ import pytest
 
 from fedssa_jax import config_lib, models
 
-from fedssa_jax.engine import schedule, training
+from fedssa_jax.engine import schedule, snapshots, training
 from fedssa_jax.methods import base, fedssa
 
 from conftest import aggregate, client_view, make_small_sim, params_of, rounds, synthetic_dataset
@@ -130,7 +130,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   sim = small_sim('fedssa', **{'fedssa.fusion': fusion})
   n, s, seen = sim.num_clients, sim.num_classes, sim.seen[0]
   state = sim.init_state()
-  params = [params_of(sim, state.params, k) for k in range(n)]
+  params = [params_of(sim, state.population.params, k) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
   server_key = jax.random.fold_in(sim.root_keys[0], schedule.STREAM_SERVER)
@@ -160,11 +160,12 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
       if owners:
         glob[c] = np.mean(owners, axis=0)
     assert info.down_floats == down and info.up_floats == 501 * seen[cohort].sum()
-    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server.global_rows), glob,
-                               rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(snapshots.seed_state(sim.store, state).server.global_rows), glob,
+        rtol=2e-4, atol=2e-5)
     for k in cohort:
       jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5),
-                   params_of(sim, state.params, k), params[k])
+                   params_of(sim, state.population.params, k), params[k])
 
 
 # Per-client training-loss sums of rounds 0..2 on conftest's 5-client simulator (cohort [2, 4]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
+from fedssa_jax.engine import snapshots
 from fedssa_jax.methods import base, fedtgp, prototypes
 
 from conftest import client_view, log_softmax, make_small_sim
@@ -20,7 +21,7 @@ C, D = 4, config_lib.base_config('cifar10').model.feature_dim  # d of the method
 
 
 def own_params(sim, params, k):
-  """Client k's parameters, as numpy arrays, out of one seed's state (Simulator.seed_state)."""
+  """Client k's parameters, as numpy arrays, out of one seed's state (snapshots.seed_state)."""
   return jax.tree.map(lambda a: np.asarray(a[sim.slot_of[k]]), params[sim.group_of[k]])
 
 def make_method(n=5, c=C, **fields):
@@ -208,10 +209,10 @@ def two_rounds(small_ds):
   (one seed's), and the rounds' infos."""
   sim = make_small_sim(small_ds, 'fedtgp', **SIM_FIELDS)
   state = sim.init_state()
-  states, infos = [sim.seed_state(state)], []
+  states, infos = [snapshots.seed_state(sim.store, state)], []
   for _ in range(2):
     state, (info,) = sim.run_round(state)
-    states.append(sim.seed_state(state))
+    states.append(snapshots.seed_state(sim.store, state))
     infos.append(info)
   return sim, states, infos
 
@@ -228,8 +229,8 @@ def test_rounds_upload_pre_training_prototypes(two_rounds, small_ds):
     for k in info.cohort:  # the forward, over its training split, of the model it started from
       idx = np.asarray(sim.data.train_idx[0, k])[:int(sim.train_n[0, k])]
       x = (small_ds.images[idx] / 255.0 - mean) / std
-      rep = np.asarray(forward(own_params(sim, states[t].params, k), x.astype(np.float32)),
-                       np.float64)
+      params = own_params(sim, states[t].population.params, k)
+      rep = np.asarray(forward(params, x.astype(np.float32)), np.float64)
       y = small_ds.labels[idx]
       for c in range(sim.num_classes):
         want = rep[y == c].mean(0) if seen[k, c] else np.zeros(D)
@@ -244,6 +245,6 @@ def test_rounds_upload_pre_training_prototypes(two_rounds, small_ds):
                                rtol=1e-5, atol=1e-6)
     assert np.isfinite(info.server_metrics['loss']) and info.server_flops > 0
     extra = (info.client_flops_per_client
-             - sim.client_flops_per_sample[info.cohort] * info.train_samples)
-    np.testing.assert_allclose(extra, sim.forward_flops('cnn5') * sim.train_n[0, info.cohort],
+             - sim.flops.per_client[info.cohort] * info.train_samples)
+    np.testing.assert_allclose(extra, sim.flops.forward('cnn5') * sim.train_n[0, info.cohort],
                                rtol=1e-6)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
+from fedssa_jax.engine import snapshots
 from fedssa_jax.methods import aggregation, base, fml
 
 from conftest import (aggregate, assert_floats_each_way, client_view, log_softmax,
@@ -141,15 +142,15 @@ def test_engine_round_trip(small_sim):
   c = sim.config
   p5 = 665_048 + 501 * 10
   assert sim.method.meme_floats == p5
-  for fam, fps in sim.flops_per_sample.items():
-    assert fps == pytest.approx(sim.model_flops(fam) + sim.model_flops('cnn5'))
+  for fam, fps in sim.flops.per_sample.items():
+    assert fps == pytest.approx(sim.flops.model(fam) + sim.flops.model('cnn5'))
   state = sim.init_state()
-  meme0 = jax.tree_util.tree_map(np.asarray, sim.seed_state(state).server.meme)
+  meme0 = jax.tree_util.tree_map(np.asarray, snapshots.seed_state(sim.store, state).server.meme)
   for state, info in rounds(sim, c.num_rounds, state):
     assert np.isfinite(info.train_loss)
     assert_floats_each_way(info, p5)
   assert state.costs.up_floats[0] == state.costs.down_floats[0] == 2 * 2 * p5
-  meme = sim.seed_state(state).server.meme
+  meme = snapshots.seed_state(sim.store, state).server.meme
   old, new = jax.tree_util.tree_leaves(meme0), jax.tree_util.tree_leaves(meme)
   assert all(not np.allclose(a, np.asarray(b)) for a, b in zip(old, new))  # every tensor moved
   ev = sim.evaluate(state)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, models
+from fedssa_jax.engine import snapshots
 from fedssa_jax.methods import aggregation, base, lg_fedavg
 
 from conftest import (aggregate, assert_floats_each_way, ce_loop, client_view, params_of,
@@ -191,11 +192,12 @@ def test_one_round_through_the_engine(small_sim):
     # H_g is the n_k-weighted mean of the participants' trained headers (which they keep).
     rows, weights = [], []
     for k in info.cohort:
-      p = params_of(sim, state.params, k)
+      p = params_of(sim, state.population.params, k)
       rows.append(np.asarray(models.header_rows(p), np.float64))
       weights.append(sim.train_n[0][k])
     want = np.tensordot(weights, rows, axes=1) / np.sum(weights)
-    np.testing.assert_allclose(np.asarray(sim.seed_state(state).server.global_header), want,
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(snapshots.seed_state(sim.store, state).server.global_header), want,
+        rtol=1e-4, atol=1e-6)
   ev = sim.evaluate(state)
   assert np.isfinite(ev.accuracy).all() and (ev.count > 0).all()

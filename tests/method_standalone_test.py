@@ -19,7 +19,7 @@ def own_models_after(sim):
   losses = []
   for state, info in rounds(sim, ROUNDS):
     losses.append(info.train_loss_sum)
-  return state.params, np.array(losses)
+  return state.population.params, np.array(losses)
 
 
 @pytest.fixture(scope='module')

@@ -14,7 +14,7 @@ import pytest
 from fedssa_jax import config_lib, models
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import training
+from fedssa_jax.engine import snapshots, training
 from fedssa_jax.methods import standalone
 from fedssa_jax.run import checkpoint
 
@@ -83,7 +83,7 @@ def test_statistics_train_over_valid_rows_vmapped_as_alone_and_in_one_pass(small
     single, stats = one(row_c, keys[c], dd.train_idx[c], dd.train_n[c])
     jax.tree.map(lambda v, s: np.testing.assert_allclose(v[c], s, rtol=2e-5, atol=1e-6),
                  vm_rows, single)
-    assert int(vm_stats['steps'][c]) == int(stats['steps']) == -(-n // B)
+    assert int(vm_stats.steps[c]) == int(stats.steps) == -(-n // B)
   # The dummy client is unchanged, its statistics too.
   jax.tree.map(lambda v, r: np.testing.assert_array_equal(v[2], r[2]), vm_rows, rows)
 
@@ -173,7 +173,7 @@ def mixed_runs(few_images, tmp_path_factory):
   checkpoint of round 1: every client's row (host copies) initially and after each round, the
   rounds' infos, the evaluation after round 2, and the resumed round's rows and info."""
   sim = mixed_sim(few_images, 'fedssa')
-  host_rows = lambda s: [params_of(sim, s.params, k) for k in range(sim.num_clients)]
+  host_rows = lambda s: [params_of(sim, s.population.params, k) for k in range(sim.num_clients)]
   state = sim.init_state()
   rows, infos = [host_rows(state)], []
   for i in range(2):
@@ -181,16 +181,17 @@ def mixed_runs(few_images, tmp_path_factory):
     rows.append(host_rows(state))
     infos.append(info)
     if i == 0:
-      saved = sim.saved(state)  # host copies: the next round donates the state's buffers
+      saved = snapshots.saved(sim.store, state)  # host copies: the next round donates the state
   evaluation = sim.evaluate(state)
   ckpts = checkpoint.Checkpointer(str(tmp_path_factory.mktemp('ckpt')))
   ckpts.save(saved, {}, {})
   again = mixed_sim(few_images, 'fedssa')
-  restored = again.stacked([ckpts.restore_latest(template=saved).state])
+  restored = snapshots.stacked(again.store, [ckpts.restore_latest(template=saved).state])
   ckpts.close()
   resumed, (resumed_info,) = again.run_round(restored)
   return dict(sim=sim, rows=rows, infos=infos, evaluation=evaluation,
-              resumed_rows=[params_of(again, resumed.params, k) for k in range(sim.num_clients)],
+              resumed_rows=[params_of(again, resumed.population.params, k)
+                            for k in range(sim.num_clients)],
               resumed_info=resumed_info)
 
 
@@ -245,12 +246,16 @@ def test_mixed_group_on_the_disk_store_equals_the_device_store(few_images, mixed
   state = sim.init_state()
   for _ in range(2):
     state, _ = sim.run_round(state)
+  params = snapshots.seed_state(sim.store, state).population.params  # every row, read
   for k in range(sim.num_clients):
     g, slot = sim.group_of[k], sim.slot_of[k]
-    row = jax.tree.map(lambda a: a[0], state.params[g].read(np.array([slot])))
+    row = jax.tree.map(lambda a: a[slot], params[g])
     if g == [x.family for x in sim.groups].index('resnet4'):
       assert models.split_state(row)[1] is not None
     # Another program (the store's gather and scatter around the same step): float rounding,
-    # grown through two rounds of batch norms on batches of a few images.
+    # grown through two rounds of batch norms on batches of a few images; an element near 0
+    # carries the rounding of its array's larger ones (XLA:CPU's at the tests' optimisation
+    # level moves with the order of a program's operations and outputs).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=1e-3, atol=1e-4 * float(np.abs(b).max())), row, mixed_runs['rows'][2][k])
+        a, b, rtol=1e-3, atol=max(1e-6, 1e-4 * float(np.abs(b).max()))), row,
+        mixed_runs['rows'][2][k])

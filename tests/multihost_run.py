@@ -80,7 +80,7 @@ def run(workdir, rounds, signal_round=None):
   def capturing_record(sim, state, info, ev):
     captured['sharding'] = [str(jax.tree.leaves(p)[0].sharding.spec)
                             if hasattr(jax.tree.leaves(p)[0].sharding, 'spec') else None
-                            for p in state.params]
+                            for p in state.population.params]
     captured['mesh_devices'] = sim.placement.num_devices
     if state.round == signal_round and jax.process_index() == jax.process_count() - 1:
       os.kill(os.getpid(), signal.SIGTERM)  # as a preempted task gets it

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib
-from fedssa_jax.engine import population, simulator
+from fedssa_jax.engine import population, schedule, simulator
+from fedssa_jax.engine.placement import Placement
+from fedssa_jax.engine.state import StalePopulation
 from fedssa_jax.run import train
 
 from conftest import assert_same_records, synthetic_dataset
@@ -138,3 +140,31 @@ def test_disk_store_needs_a_workdir(ds):
   c = small_config(population_store='disk')
   with pytest.raises(config_lib.ConfigError, match='workdir'):
     simulator.Simulator(c, ds, data.partition_from_config(c, ds))
+
+
+def test_a_row_store_refuses_a_population_that_a_later_round_superseded():
+  """A round writes a row store's tables in place: the population it was given is refused from
+  then on, as a donated device population is gone, and the one it returns reads the new rows;
+  a restore supersedes the tables too, and a population of arrays is no row store's."""
+  g = schedule.Group('cnn5', np.array([0, 1]), None, 1, 2, None)
+  store = population.HostStore(Placement(1), [g], 2, 1, None, None)
+  params = {'w': np.zeros((2, 3), np.float32)}
+  old = store.stacked([((params,), {'s': np.zeros(2, np.float32)})])
+  new, server, stats = store.train(old, 'server', [], [], None)  # a round of no chunk
+  assert (server, stats) == ('server', [])
+  np.testing.assert_array_equal(store.saved(new, 0)[0][0]['w'], params['w'])
+  for call in (lambda p: store.saved(p, 0), lambda p: store.seed_slice(p, 0),
+               lambda p: store.evaluate(p, 0, [], [], None, None),
+               lambda p: store.train(p, None, [], [], None)):
+    with pytest.raises(StalePopulation, match='generation 0, superseded by generation 1'):
+      call(old)
+  restored = store.stacked([store.saved(new, 0)])
+  with pytest.raises(StalePopulation, match='superseded by generation 2'):
+    store.saved(new, 0)
+  np.testing.assert_array_equal(store.seed_slice(restored, 0)[1]['s'], np.zeros(2))
+  other = population.HostStore(Placement(1), [g], 2, 1, None, None)
+  with pytest.raises(StalePopulation, match='another store'):
+    other.saved(restored, 0)
+  device = population.DeviceStore(Placement(1), [g], 2, 1, None, None)
+  with pytest.raises(StalePopulation, match='device arrays'):
+    store.saved(device.stacked([((params,), {})]), 0)

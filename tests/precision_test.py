@@ -109,7 +109,7 @@ def test_bf16_engine_run_keeps_float32_params_and_float32_like_loss(small_sim):
   (s32, i32, _), (s16, i16, e16) = run(sim32), run(sim16)
   assert {g.model.dtype for g in sim16.groups} == {jnp.bfloat16}
   # Every client's parameters (the master weights) and the server's state stay float32.
-  for p in (s16.params, s16.server):
+  for p in (s16.population.params, s16.server):
     for a in jax.tree_util.tree_leaves(p):
       assert a.dtype in (jnp.float32, jnp.int32, jnp.bool_), a.dtype
   for a, b in zip(jax.tree_util.tree_leaves(s32), jax.tree_util.tree_leaves(s16)):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402  (full float32 matmuls, the synthetic data set)
 import engine_test  # noqa: E402  (the small configs)
 from fedssa_jax import data  # noqa: E402
-from fedssa_jax.engine import simulator
+from fedssa_jax.engine import simulator, snapshots
 from fedssa_jax.run import checkpoint
 
 
@@ -42,7 +42,7 @@ def sharding_facts(sim, state):
   """How the state is placed: per group, the spec and device count of its parameters' sharding
   and the rows of each addressable shard (the client axis, after the seed axis)."""
   facts = []
-  for g, params in zip(sim.groups, state.params):
+  for g, params in zip(sim.groups, state.population.params):
     leaf = jax.tree.leaves(params)[0]
     s = leaf.sharding
     facts.append({'rows': leaf.shape[1], 'size': g.size, 'clients_per_call': g.clients_per_call,
@@ -55,7 +55,7 @@ def one_run(config, ds):
   """engine_test.run of `config`: (sim, state, what the tests compare of it)."""
   sim, state, infos, ev = engine_test.run(config, ds)
   # The server state and per-client state, without padding rows, to compare across meshes.
-  host = sim.saved(state)
+  host = snapshots.saved(sim.store, state)
   server_sum = sum(float(np.abs(np.asarray(x, np.float64)).sum())
                    for x in jax.tree.leaves(host['server']))
   return sim, state, {
@@ -87,7 +87,7 @@ def one_run(config, ds):
 def summary(sim, state, infos, ev, seed_index=0):
   """What replicas_on_the_mesh compares of a run (of one of its seeds): its records, and its
   state's sums (the keys of one_run's that it shares)."""
-  host = sim.saved(state, seed_index)
+  host = snapshots.saved(sim.store, state, seed_index)
   return {'cohorts': [i.cohort.tolist() for i in infos],
           'train_loss': [i.train_loss for i in infos],
           'up_floats': [i.up_floats for i in infos],
@@ -117,8 +117,9 @@ def replicas_on_the_mesh(ds, rounds, families, seed0_alone, seeds=(0, 15)):
       evs[r] = sim.evaluate(state, previous=evs[r], seed_index=r)
       infos[r].append(round_infos[r])
     if t == 0:
-      state = sim.stacked([sim.saved(state, r) for r in range(len(seeds))])
-  leaf = jax.tree.leaves(state.params[0])[0]
+      state = snapshots.stacked(
+          sim.store, [snapshots.saved(sim.store, state, r) for r in range(len(seeds))])
+  leaf = jax.tree.leaves(state.population.params[0])[0]
   out = {'stacked': {'shape': list(leaf.shape), 'spec': str(leaf.sharding.spec),
                      'shard_shapes': sorted({sh.data.shape[:2] for sh in leaf.addressable_shards})},
          'packed': [summary(sim, state, infos[r], evs[r], r) for r in range(len(seeds))]}
@@ -158,8 +159,9 @@ def resume_across_meshes(run1, run8):
   (sim1, state1), (sim8, state8) = run1, run8
   with tempfile.TemporaryDirectory() as d:
     ckpts = checkpoint.Checkpointer(d)
-    ckpts.save(sim1.saved(state1), {}, {})
-    restored = sim8.stacked([ckpts.restore_latest(template=sim8.saved(state8)).state])
+    ckpts.save(snapshots.saved(sim1.store, state1), {}, {})
+    template = snapshots.saved(sim8.store, state8)
+    restored = snapshots.stacked(sim8.store, [ckpts.restore_latest(template=template).state])
     ckpts.close()
   facts = sharding_facts(sim8, restored)
   _, (info1,) = sim1.run_round(state1)

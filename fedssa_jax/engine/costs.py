@@ -5,14 +5,70 @@ processed, E * n_k), docs/algorithm.md §8. The per-sample figure is XLA's count
 step of the family's model, at the run's batch size, divided by the batch size. It is taken from
 the standard-convolution formulation, analysed by the CPU backend, so that it does not depend on
 the backend or its choice of kernel (im2col would count its patch copies).
+
+`Flops` is a run's accounting: each family's training step and forward pass, and each client's
+training FLOPs per processed sample, its own model's plus what its method adds
+(Method.train_flops_per_sample).
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fedssa_jax import models
+from fedssa_jax import methods, models
 from fedssa_jax.methods import losses
+
+
+class Flops:
+  """A run's FLOPs per sample (XLA's counts): `model(family)`, one CE training step of the
+  family's model at the run's batch size; `forward(family)`, one forward pass at its evaluation
+  batch size; `per_sample`, each group's family's training FLOPs per processed sample, its own
+  model's plus what the method adds (e.g. a jointly trained CNN-5); `per_client`, the same for
+  each client [N]."""
+
+  def __init__(self, config, num_classes: int, image_shape: tuple[int, ...],
+               method: methods.Method, groups: list, group_of: np.ndarray):
+    self.num_classes, self.image_shape = num_classes, image_shape
+    self.batch_size, self.eval_batch_size = config.batch_size, config.eval_batch_size
+    self.feature_dim = config.model.feature_dim
+    self.per_sample = {g.family: method.train_flops_per_sample(self.model(g.family), self.model)
+                       for g in groups}
+    self.per_client = np.array([self.per_sample[groups[g].family] for g in group_of])
+
+  def model(self, family: str) -> float:
+    """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
+    return model_flops(family, self.num_classes, self.batch_size, self.feature_dim,
+                       self.image_shape)
+
+  def forward(self, family: str) -> float:
+    """FLOPs of one forward pass of `family`'s model, per sample (XLA's count)."""
+    return forward_flops(family, self.num_classes, self.eval_batch_size, self.feature_dim,
+                         self.image_shape)
+
+
+@functools.lru_cache(maxsize=None)
+def model_flops(family: str, num_classes: int, batch_size: int, feature_dim: int,
+                image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
+  """FLOPs of one CE training step of `family`'s model, per sample (XLA's count), checked
+  against the analytic count."""
+  xla = xla_train_flops_per_sample(family, num_classes, batch_size, feature_dim, image_shape)
+  analytic = analytic_train_flops_per_sample(family, num_classes, feature_dim, image_shape)
+  if analytic and not 0.9 < xla / analytic < 1.15:
+    logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
+                    family, xla, analytic)
+  return xla
+
+
+@functools.lru_cache(maxsize=None)
+def forward_flops(family: str, num_classes: int, batch_size: int, feature_dim: int,
+                  image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
+  """FLOPs of one forward pass of `family`'s model, per sample (XLA's count): what the forward
+  pass of a method that asks for one (Method.forward_pass) costs per training sample."""
+  return xla_forward_flops_per_sample(family, num_classes, batch_size, feature_dim, image_shape)
 
 
 def xla_train_flops_per_sample(family: str, num_classes: int, batch_size: int,

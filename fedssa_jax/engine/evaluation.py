@@ -151,11 +151,6 @@ class Evaluator:
     return self.store.eval_call(g, self.placement.per_device(evaluate_rows, self._specs()),
                                 with_state=self.reads_state)
 
-  def _client_state(self, state):
-    """What the store's evaluation calls need of the run state's client state: all of it for a
-    method that reads it, else nothing."""
-    return state.client_state if self.reads_state else None
-
   def _jobs(self, ids: np.ndarray, reuse: bool) -> list[tuple[int, np.ndarray, int]]:
     """Blocks of the clients `ids` to evaluate: (group index, slots padded to the block size by
     repeating the last one, count of real slots). With `reuse`, a group's block size is fixed
@@ -194,8 +189,8 @@ class Evaluator:
       counts = {k: np.full(len(self.group_of), np.nan) for k in names}
       ids = evaluated_ids
     jobs = self._jobs(ids, reuse)
-    blocks = self.store.evaluate(state.params, seed_index, jobs, self.calls, state.server, data,
-                                 self._client_state(state))
+    blocks = self.store.evaluate(state.population, seed_index, jobs, self.calls, state.server,
+                                 data, with_state=self.reads_state)
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
       members = self.groups[gi].members[slots[:n]]
       for k, v in self.placement.fetch(r).items():
@@ -241,8 +236,8 @@ class Evaluator:
     test_n = self.placement.fetch(data.test_n)
     reps, labels, clients = [], [], []
     for (gi, slots, r), (_, _, n) in zip(
-        self.store.evaluate(state.params, seed_index, jobs, calls, state.server, data,
-                            self._client_state(state)), jobs):
+        self.store.evaluate(state.population, seed_index, jobs, calls, state.server, data,
+                            with_state=self.reads_state), jobs):
       r, y = self.placement.fetch(r)
       for i, cid in enumerate(self.groups[gi].members[slots[:n]]):  # drop padding rows
         k = int(test_n[cid])

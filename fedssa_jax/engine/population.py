@@ -16,9 +16,16 @@ so how a chunk of clients reaches its jitted training call and goes back:
 
 The computation is the same whatever the store (the chunk's rows go through the same jitted
 training step), so the three give the same metrics (identical with XLA's default flags). The
-engine speaks to a store through `Store` alone: the initial population, training and evaluating
-chunks, and the checkpoint sequence (`saved`, `before_checkpoint`, `after_checkpoint`, `live`),
-which train.py runs the same way for every store.
+engine speaks to a store through `Store` alone, and the run state holds what the store gives, a
+`Population` (state.py), the same type for every store: device arrays for the device store, a
+handle on its tables for the host and disk stores. Through it the store makes the initial
+population, trains and evaluates chunks, and runs the checkpoint sequence (`saved`,
+`before_checkpoint`, `after_checkpoint`, `stacked`; snapshots.py), the same way for every store.
+
+No round changes a population its caller still holds: the device store's calls donate the
+arrays (JAX deletes them), and a row store, which writes its tables in place, moves them to a
+new generation first, so that a population of an older generation is refused (StalePopulation)
+rather than read with the newer rows.
 
 Disk layout and checkpoints. A table of rows (one family's client models, or every client's
 method state) is one file per leaf, `<table>/leaf<i>.bin`, holding `capacity` *slots* of one row
@@ -37,6 +44,7 @@ files are sparse: an unused slot takes no disk); the store needs about
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import shutil
 from typing import Callable
@@ -47,7 +55,7 @@ import numpy as np
 
 from fedssa_jax.engine.placement import Placement, over_replicas
 from fedssa_jax.engine.rows import DiskRows, HostRows
-from fedssa_jax.engine.state import SEED_AXES
+from fedssa_jax.engine.state import SEED_AXES, Population, StalePopulation, Tables
 from fedssa_jax.errors import ConfigError
 from fedssa_jax.types import PyTree
 
@@ -62,9 +70,9 @@ def _take(tree: PyTree, rows) -> PyTree:
 
 class Store:
   """Where the groups' parameters and the per-client state of every seed live, and how chunks
-  of them reach the jitted calls. `params` is a tuple (one entry per group) and `client_state`
-  one entry over all N clients, in whatever form the store keeps them (arrays with a leading
-  seed axis, or tables of rows of the one seed); the run state holds them between rounds.
+  of them reach the jitted calls: a `Population` (state.py) names them, which the run state
+  holds between rounds; `params` below are the groups' (a tuple, one entry per group) and
+  `client_state` the state of all N clients, on the host, as a checkpoint holds them.
 
   `init_group(group, slots, seed_index)` and `init_client_state(client_ids, seed_index)` give
   a seed's initial rows (stacked). `train_chunk(params, state, server, inputs)` trains one
@@ -85,30 +93,29 @@ class Store:
     self.directory = directory  # the run's folder for the population (the disk store's files)
 
   # --- the population ---------------------------------------------------------------------------
-  def initial(self, fresh: bool = True) -> tuple[tuple, PyTree]:
-    """(params, client_state) of round 0. `fresh`: no checkpoint will be restored, so anything a
-    previous run left (the disk store's files) is discarded."""
+  def initial(self, fresh: bool = True) -> Population:
+    """Round 0's population. `fresh`: no checkpoint will be restored, so anything a previous run
+    left (the disk store's files) is discarded."""
     raise NotImplementedError
 
-  def saved(self, params, client_state, seed_index: int) -> tuple[tuple, PyTree]:
-    """What a seed's checkpoint holds of them: host arrays without padding rows, whatever the
-    device count (or the disk store's slot maps)."""
+  def saved(self, population: Population, seed_index: int) -> tuple[tuple, PyTree]:
+    """What a seed's checkpoint holds of it, (params, client_state): host arrays without
+    padding rows, whatever the device count (or the disk store's slot maps)."""
     raise NotImplementedError
 
-  def seed_slice(self, params, client_state, seed_index: int) -> tuple[tuple, PyTree]:
-    """One seed's (params, client_state) as the store keeps them, without the seed axis."""
-    del seed_index  # a row store holds one seed
-    return params, client_state
+  def seed_slice(self, population: Population, seed_index: int) -> tuple[tuple, PyTree]:
+    """One seed's (params, client_state), every row, as host copies without padding rows."""
+    raise NotImplementedError
 
-  def stacked(self, saved: list) -> tuple[tuple, PyTree]:
+  def stacked(self, saved: list) -> Population:
     """The inverse of `saved`: the seeds' checkpointed (params, client_state), made live."""
     raise NotImplementedError
 
-  def before_checkpoint(self, params, client_state, step: int) -> None:
+  def before_checkpoint(self, population: Population, step: int) -> None:
     """Called before the checkpoint of round `step` is written (the disk store flushes its
     files and pins the rows the checkpoint refers to)."""
 
-  def after_checkpoint(self, params, client_state, kept_steps: list[int]) -> None:
+  def after_checkpoint(self, population: Population, kept_steps: list[int]) -> None:
     """Called after a checkpoint save or restore, with the rounds of the checkpoints still kept
     (the disk store frees the slots that none of them refers to)."""
 
@@ -128,10 +135,10 @@ class Store:
   def train_call(self, g, train_chunk: Callable) -> Callable:
     raise NotImplementedError
 
-  def train(self, params: list, client_state, server, chunks, calls, inputs):
-    """Trains `chunks` (schedule.Chunk) with the groups' `calls` (`train_call`), updating the
-    list `params` in place; `inputs` (engine.ChunkInputs) holds what every chunk's call shares.
-    Returns (client_state, server, [stats of each chunk])."""
+  def train(self, population: Population, server, chunks, calls, inputs):
+    """Trains `chunks` (schedule.Chunk) with the groups' `calls` (`train_call`); `inputs`
+    (state.ChunkInputs) holds what every chunk's call shares. Returns (the new population, the
+    server, [ChunkStats of each chunk]); `population` is used up."""
     raise NotImplementedError
 
   def eval_call(self, g, evaluate_rows: Callable, with_state: bool = False) -> Callable:
@@ -139,12 +146,12 @@ class Store:
     takes the block's members' client state (the call then takes the store's client state)."""
     raise NotImplementedError
 
-  def evaluate(self, params, seed_index: int, jobs, calls, server, data,
-               client_state=None) -> list:
+  def evaluate(self, population: Population, seed_index: int, jobs, calls, server, data,
+               with_state: bool = False) -> list:
     """Runs the group `calls` (`eval_call`) on `jobs` [(group index, slots, count of real
-    slots)] of one seed, one block of clients per call; `client_state`, the run's, for calls
-    made `with_state` (else None). Returns [(group index, slots, result)], the results still on
-    the device."""
+    slots)] of one seed, one block of clients per call, with the members' client state for
+    calls made `with_state`. Returns [(group index, slots, result)], the results still on the
+    device."""
     raise NotImplementedError
 
 
@@ -162,18 +169,25 @@ class DeviceStore(Store):
     super().__init__(*args, **kwargs)
     self.client_rows = self.placement.rows(self.num_clients)
 
+  def _arrays(self, population: Population) -> tuple[tuple, PyTree]:
+    if population.tables is not None:
+      raise StalePopulation(
+          f'The device store holds its population in arrays; this one names the '
+          f'{population.tables.store} store\'s tables.')
+    return population.params, population.client_state
+
   def initial(self, fresh=True):
     return self.stacked([
         (tuple(self.init_group(g, np.arange(g.size), i) for g in self.groups),
          self.init_client_state(np.arange(self.num_clients), i))
         for i in range(self.num_seeds)])
 
-  def seed_slice(self, params, client_state, seed_index):
-    return self.saved(params, client_state, seed_index)
+  def seed_slice(self, population, seed_index):
+    return self.saved(population, seed_index)
 
-  def saved(self, params, client_state, seed_index):
+  def saved(self, population, seed_index):
     """On the host (one transfer, no program; a copy of every seed where there are several)."""
-    params, client_state = self.placement.fetch_seed((params, client_state), seed_index)
+    params, client_state = self.placement.fetch_seed(self._arrays(population), seed_index)
     return (tuple(_take(p, slice(0, g.size)) for g, p in zip(self.groups, params)),
             _take(client_state, slice(0, self.num_clients)))
 
@@ -181,7 +195,7 @@ class DeviceStore(Store):
     params, client_state = self.placement.stack_seeds(
         [(tuple(p), s) for p, s in saved],
         (tuple(g.rows for g in self.groups), self.client_rows))
-    return tuple(params), client_state
+    return Population(params=tuple(params), client_state=client_state)
 
   def train_call(self, g, train_chunk):
     def call(group_params, client_state, server, inputs):
@@ -198,13 +212,14 @@ class DeviceStore(Store):
       return group_params, client_state, server, stats
     return self._jit_chunk_call(call)
 
-  def train(self, params, client_state, server, chunks, calls, inputs):
-    chunk_stats = []
+  def train(self, population, server, chunks, calls, inputs):
+    params, client_state = self._arrays(population)
+    params, chunk_stats = list(params), []
     for c in chunks:
       params[c.group], client_state, server, stats = calls[c.group](
           params[c.group], client_state, server, _chunk_inputs(inputs, c))
       chunk_stats.append(stats)
-    return client_state, server, chunk_stats
+    return Population(params=tuple(params), client_state=client_state), server, chunk_stats
 
   def eval_call(self, g, evaluate_rows, with_state=False):
     members = jnp.asarray(g.members)
@@ -217,19 +232,24 @@ class DeviceStore(Store):
                       jax.tree.map(lambda a: a[i], server), data_,
                       jax.tree.map(lambda a: a[i, members[slots]], client_state))))
 
-  def evaluate(self, params, seed_index, jobs, calls, server, data, client_state=None):
+  def evaluate(self, population, seed_index, jobs, calls, server, data, with_state=False):
+    params, client_state = self._arrays(population)
     i = jnp.asarray(seed_index, jnp.int32)
-    state = () if client_state is None else (client_state,)
+    state = (client_state,) if with_state else ()
     return [(gi, slots, calls[gi](params[gi], i, jnp.asarray(slots, jnp.int32),
                                   jnp.asarray(np.arange(len(slots)) < n), server, data, *state))
             for gi, slots, n in jobs]
+
+
+_STORE_NUMBERS = itertools.count()  # Tables.owner: which row store of the process
 
 
 class _RowStore(Store):
   """A store of tables of rows off the device (`HostRows`, `DiskRows`), of one seed: the host
   reads each chunk's rows and puts them on the device, the jitted call trains them (the same
   step as on the device), and the host writes them back, reading the next chunk while this one
-  trains."""
+  trains. The store keeps its tables; the population it gives out is a handle on them
+  (state.Tables), valid until the store next writes or replaces them."""
   name = ''
 
   def __init__(self, *args, **kwargs):
@@ -243,15 +263,55 @@ class _RowStore(Store):
           f'population_store={self.name!r} runs in one process; across {jax.process_count()} '
           "processes use population_store='device', which splits the population over the "
           "processes' devices (each holds its own shards), or run one process per machine.")
+    self._number = next(_STORE_NUMBERS)
+    self._rows = None  # its tables: (one per group, the client state's), once made
+    self._handle = None  # the Tables that names them now
 
-  def saved(self, params, client_state, seed_index):
+  def _next_generation(self) -> Population:
+    """Moves the tables to a new generation (before they change): the populations handed out
+    before are refused from now on. Returns the one that names them."""
+    generation = 0 if self._handle is None else self._handle.generation + 1
+    self._handle = Tables(self.name, self._number, generation)
+    return Population(tables=self._handle)
+
+  def _open(self, params: tuple, client_state) -> Population:
+    """Makes these tables the store's (round 0's, or a checkpoint's)."""
+    self._rows = (tuple(params), client_state)
+    return self._next_generation()
+
+  def _tables_of(self, population: Population) -> tuple[tuple, PyTree]:
+    """The tables `population` names, if it names them as they are now."""
+    held = population.tables
+    if held is None or held.store != self.name or held.owner != self._number:
+      where = ('device arrays' if held is None else
+               f'the tables of {"another" if held.store == self.name else "the " + held.store} '
+               'store')
+      raise StalePopulation(f'The {self.name} store was given a population of {where}.')
+    if held != self._handle:
+      raise StalePopulation(
+          f'This population of the {self.name} store is of generation {held.generation}, '
+          f'superseded by generation {self._handle.generation}: a later round wrote the '
+          'tables in place (or a restore replaced them). Read the state that round returned, '
+          'as a round of the device store donates the arrays of the state it is given.')
+    return self._rows
+
+  def saved(self, population, seed_index):
+    params, client_state = self._tables_of(population)
     return tuple(t.saved() for t in params), client_state.saved()
+
+  def seed_slice(self, population, seed_index):
+    del seed_index  # a row store holds one seed
+    params, client_state = self._tables_of(population)
+    return tuple(t.all_rows() for t in params), client_state.all_rows()
 
   def train_call(self, g, train_chunk):
     # The host passes the chunk's rows in, and gets them back.
     return self._jit_chunk_call(train_chunk)
 
-  def train(self, params, client_state, server, chunks, calls, inputs):
+  def train(self, population, server, chunks, calls, inputs):
+    params, client_state = self._tables_of(population)
+    new = self._next_generation()  # the tables change from here on
+
     def load(c):
       g = self.groups[c.group]
       safe = np.minimum(c.slots[0], g.size - 1)  # dummies run on a copy of a real row
@@ -277,7 +337,7 @@ class _RowStore(Store):
       pending = (c, new_params, new_state)
     if pending is not None:
       write_back(*pending)
-    return client_state, server, chunk_stats
+    return new, server, chunk_stats
 
   def eval_call(self, g, evaluate_rows, with_state=False):
     del with_state  # the call takes the state rows the host brings (`evaluate`), if any
@@ -285,12 +345,14 @@ class _RowStore(Store):
     return jax.jit(lambda rows, i, slots, valid, server, data_, *state_rows: evaluate_rows(
         rows, members[slots], valid, jax.tree.map(lambda a: a[i], server), data_, *state_rows))
 
-  def evaluate(self, params, seed_index, jobs, calls, server, data, client_state=None):
+  def evaluate(self, population, seed_index, jobs, calls, server, data, with_state=False):
     """The next block is read while the device evaluates this one."""
+    params, client_state = self._tables_of(population)
+
     def load(gi, slots, n):
       del n
       rows = (params[gi].read(slots),)
-      if client_state is not None:
+      if with_state:
         rows += (client_state.read(self.groups[gi].members[slots]),)
       return self.placement.to_device(rows)
 
@@ -316,7 +378,7 @@ class HostStore(_RowStore):
 
   def stacked(self, saved):
     (params, client_state), = saved
-    return tuple(HostRows(p) for p in params), HostRows(client_state)
+    return self._open(tuple(HostRows(p) for p in params), HostRows(client_state))
 
 
 def _in_powers_of_two(init_fn: Callable) -> Callable:
@@ -347,7 +409,7 @@ class DiskStore(_RowStore):
   def initial(self, fresh=True):
     if fresh:  # what a run without a checkpoint left
       shutil.rmtree(self.directory, ignore_errors=True)
-    return self._tables()
+    return self._open(*self._tables())
 
   def _tables(self):
     """The tables over the files in the directory, every row at its initial value until
@@ -366,13 +428,15 @@ class DiskStore(_RowStore):
     tables, state_table = self._tables()
     for table, saved in zip((*tables, state_table), (*params, client_state)):
       table.restore(saved['slot_of'])
-    return tables, state_table
+    return self._open(tables, state_table)
 
-  def before_checkpoint(self, params, client_state, step):
+  def before_checkpoint(self, population, step):
+    params, client_state = self._tables_of(population)
     for table in (*params, client_state):
       table.snapshot(step)
 
-  def after_checkpoint(self, params, client_state, kept_steps):
+  def after_checkpoint(self, population, kept_steps):
+    params, client_state = self._tables_of(population)
     for table in (*params, client_state):
       table.retain(kept_steps)
 

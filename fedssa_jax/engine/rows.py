@@ -17,8 +17,9 @@ from fedssa_jax.types import PyTree
 class HostRows:
   """A table of rows held in RAM: a pytree of numpy arrays with a leading row axis.
 
-  Both tables offer read/write, and for checkpoints `saved()` (what a checkpoint holds),
-  `snapshot(step)` and `retain(steps)` (bookkeeping around a checkpoint: none here)."""
+  Both tables offer read/write, `all_rows()` (host copies of every row), and for checkpoints
+  `saved()` (what a checkpoint holds), `snapshot(step)` and `retain(steps)` (bookkeeping around
+  a checkpoint: none here)."""
 
   def __init__(self, tree: PyTree):
     self.tree = jax.tree.map(np.array, tree)  # writable copies
@@ -29,6 +30,9 @@ class HostRows:
   def write(self, rows: np.ndarray, values: PyTree) -> None:
     for a, v in zip(jax.tree.leaves(self.tree), jax.tree.leaves(values)):
       a[rows] = v
+
+  def all_rows(self) -> PyTree:
+    return jax.tree.map(np.array, self.tree)
 
   def saved(self) -> PyTree:
     return self.tree
@@ -125,6 +129,9 @@ class DiskRows:
     for mm, v in zip(self._mm, jax.tree.leaves(values)):
       mm[slots] = np.asarray(v)
     self.slot_of[rows] = slots
+
+  def all_rows(self) -> PyTree:
+    return self.read(np.arange(self.num_rows))
 
   # --- checkpoints ----------------------------------------------------------------------------
   def saved(self) -> dict:

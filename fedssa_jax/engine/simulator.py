@@ -2,29 +2,29 @@
 
 A Simulator runs R >= 1 seeds of one config (R = 1 for a plain run; `--seeds` packs more). Every
 array of the state has a leading seed axis: each group's stacked parameters [R, rows, ...], the
-per-client state [R, N, ...], the server state [R, ...], the costs [R]. A round
-(`Simulator.run_round`):
+per-client state [R, N, ...] (the population, which the store keeps: population.py), the server
+state [R, ...], the costs [R]. A round (`Simulator.run_round`):
 
 1. samples each seed's cohort and cuts it into chunks of one family group (schedule.py); chunk j
    of a group holds chunk j of every seed;
 2. trains each chunk in one jitted call (`train_chunk` around `local_round`): the method's
    download, local training of every client under `vmap` with the method's loss, the upload,
-   the server's receipt of the uploads; the population store (population.py) brings the chunk's
-   rows to the call and takes them back. The call is vmapped over the seeds, each with its own
-   rows, server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed
-   it runs on the seed's slice, computing exactly what a run without the axis did;
+   the server's receipt of the uploads; the population store brings the chunk's rows to the
+   call and takes them back. The call is vmapped over the seeds, each with its own rows,
+   server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed it
+   runs on the seed's slice, computing exactly what a run without the axis did;
 3. runs the method's server rule, per seed, under jit;
-4. adds up each seed's floats, FLOPs and training statistics (`RoundInfo`).
+4. adds up each seed's floats, FLOPs and training statistics (`ChunkStats` into `RoundInfo`).
 
 Shapes never depend on the round, so each family compiles its training call once. Dummy clients
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
-change nothing. Devices and processes: placement.py. Evaluation: evaluation.py.
+change nothing. The Simulator's parts are built elsewhere: the seeds' data and round 0
+(parts.py), the FLOP counts (costs.py), the store (population.py), the evaluator
+(evaluation.py); devices and processes: placement.py; checkpoints: snapshots.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 import os
 from typing import Callable
 
@@ -32,48 +32,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import data, methods, models
-from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import costs, evaluation, population, schedule, training
+from fedssa_jax import data, methods
+from fedssa_jax.engine import costs, evaluation, parts, schedule, training
+from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
+from fedssa_jax.engine.population import make_store
 from fedssa_jax.engine.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
                                  STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
                                  STREAM_TRAIN, cohort_size, sample_cohort)
-from fedssa_jax.engine.state import ChunkInputs, Costs, RoundInfo, RunState
-from fedssa_jax.errors import ConfigError
-from fedssa_jax.types import PyTree
+from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
+                                     RoundInfo, RunState, ServerState)
 
 
 # Under a mesh, each device trains its share of a chunk's clients (local_round's arguments).
 LOCAL_SPECS = (SHARDED, SHARDED, REPLICATED,
                ChunkInputs(slots=SHARDED, ids=SHARDED, active=SHARDED, seen=REPLICATED,
                            data=REPLICATED, round_index=REPLICATED, root_key=REPLICATED))
-
-
-@jax.jit
-def _client_keys(root_key: jax.Array, stream, client_ids: jax.Array) -> jax.Array:
-  """Each client's key of a random stream: fold_in(fold_in(root, stream), client id)."""
-  stream_key = jax.random.fold_in(root_key, stream)
-  return jax.vmap(lambda c: jax.random.fold_in(stream_key, c))(client_ids)
-
-
-def train_config(config, ds: data.Dataset) -> training.TrainConfig:
-  o = config.optimizer
-  return training.TrainConfig(
-      batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
-      lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
-      adam_b1=o.adam_b1, adam_b2=o.adam_b2, micro_batch=micro_batch(config),
-      augment=config.augment, mean=tuple(ds.mean), std=tuple(ds.std))
-
-
-def micro_batch(config) -> int:
-  """engine.micro_batch, or by backend: 64-row passes on the CPU (whose activations stay in
-  cache: CNN-1 trains about 1.1x faster per sample than in one 512-row pass, and a partial
-  batch pads less), whole batches on accelerators."""
-  if config.engine.micro_batch:
-    return config.engine.micro_batch
-  b = config.batch_size
-  return 64 if jax.default_backend() == 'cpu' and b > 64 and b % 64 == 0 else b
 
 
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
@@ -134,8 +108,8 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
         per_study * study_count.astype(jnp.float32) + per_quiz * quiz_count.astype(jnp.float32))
   if when is not None:  # the pass: one forward of each training sample
     extra_flops = extra_flops + pass_flops_per_sample * n.astype(jnp.float32)
-  stats = {**stats, 'down_floats': down.floats, 'up_floats': up.floats,
-           'extra_flops': extra_flops}
+  stats = ClientStats(train=stats, down_floats=down.floats, up_floats=up.floats,
+                      extra_flops=extra_flops)
   return up.params, up.state, up.payload, stats
 
 
@@ -143,130 +117,122 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
                 local: Callable):
   """One chunk of a group, on its rows: `local` (local_round, per device under a mesh), then
   the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
-  server, stats); the store's call brings the rows and takes them back."""
+  server, ChunkStats); the store's call brings the rows and takes them back."""
   new_params, new_state, payload, stats = local(params, state, server, inputs)
   server = method.server_receive(server, inputs.ids, payload, inputs.active)
   # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
-  stats['nonfinite'] = jnp.stack([
+  nonfinite = jnp.stack([
       ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
       for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
   ]).any(axis=0) & inputs.active
-  # The norms of each trained client's seen-class header rows, after training (a diagnostic of
-  # header growth, e.g. FedSSA's `reference` fusion).
-  norms = jnp.linalg.norm(jax.vmap(models.header_rows)(new_params), axis=-1)
-  own = inputs.seen[inputs.ids]
-  stats['header_norm_max'] = jnp.where(own, norms, 0.0).max(axis=1)
-  stats['header_norm_sum'] = jnp.where(own, norms, 0.0).sum(axis=1)
-  stats['header_rows'] = own.sum(axis=1)
-  return new_params, new_state, server, stats
+  norms = jax.vmap(method.trained_norms)(new_params, inputs.seen[inputs.ids])
+  return new_params, new_state, server, ChunkStats(clients=stats, nonfinite=nonfinite,
+                                                   norms=norms)
 
 
-def check_seeds(config, seeds, widths) -> None:
-  """Raises ConfigError, naming the fix, if `seeds` of `config` cannot run packed."""
-  if len(set(seeds)) != len(seeds):
-    raise ConfigError(f'Packed seeds must differ, got {list(seeds)}.')
-  if len(seeds) > 1 and config.population_store != 'device':
-    raise ConfigError(
-        f"Packed seeds (--seeds) need population_store='device', not "
-        f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
-        'one (one command per seed, without --seeds).')
-  # local_train's shuffles stay those of each seed alone when the training index rows are
-  # padded to a common width: training.epoch_order draws uniform numbers over the padded length,
-  # and with jax_threefry_partitionable (the default since JAX 0.5) the first n of a longer
-  # draw are the same numbers (tests/replicas_test.py checks it).
-  if len(set(widths)) > 1 and not jax.config.jax_threefry_partitionable:
-    raise ConfigError(
-        'Packed seeds with per-seed partitions need jax_threefry_partitionable (JAX\'s '
-        'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
+def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
+             flops: costs.Flops, placement: Placement, max_train: int,
+             eval_batch_size: int) -> Callable:
+  """`train_chunk` for group `g`'s model, one seed's (the store vmaps it over the seeds), with
+  the method's forward pass and step after training where it asks for them. `max_train`: the
+  longest training index row."""
+  train_one = functools.partial(training.local_train, apply_fn=g.model.apply, cfg=train_cfg,
+                                method=method, train_apply=getattr(g.model, 'train_apply', None))
+  local = functools.partial(local_round, method=method, train_one=train_one)
+  if method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
+    raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
+                     f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
+  if method.forward_pass is not None:
+    # training.forward_pass_sums for the group's evaluated model, in evaluation-size batches
+    # (at most the longest training split, rounded up to 8, as evaluation cuts test batches).
+    pass_one = functools.partial(
+        training.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=train_cfg,
+        batch_size=min(eval_batch_size, -(-max_train // 8) * 8),
+        stats_fn=method.forward_pass_stats)
+    local = functools.partial(local, pass_one=pass_one,
+                              pass_flops_per_sample=flops.forward(g.family))
+  if method.after_training is not None:
+    local = functools.partial(
+        local, after_one=functools.partial(training.after_training, apply_fn=g.model.apply,
+                                           cfg=train_cfg, method=method),
+        step_flops_per_sample=flops.model(g.family))
+  return functools.partial(train_chunk, method=method,
+                           local=placement.per_device(local, LOCAL_SPECS))
 
 
 class Simulator:
   """Holds the static parts of a run of `seeds` (default: the config's), each with its client
-  data `cd` (one ClientData for all, or one per seed): data, groups, compiled steps. The state
-  is passed in and out. `phase(name, *arrays)`, if given, is called after each phase of a round
-  (a benchmark's timer; bench.py)."""
+  data `cd` (one ClientData for all, or one per seed): data, groups, FLOP counts, the store and
+  the compiled calls. The state is passed in and out (`init_state`, `run_round`; its
+  checkpoints: snapshots.py). `phase(name, *arrays)`, if given, is called after each phase of a
+  round (a benchmark's timer; bench.py)."""
 
   def __init__(self, config, ds: data.Dataset, cd, workdir: str | None = None,
                phase: Callable | None = None, *, seeds=None):
     self.config = config
     self.seeds = tuple(int(s) for s in (seeds if seeds is not None else (config.seed,)))
     cds = list(cd) if isinstance(cd, (list, tuple)) else [cd] * len(self.seeds)
-    self.num_seeds = r = len(self.seeds)
-    widths = [c.train_idx.shape[1] for c in cds]
-    check_seeds(config, self.seeds, widths)
+    check_seeds(config, self.seeds, [c.train_idx.shape[1] for c in cds])
     self.phase = phase or (lambda name, *arrays: None)
-    self.num_clients = cds[0].num_clients
-    self.num_classes = ds.num_classes
+    self.num_seeds = r = len(self.seeds)
+    self.num_clients, self.num_classes = cds[0].num_clients, ds.num_classes
     self.image_shape = ds.image_shape
     self.k = cohort_size(self.num_clients, config.participation)
-    # Host copies, [R, ...]: each seed's seen classes and training-set sizes.
-    self.seen = np.stack([c.seen for c in cds])
-    self.train_n = np.stack([c.train_n for c in cds])
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes,
                                                     self.image_shape)
     self.train_cfg = train_config(config, ds)
     place = self.placement = Placement(config.engine.mesh_devices)
-    self._keys = [jax.random.PRNGKey(s) for s in self.seeds]
-    self.root_keys = place.replicate(jnp.stack(self._keys))
-    images, labels = place.replicate((jnp.asarray(ds.images), jnp.asarray(ds.labels)))
-    # Each seed's own data (its evaluation's), and the stacked training data of every seed.
-    self.seed_data = [place.replicate(DeviceData(
-        images=images, labels=labels, train_idx=jnp.asarray(c.train_idx),
-        train_n=jnp.asarray(c.train_n), test_idx=jnp.asarray(c.test_idx),
-        test_n=jnp.asarray(c.test_n))) for c in cds]
-    pad = lambda a: np.pad(a, ((0, 0), (0, max(widths) - a.shape[1])))
-    train_idx = np.stack([pad(c.train_idx) for c in cds])
-    self.data = dataclasses.replace(
-        self.seed_data[0], train_idx=place.replicate(jnp.asarray(train_idx)),
-        train_n=place.replicate(jnp.asarray(self.train_n)))
+    # Host copies, [R, ...]: each seed's seen classes and training-set sizes; then the devices'.
+    self.seen = np.stack([c.seen for c in cds])
+    self.train_n = np.stack([c.train_n for c in cds])
+    self.seed_data, self.data = parts.device_data(ds, cds, place)
     self.seen_dev = place.replicate(jnp.asarray(self.seen))
+    keys = [jax.random.PRNGKey(s) for s in self.seeds]
+    self.root_keys = place.replicate(jnp.stack(keys))
+    self.evaluated_ids = parts.evaluated_ids(config, self.seeds, cds)
 
     self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place,
                                        self.image_shape)
     self.group_of, self.slot_of = schedule.group_index(self.groups, self.num_clients)
-    # Training FLOPs per processed sample: the family's own model, plus what the method adds
-    # (e.g. a jointly trained CNN-5).
-    self.flops_per_sample = {g.family: self.method.train_flops_per_sample(
-        self.model_flops(g.family), self.model_flops) for g in self.groups}
-    self.client_flops_per_sample = np.array(
-        [self.flops_per_sample[self.groups[g].family] for g in self.group_of])
-
-    self._init_client_state_fn = jax.jit(jax.vmap(self.method.init_client_state))
-    self.store = population.make_store(
+    self.flops = costs.Flops(config, ds.num_classes, self.image_shape, self.method, self.groups,
+                             self.group_of)
+    self.initial = parts.Initial(config, self.method, keys, place)
+    self.store = make_store(
         config.population_store, place, self.groups, self.num_clients, r,
-        self._init_group, self._init_client_state,
+        self.initial.group, self.initial.client_state,
         directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
-    self._train_calls = [self.store.train_call(g, self._train_chunk_fn(g)) for g in self.groups]
+    self._train_calls = [self.store.train_call(g, chunk_fn(
+        g, self.method, self.train_cfg, self.flops, place, self.data.train_idx.shape[-1],
+        config.eval_batch_size)) for g in self.groups]
     self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
-        self._aggregate_seed, r, (0, 0, None, 0))(*a), sharded=False), donate_argnums=0)
-    # Replicated on the mesh, as every later round's server is (an init_server that ignores
-    # its inputs would otherwise leave it on one device, and round 1 would compile again).
-    self._init_server = jax.jit(lambda key, seen: place.constrain(
-        self.method.init_server(key, seen), sharded=False))
-    # The clients whose accuracy every evaluation reports (those with test data, or a subset).
-    self.evaluated_ids = []
-    for seed, c in zip(self.seeds, cds):
-      ids = schedule.eval_subset(seed, c.test_n, config.eval_clients)
-      self.evaluated_ids.append(np.flatnonzero(c.test_n > 0) if ids is None else ids)
+        functools.partial(aggregate_seed, self.method), r, (0, 0, None, 0))(*a),
+        sharded=False), donate_argnums=0)
     self.evaluator = evaluation.Evaluator(
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
         self.slot_of, eval_batch_size=config.eval_batch_size,
         clients_per_call=config.engine.eval_clients_per_call, phase=self.phase)
+
+  def init_state(self, fresh: bool = True) -> RunState:
+    """Round 0 of every seed: each client's initial model and method state (parts.Initial), in
+    storage of its own (no aliasing across clients, docs/algorithm.md §2), and the server's
+    initial state. `fresh`: no checkpoint will be restored (population.Store.initial)."""
+    return RunState(round=0, population=self.store.initial(fresh),
+                    server=self.initial.servers(self.seen), costs=Costs.zeros(self.num_seeds))
 
   # ------------------------------------------------------------------------------------------
   # The round
   # ------------------------------------------------------------------------------------------
   def run_round(self, state: RunState) -> tuple[RunState, list[RoundInfo]]:
     """One round of every seed: sample, train the cohorts chunk by chunk, aggregate, account.
-    Returns the new state and each seed's RoundInfo."""
+    Returns the new state and each seed's RoundInfo; `state` is used up (its population is the
+    store's to change: population.py)."""
     t = int(state.round)
     cohorts = [self.cohort(t, i) for i in range(self.num_seeds)]
     chunks = self.plan(cohorts)
     self.phase('sample')
-    params = list(state.params)
-    client_state, server, chunk_stats = self.train_chunks(params, state.client_state,
-                                                          state.server, chunks, t)
-    self.phase('train', params, server)
+    population, server, chunk_stats = self.train_chunks(state.population, state.server,
+                                                        chunks, t)
+    self.phase('train', population, server)
     participants = np.zeros((self.num_seeds, self.num_clients), bool)
     for i, c in enumerate(cohorts):
       participants[i, c] = True
@@ -275,15 +241,16 @@ class Simulator:
     server = agg.server
     self.phase('aggregate', server)
     # One transfer for the round: the chunks' statistics, the server's FLOPs and diagnostics.
-    all_stats, server_flops, server_metrics = self.fetch((chunk_stats, agg.flops, agg.metrics))
-    infos = [self._round_info(cohorts[i], chunks, [{k: v[i] for k, v in s.items()}
-                                                   for s in all_stats], i)
+    all_stats, server_flops, server_metrics = self.placement.fetch(
+        (chunk_stats, agg.flops, agg.metrics))
+    infos = [self._round_info(cohorts[i], chunks,
+                              [jax.tree.map(lambda v, i=i: v[i], s) for s in all_stats], i)
              .replace(server_flops=float(server_flops[i]),
                       server_metrics={k: float(v[i]) for k, v in server_metrics.items()})
              for i in range(self.num_seeds)]
     self.phase('host')
-    return RunState(round=t + 1, params=tuple(params), client_state=client_state,
-                    server=server, costs=state.costs.add(infos)), infos
+    return RunState(round=t + 1, population=population, server=server,
+                    costs=state.costs.add(infos)), infos
 
   def cohort(self, t: int, seed_index: int = 0) -> np.ndarray:
     return sample_cohort(self.seeds[seed_index], t, self.num_clients, self.k)
@@ -298,72 +265,41 @@ class Simulator:
     """The calls of a round whose cohorts (one per seed) are `cohorts` (schedule.plan)."""
     return schedule.plan(self.groups, self.group_of, self.slot_of, self.train_n, cohorts)
 
-  def train_chunks(self, params: list, client_state, server, chunks, t: int):
-    """Trains round `t`'s `chunks`, updating the list `params` (one entry per group) in place.
-    Returns (client_state, server, [stats of each chunk])."""
+  def train_chunks(self, population: Population, server: ServerState, chunks, t: int
+                   ) -> tuple[Population, ServerState, list[ChunkStats]]:
+    """Trains round `t`'s `chunks`. Returns (the new population, the server, [the statistics of
+    each chunk]); `population` and `server` are used up."""
     inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
                          round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys)
-    return self.store.train(params, client_state, server, chunks, self._train_calls, inputs)
+    return self.store.train(population, server, chunks, self._train_calls, inputs)
 
-  def _train_chunk_fn(self, g: schedule.Group) -> Callable:
-    """`train_chunk` for the group's model, one seed's (the store vmaps it over the seeds)."""
-    train_one = functools.partial(training.local_train, apply_fn=g.model.apply,
-                                  cfg=self.train_cfg, method=self.method,
-                                  train_apply=getattr(g.model, 'train_apply', None))
-    local = functools.partial(local_round, method=self.method, train_one=train_one)
-    if self.method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
-      raise ValueError(f'{type(self.method).__name__}.forward_pass must be None or one of '
-                       f'{methods.FORWARD_PASS_TIMES}, got {self.method.forward_pass!r}.')
-    if self.method.forward_pass is not None:
-      local = functools.partial(local, pass_one=self._forward_pass_fn(g),
-                                pass_flops_per_sample=self.forward_flops(g.family))
-    if self.method.after_training is not None:
-      local = functools.partial(
-          local, after_one=functools.partial(
-              training.after_training, apply_fn=g.model.apply, cfg=self.train_cfg,
-              method=self.method),
-          step_flops_per_sample=self.model_flops(g.family))
-    return functools.partial(train_chunk, method=self.method,
-                             local=self.placement.per_device(local, LOCAL_SPECS))
-
-  def _forward_pass_fn(self, g: schedule.Group) -> Callable:
-    """client.forward_pass_sums for the group's evaluated model, in evaluation-size batches (at
-    most the longest training split, rounded up to 8, as evaluation cuts test batches)."""
-    max_train = self.data.train_idx.shape[-1]
-    return functools.partial(
-        training.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=self.train_cfg,
-        batch_size=min(self.config.eval_batch_size, -(-max_train // 8) * 8),
-        stats_fn=self.method.forward_pass_stats)
-
-  def _aggregate_seed(self, server, participants, round_index, root_key) -> methods.Aggregated:
-    """One seed's server rule, with its key of the round (STREAM_AGGREGATE)."""
-    key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
-    return self.method.server_aggregate(server, participants, round_index, key)
-
-  def _round_info(self, cohort: np.ndarray, chunks, chunk_stats, i: int) -> RoundInfo:
+  def _round_info(self, cohort: np.ndarray, chunks, chunk_stats: list[ChunkStats],
+                  i: int) -> RoundInfo:
     """Seed i's round: per-client stats and counts, from the fetched stats of every chunk."""
-    per_client = {}
+    per_client = jax.tree.map(lambda _: np.zeros(self.num_clients), chunk_stats[0])
     for c, stats in zip(chunks, chunk_stats):
       active = c.active[i]
       cids = self.groups[c.group].members[c.slots[i][active]]
-      for k, v in stats.items():
-        per_client.setdefault(k, np.zeros(self.num_clients))[cids] = np.asarray(v)[active]
-    s = {k: v[cohort] for k, v in per_client.items()}
+      jax.tree.map(lambda table, v: table.__setitem__(cids, np.asarray(v)[active]),
+                   per_client, stats)
+    s = jax.tree.map(lambda v: v[cohort], per_client)
+    train = s.clients.train
     # Samples processed = E * n_k: every sample once per epoch, the last batch partial.
-    flops = self.client_flops_per_sample[cohort] * s['samples'] + s['extra_flops']
-    samples = max(s['samples'].sum(), 1)
+    flops = self.flops.per_client[cohort] * train.samples + s.clients.extra_flops
+    samples = max(train.samples.sum(), 1)
     return RoundInfo(
         cohort=cohort,
-        up_floats=float(s['up_floats'].sum()), down_floats=float(s['down_floats'].sum()),
+        up_floats=float(s.clients.up_floats.sum()),
+        down_floats=float(s.clients.down_floats.sum()),
         client_flops=float(flops.sum()),
-        train_loss=float(s['loss_sum'].sum() / samples),
-        train_accuracy=float(s['correct'].sum() / samples),
-        train_samples=s['samples'], train_loss_sum=s['loss_sum'], train_steps=s['steps'],
-        client_up_floats=s['up_floats'], client_down_floats=s['down_floats'],
+        train_loss=float(train.loss_sum.sum() / samples),
+        train_accuracy=float(train.correct.sum() / samples),
+        train_samples=train.samples, train_loss_sum=train.loss_sum, train_steps=train.steps,
+        client_up_floats=s.clients.up_floats, client_down_floats=s.clients.down_floats,
         client_flops_per_client=flops,
-        nonfinite_params=s['nonfinite'].astype(bool),
-        header_norm_max=float(s['header_norm_max'].max()),
-        header_norm_mean=float(s['header_norm_sum'].sum() / max(s['header_rows'].sum(), 1)),
+        nonfinite_params=s.nonfinite.astype(bool),
+        header_norm_max=float(s.norms.max.max()),
+        header_norm_mean=float(s.norms.sum.sum() / max(s.norms.count.sum(), 1)),
         server_flops=0.0, server_metrics={})  # the server's: run_round fills them in
 
   # ------------------------------------------------------------------------------------------
@@ -380,112 +316,9 @@ class Simulator:
     return self.evaluator.save_representations(state, seed_index,
                                                self.seed_data[seed_index], workdir)
 
-  # ------------------------------------------------------------------------------------------
-  # State and checkpoints: the stacked state, and each seed's own (what its checkpoint holds)
-  # ------------------------------------------------------------------------------------------
-  def init_state(self, fresh: bool = True) -> RunState:
-    """Round 0 of every seed: the server's initial state and each client's initial model
-    (`_init_group`), in storage of its own (no aliasing across clients, docs/algorithm.md §2).
-    `fresh`: no checkpoint will be restored (population.Store.initial)."""
-    params, client_state = self.store.initial(fresh)
-    servers = [self._init_server(jax.random.fold_in(key, STREAM_SERVER),
-                                 self.placement.replicate(jnp.asarray(seen)))
-               for key, seen in zip(self._keys, self.seen)]
-    return RunState(round=0, params=params, client_state=client_state,
-                    server=self.placement.stack_seeds(servers), costs=Costs.zeros(self.num_seeds))
 
-  def saved(self, state: RunState, seed_index: int = 0) -> dict:
-    """What seed `seed_index`'s checkpoint holds of the stacked `state`, whatever the device
-    count and store: host arrays without padding rows (the disk store's slot maps), a dict."""
-    params, client_state = self.store.saved(state.params, state.client_state, seed_index)
-    server = self.placement.fetch_seed(state.server, seed_index)
-    return RunState(round=state.round, params=params, client_state=client_state, server=server,
-                    costs=state.costs.of(seed_index)).to_saved()
-
-  def seed_state(self, state: RunState, seed_index: int = 0) -> RunState:
-    """Seed `seed_index`'s own state out of the stacked one, without the seed axis: host copies
-    of its arrays (a row store's tables as they are). For tests and tools; the run loop reads
-    the stacked state."""
-    params, client_state = self.store.seed_slice(state.params, state.client_state, seed_index)
-    return RunState(round=state.round, params=params, client_state=client_state,
-                    server=self.placement.fetch_seed(state.server, seed_index),
-                    costs=state.costs.of(seed_index))
-
-  def stacked(self, saved: list[dict]) -> RunState:
-    """The state of every seed from what their checkpoints hold (`saved`, one per seed, of the
-    same round), live in the store and on the devices."""
-    states = [RunState.from_saved(s) for s in saved]
-    if len({int(s.round) for s in states}) != 1:
-      raise ValueError(f'Seeds at different rounds: {[int(s.round) for s in states]}.')
-    params, client_state = self.store.stacked([(s.params, s.client_state) for s in states])
-    return RunState(round=states[0].round, params=params, client_state=client_state,
-                    server=self.placement.stack_seeds([s.server for s in states]),
-                    costs=Costs.stack([s.costs for s in states]))
-
-  def before_checkpoint(self, state: RunState, seed_index: int = 0) -> dict:
-    """The store's bookkeeping, then what seed `seed_index`'s checkpoint holds (`saved`)."""
-    self.store.before_checkpoint(state.params, state.client_state, state.round)
-    return self.saved(state, seed_index)
-
-  def after_checkpoint(self, state: RunState, kept_steps: list[int]) -> None:
-    self.store.after_checkpoint(state.params, state.client_state, kept_steps)
-
-  def fetch(self, tree):
-    return self.placement.fetch(tree)
-
-  def model_flops(self, family: str) -> float:
-    """FLOPs of one CE training step of `family`'s model, per sample (XLA's count)."""
-    return model_flops(family, self.num_classes, self.config.batch_size,
-                       self.config.model.feature_dim, self.image_shape)
-
-  def forward_flops(self, family: str) -> float:
-    """FLOPs of one forward pass of `family`'s model, per sample (XLA's count)."""
-    return forward_flops(family, self.num_classes, self.config.eval_batch_size,
-                         self.config.model.feature_dim, self.image_shape)
-
-  def _init_group(self, g: schedule.Group, slots, seed_index: int) -> PyTree:
-    """The initial parameters of the group's members at `slots` (stacked), of one seed: each
-    one's own draw, or (init_scope 'family') copies of the family's one model, the same in
-    every method."""
-    slots, key = np.asarray(slots), self._keys[seed_index]
-    if self.config.model.init_scope == 'family':
-      family_ids = np.full(len(slots), models.all_family_names().index(g.family))
-      return _stacked_init(g.model)(_client_keys(key, STREAM_FAMILY_INIT,
-                                                 jnp.asarray(family_ids)))
-    return _stacked_init(g.model)(_client_keys(key, STREAM_INIT, jnp.asarray(g.members[slots])))
-
-  def _init_client_state(self, cids, seed_index: int) -> PyTree:
-    return self._init_client_state_fn(_client_keys(
-        self._keys[seed_index], STREAM_CLIENT_STATE, jnp.asarray(np.asarray(cids))))
-
-
-@functools.lru_cache(maxsize=None)
-def _stacked_init(model) -> Callable:
-  """The jitted initialiser of `model`'s parameters for a stack of keys: one per model (equal
-  modules are equal keys), so every Simulator of a process shares its traces and programs."""
-  return jax.jit(jax.vmap(functools.partial(models.init_params, model)))
-
-
-@functools.lru_cache(maxsize=None)
-def model_flops(family: str, num_classes: int, batch_size: int, feature_dim: int,
-                image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
-  """FLOPs of one CE training step of `family`'s model (representation `feature_dim` wide),
-  per sample (XLA's count)."""
-  xla = costs.xla_train_flops_per_sample(family, num_classes, batch_size, feature_dim,
-                                         image_shape)
-  analytic = costs.analytic_train_flops_per_sample(family, num_classes, feature_dim,
-                                                   image_shape)
-  if analytic and not 0.9 < xla / analytic < 1.15:
-    logging.warning('FLOPs of %s: XLA counts %.4g per sample, the analytic count %.4g.',
-                    family, xla, analytic)
-  return xla
-
-
-@functools.lru_cache(maxsize=None)
-def forward_flops(family: str, num_classes: int, batch_size: int, feature_dim: int,
-                  image_shape: tuple[int, ...] = models.IMAGE_SHAPE) -> float:
-  """FLOPs of one forward pass of `family`'s model (representation `feature_dim` wide), per
-  sample (XLA's count): what the forward pass of a method that asks for one
-  (Method.forward_pass) costs per training sample."""
-  return costs.xla_forward_flops_per_sample(family, num_classes, batch_size, feature_dim,
-                                            image_shape)
+def aggregate_seed(method: methods.Method, server, participants, round_index,
+                   root_key) -> methods.Aggregated:
+  """One seed's server rule, with its key of the round (STREAM_AGGREGATE)."""
+  key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
+  return method.server_aggregate(server, participants, round_index, key)

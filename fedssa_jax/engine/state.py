@@ -1,31 +1,43 @@
-"""The run's state between rounds, what a round reports, and what a chunk's call takes: typed
-pytrees.
+"""The run's state between rounds, what a round reports, and what a chunk's call takes and gives:
+typed pytrees.
 
-`RunState` holds every seed of a run on a leading seed axis; one seed's slice is what its
-checkpoint saves (as a plain dict, `to_saved`/`from_saved`, the layout checkpoints have always
-had). `RoundInfo` is what `Simulator.run_round` tells the run loop about one seed's round.
-`ChunkInputs` is what the jitted call of a chunk takes besides its rows and the server state.
-All are flax.struct dataclasses: a reader sees their fields, and jit, orbax and `jax.tree` see
-pytrees.
+`RunState` holds every seed of a run on a leading seed axis: the round, the client population
+(`Population`), the server state and the costs. One seed's slice is what its checkpoint saves, as
+the plain dict checkpoints have always held (snapshots.py). `RoundInfo` is what
+`Simulator.run_round` tells the run loop about one seed's round. `ChunkInputs` is what the jitted
+call of a chunk takes besides its rows and the server state, and `ChunkStats` what it reports of
+each of its clients. All are flax.struct dataclasses: a reader sees their fields, and jit, orbax
+and `jax.tree` see pytrees.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Protocol
 
+import jax
 import numpy as np
 from flax import struct
 
 from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine.training import TrainStats
+from fedssa_jax.methods.base import Norms
+from fedssa_jax.types import PyTree
 
+
+class ServerState(Protocol):
+  """A method's server state: a flax.struct dataclass of the method's own (methods/base.py),
+  each leaf with a leading seed axis in a RunState."""
+
+  def replace(self, **changes) -> ServerState:
+    ...
 
 
 @struct.dataclass
 class Costs:
   """A run's cumulative costs: floats (arrays [R] over the seeds, or one seed's)."""
-  up_floats: Any          # floats the clients sent
-  down_floats: Any        # ... received
-  client_flops: Any       # client FLOPs
+  up_floats: np.ndarray | float     # floats the clients sent
+  down_floats: np.ndarray | float   # ... received
+  client_flops: np.ndarray | float  # client FLOPs
 
   @classmethod
   def zeros(cls, num_seeds: int) -> Costs:
@@ -47,23 +59,63 @@ class Costs:
 FIELDS = tuple(f.name for f in dataclasses.fields(Costs))
 
 
+class StalePopulation(RuntimeError):
+  """A population read after the store's tables moved on: a later round wrote them in place, or
+  a restore replaced them (population.py)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A row store's handle on its tables (hashable: a static part of the Population's pytree):
+  which store, and the generation of the tables it names. The store advances the generation
+  whenever it writes rows (a round) or replaces its tables (a start or a restore)."""
+  store: str       # the store's name: 'host' or 'disk'
+  owner: int       # which store object of the process (population.py numbers them)
+  generation: int
+
+
+@struct.dataclass
+class Population:
+  """The clients of every seed between rounds: each family group's stacked models and every
+  client's method state, the same type whatever the store (population.py), which alone reads
+  and writes it.
+
+  The device store's: `params` (per group, the members' models [R, rows, ...]) and
+  `client_state` ([R, N', ...]) are device arrays; a round donates them, so a population a round
+  took is gone (JAX raises on its deleted arrays). A host or disk store's: `tables`, the handle
+  on the store's tables of rows, `params` and `client_state` None; a round writes the rows in
+  place and moves the tables to a new generation, so reading a population a round took raises
+  StalePopulation rather than returning the newer rows. A state the caller keeps is never
+  changed by a round: it is either still valid or refused."""
+  params: tuple[PyTree, ...] | None = None
+  client_state: PyTree | None = None
+  tables: Tables | None = struct.field(pytree_node=False, default=None)
+
+
 @struct.dataclass
 class RunState:
-  round: int          # rounds done
-  params: tuple       # per family group: the members' stacked models, or the store's table
-  client_state: Any   # every client's method state (e.g. FedKD's W_h), or the store's table
-  server: Any         # the method's server state (a flax.struct dataclass of the method's)
-  costs: Costs        # cumulative costs
+  round: int               # rounds done
+  population: Population   # the clients' models and method state, every seed's
+  server: ServerState      # the method's server state
+  costs: Costs             # cumulative costs
 
-  def to_saved(self) -> dict:
-    """The dict a checkpoint holds (its keys are the fields; the costs a dict of floats)."""
-    saved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    saved['costs'] = {f: getattr(self.costs, f) for f in FIELDS}
-    return saved
 
-  @classmethod
-  def from_saved(cls, saved: dict) -> RunState:
-    return cls(**{**saved, 'costs': Costs(**{f: float(saved['costs'][f]) for f in FIELDS})})
+@struct.dataclass
+class ClientStats:
+  """What `local_round` reports of each client of a chunk (arrays over its clients)."""
+  train: TrainStats        # local training's sums (training.local_train)
+  down_floats: jax.Array   # floats received (methods.Download.floats)
+  up_floats: jax.Array     # floats sent (methods.Upload.floats)
+  extra_flops: jax.Array   # client FLOPs beyond the training steps: the download's, the
+                           # upload's, the forward pass's and the step after training's
+
+
+@struct.dataclass
+class ChunkStats:
+  """What a chunk's call reports of each of its clients (arrays over its clients)."""
+  clients: ClientStats
+  nonfinite: jax.Array     # whether its parameters hold a NaN or inf after training
+  norms: Norms             # the method's norms of its trained model (Method.trained_norms)
 
 
 @struct.dataclass
@@ -83,8 +135,8 @@ class RoundInfo:
   client_down_floats: np.ndarray
   client_flops_per_client: np.ndarray
   nonfinite_params: np.ndarray  # ... whether its parameters hold a NaN or inf after training
-  header_norm_max: float        # over the participants' seen-class header rows, after training
-  header_norm_mean: float
+  header_norm_max: float        # the largest of the participants' norms (Method.trained_norms;
+  header_norm_mean: float       # by default their seen-class header rows'), and their mean
   server_flops: float           # FLOPs the server spent this round (methods.Aggregated)
   server_metrics: dict          # the server's scalar diagnostics of the round, by name
 
@@ -92,17 +144,18 @@ class RoundInfo:
 @struct.dataclass
 class ChunkInputs:
   """What a chunk's jitted call takes besides the rows it trains and the server state, for one
-  seed (the call vmaps them over the seeds as `SEED_AXES` says)."""
-  slots: Any               # [P] the chunk's rows of its group (g.rows: a dummy)
-  ids: Any                 # [P] their client ids
-  active: Any              # [P] False for dummies
-  seen: Any                # [N, C] every client's seen-class mask
-  data: DeviceData  # the images and the clients' training indices
-  round_index: Any         # the global round t (the same for every seed)
-  root_key: Any            # the seed's key
+  seed (the call vmaps them over the seeds as `SEED_AXES`, the same dataclass holding axes,
+  says)."""
+  slots: jax.Array         # [P] the chunk's rows of its group (g.rows: a dummy)
+  ids: jax.Array           # [P] their client ids
+  active: jax.Array        # [P] False for dummies
+  seen: jax.Array          # [N, C] every client's seen-class mask
+  data: DeviceData         # the images and the clients' training indices
+  round_index: jax.Array   # the global round t (the same for every seed)
+  root_key: jax.Array      # the seed's key
 
 
 SEED_AXES = ChunkInputs(
     slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0,
     data=DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
-                           test_n=None))  # the images are shared
+                    test_n=None))  # the images are shared

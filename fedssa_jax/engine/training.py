@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 
 from fedssa_jax import models
 from fedssa_jax.data import augment
@@ -47,6 +48,20 @@ class TrainConfig:
   augment: bool = True
   mean: tuple[float, ...] = (0.485, 0.456, 0.406)
   std: tuple[float, ...] = (0.229, 0.224, 0.225)
+
+
+@struct.dataclass
+class TrainStats:
+  """Sums over the samples and steps a client's local training ran (`local_train`)."""
+  correct: jax.Array   # int32: samples predicted right
+  loss_sum: jax.Array  # float32: each step's batch-mean loss times its valid samples
+  samples: jax.Array   # int32: samples processed (E * n_k)
+  steps: jax.Array     # int32: optimizer steps
+
+  @classmethod
+  def zeros(cls) -> TrainStats:
+    return cls(correct=jnp.zeros((), jnp.int32), loss_sum=jnp.zeros((), jnp.float32),
+               samples=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32))
 
 
 # A step's dropout key (a model with dropout: models.StatefulModel) is fold_in(the step's
@@ -138,14 +153,15 @@ def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key
 
 def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
                 n: jax.Array, data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
-                method, train_apply: Callable | None = None) -> tuple[dict, PyTree, dict]:
+                method, train_apply: Callable | None = None
+                ) -> tuple[dict, PyTree, TrainStats]:
   """Trains one client for E epochs with `method.loss`. Returns (trainable, acc, stats).
 
   `trainable` is {'model': params, **aux}; each entry has its own optimizer (and clip), as
   separate torch optimizers would. `train_idx` is the client's padded [max_train] index row, `n`
   its true count (0 for a masked dummy client, which then runs no step and stays unchanged).
-  `acc` sums the loss's per-step statistics (method.init_acc() to start). stats = dict(loss_sum,
-  samples, correct, steps): sums over the samples and steps actually run.
+  `acc` sums the loss's per-step statistics (method.init_acc() to start). `stats` (TrainStats)
+  sums over the samples and steps actually run.
 
   A model with batch statistics (models.StatefulModel, whose `train_apply` is given) has them in
   its row (models.MODEL_STATE): they are no trainable parameter, and each step trains its whole
@@ -156,7 +172,6 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   padded_len = -(-train_idx.shape[0] // b) * b
   idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
   steps = (n + b - 1) // b
-  zero = jnp.zeros((), jnp.float32)
   params, model_state = models.split_state(trainable['model'])
   if model_state is not None and train_apply is None:
     raise ValueError('A model with batch statistics trains with its train_apply.')
@@ -192,12 +207,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
       new_trainable[part] = optax.apply_updates(trainable[part], updates)
     acc = jax.tree_util.tree_map(jnp.add, acc, acc_update)
     count = valid.sum()
-    stats = {
-        'loss_sum': stats['loss_sum'] + loss * count,
-        'samples': stats['samples'] + count,
-        'correct': stats['correct'] + correct,
-        'steps': stats['steps'] + (count > 0),
-    }
+    stats = TrainStats(correct=stats.correct + correct, loss_sum=stats.loss_sum + loss * count,
+                       samples=stats.samples + count, steps=stats.steps + (count > 0))
     return (new_trainable, model_state), new_opt_state, acc, stats
 
   def epoch(e, carry):
@@ -205,11 +216,10 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
     order = epoch_order(k_order, n, padded_len)
     return jax.lax.fori_loop(0, steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
 
-  stats = {'loss_sum': zero, 'samples': jnp.zeros((), jnp.int32),
-           'correct': jnp.zeros((), jnp.int32), 'steps': jnp.zeros((), jnp.int32)}
   opt_state = {part: tx.init(p) for part, p in trainable.items()}
   (trainable, model_state), _, acc, stats = jax.lax.fori_loop(
-      0, cfg.local_epochs, epoch, ((trainable, model_state), opt_state, method.init_acc(), stats))
+      0, cfg.local_epochs, epoch,
+      ((trainable, model_state), opt_state, method.init_acc(), TrainStats.zeros()))
   trainable = {**trainable, 'model': models.join_state(trainable['model'], model_state)}
   return trainable, acc, stats
 

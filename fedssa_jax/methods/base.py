@@ -194,6 +194,16 @@ def class_means(sums: ClassSums, seen):
   return jnp.where(held[:, None], means, 0.0), held
 
 
+# --- The trained clients' norms: a diagnostic any method may fill (Method.trained_norms) --------
+@struct.dataclass
+class Norms:
+  """Norms of one trained client's model that its round reports (the record's
+  header_norm_max and header_norm_mean: the largest over the participants, and the mean over
+  all their norms): their largest, their sum and how many."""
+  max: jax.Array
+  sum: jax.Array
+  count: jax.Array
+
 class Method:
   """Defaults: no exchange and plain cross-entropy (which is Standalone)."""
   name = 'base'
@@ -359,3 +369,13 @@ class Method:
     """Training FLOPs per processed sample, given the client's own model's (`own`);
     `flops_of(family)` gives another family's, e.g. for a jointly trained CNN-5."""
     return own
+
+  # --- diagnostics ------------------------------------------------------------------------------
+  def trained_norms(self, params, seen) -> Norms:
+    """After local training, the norms of a client's model (`params`, the model it keeps; `seen`
+    [C] its classes) that the round reports. By default those of its seen-class header rows
+    (weights and bias), whose growth shows a header blowing up (FedSSA's `reference` fusion).
+    The engine vmaps it over a chunk's clients."""
+    norms = jnp.linalg.norm(models.header_rows(params), axis=-1)
+    return Norms(max=jnp.where(seen, norms, 0.0).max(), sum=jnp.where(seen, norms, 0.0).sum(),
+                 count=seen.sum())

@@ -33,7 +33,7 @@ import numpy as np
 
 from fedssa_jax import config_lib, data, models
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import costs, simulator, training
+from fedssa_jax.engine import costs, parts, simulator, training
 from fedssa_jax.methods import standalone
 
 FLAGS = flags.FLAGS
@@ -154,15 +154,15 @@ def peak_memory() -> dict:
 def masked_train_seconds(sim: simulator.Simulator, state, rounds: int) -> float:
   """Seconds per round of the training calls' work besides training: the same compiled calls
   on the chunks of the last `rounds` rounds (run already, so compiled) with every client
-  masked, so that no step runs (`Simulator.train_chunks`). The calls take the state's arrays
-  (donated), so `state` is used up."""
-  params, client_state, server = list(state.params), state.client_state, state.server
+  masked, so that no step runs (`Simulator.train_chunks`). The calls take the state's
+  population (donated), so `state` is used up."""
+  population, server = state.population, state.server
   t0 = time.perf_counter()
   for t in range(state.round - rounds, state.round):
     masked = [dataclasses.replace(c, active=np.zeros_like(c.active))
               for c in sim.plan([sim.cohort(t)])]
-    client_state, server, _ = sim.train_chunks(params, client_state, server, masked, t)
-  jax.block_until_ready((params, client_state, server))
+    population, server, _ = sim.train_chunks(population, server, masked, t)
+  jax.block_until_ready((population, server))
   return (time.perf_counter() - t0) / rounds
 
 
@@ -247,9 +247,9 @@ def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAME
 
 
 def _training(out, quick, ds, roof, families):
-  # Batch 512 as the engine runs it on this backend (in passes of simulator.micro_batch's auto
+  # Batch 512 as the engine runs it on this backend (in passes of parts.micro_batch's auto
   # rows), batch 64, and batch 512 in one pass for one client.
-  passes = simulator.micro_batch(config_lib.build('cifar10', 'hetero'))
+  passes = parts.micro_batch(config_lib.build('cifar10', 'hetero'))
   cases = ([('cnn5', 64, 2, 2, 0)] if quick else  # quick: one vmapped group
            [(f, b, k, max(2, 2048 // b), m) for f in families
             for b, m in ((512, passes), (64, 0)) for k in (1, 2, 5, 10)]

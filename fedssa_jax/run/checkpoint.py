@@ -3,8 +3,8 @@
 A checkpoint after round r lives in `<workdir>/checkpoints/<r>/`, written atomically by orbax's
 CheckpointManager (a temporary folder, renamed when complete). It holds three items:
 
-- `state`:    the engine's RunState, the whole pytree, whatever its keys (client models of every
-              family, server state, round counter, cumulative costs, ...).
+- `state`:    one seed's run state, as a dict (engine.snapshots.saved): whatever its keys (client
+              models of every family, server state, round counter, cumulative costs, ...).
 - `progress`: what the outputs need beyond the state: the metrics history (every metrics.jsonl
               record so far, from which "first round reaching the target" and the summary are
               computed), per-round seconds, elapsed seconds, and a SHA-256 digest of the state.
@@ -75,7 +75,7 @@ class CheckpointWriteError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Restored:
   step: int          # the round the checkpoint was written after
-  state: Any         # the engine's RunState
+  state: dict        # one seed's run state, the dict engine.snapshots.saved makes
   progress: dict     # history, round_times, ...
   meta: dict         # config, partition fingerprint, backend, JAX version
 
@@ -273,7 +273,7 @@ class Checkpointer:
   def restore_latest(self, template=None) -> Restored | None:
     """The newest checkpoint that reads back whole; None when there is no checkpoint.
 
-    `template` is a RunState of the right structure (e.g. a freshly initialised one): each array
+    `template` is a state of the right structure (e.g. snapshots.saved of a fresh one): each array
     comes back placed like the template's (see `_place_like`). Without one, the state comes back
     as saved, in numpy arrays (and tuples as lists), for inspection. Checkpoints newer than the
     one restored could not be read; `discard_after` removes them.

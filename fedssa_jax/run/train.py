@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from fedssa_jax import config_lib, data
-from fedssa_jax.engine import distributed, simulator
+from fedssa_jax.engine import distributed, parts, simulator, snapshots
 from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
 from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
 from fedssa_jax.errors import ConfigError, DataError
@@ -100,7 +100,7 @@ def train_replicas(configs: list, workdirs: list[str], dataset: data.Dataset | N
   if len({os.path.realpath(w) for w in workdirs}) != len(workdirs):
     raise ConfigError(f'Packed seeds need a workdir each, got {workdirs}.')
   # Before anything is loaded or written.
-  simulator.check_seeds(configs[0], [c.seed for c in configs], widths=[])
+  parts.check_seeds(configs[0], [c.seed for c in configs], widths=[])
   for workdir in workdirs:
     check_workdir_writable(workdir)
   with contextlib.ExitStack() as stack:
@@ -222,7 +222,7 @@ def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
       'client_family': [sim.groups[g].family for g in sim.group_of],
       'client_train_samples': cd.train_n, 'client_test_samples': cd.test_n,
       'client_seen_classes': [np.flatnonzero(s).tolist() for s in cd.seen],
-      'flops_per_train_sample': sim.flops_per_sample,
+      'flops_per_train_sample': sim.flops.per_sample,
       'eval_client_ids': 'all' if len(evaluated) == sim.num_clients else evaluated,
       'backend': jax.default_backend(),
       'jax_version': jax.__version__,
@@ -233,7 +233,8 @@ def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
   """Every seed's state, restored from its newest checkpoint (all of the same round), or fresh;
   and each one's outputs.Progress. `fresh`: no seed has a checkpoint (read once, before)."""
   state = sim.init_state(fresh=fresh)
-  restored = [k.restore_latest(template=sim.saved(state, i)) for i, k in enumerate(ckpts)]
+  restored = [k.restore_latest(template=snapshots.saved(sim.store, state, i))
+              for i, k in enumerate(ckpts)]
   rounds = [0 if r is None else r.step for r in restored]
   if len(set(rounds)) > 1:
     raise ConfigError(
@@ -245,10 +246,10 @@ def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
   if restored[0] is None:
     return state, [outputs.Progress() for _ in ckpts]
   del state  # the fresh state's buffers go before the restored one is placed
-  state = sim.stacked([r.state for r in restored])
+  state = snapshots.stacked(sim.store, [r.state for r in restored])
   for k, r in zip(ckpts, restored):
     k.discard_after(r.step)
-    sim.after_checkpoint(state, k.steps())
+    snapshots.after_checkpoint(sim.store, state, k.steps())
     logging.info('Resuming after round %d from %s.', r.step, k.directory)
   return state, [outputs.Progress.from_checkpoint(r.progress) for r in restored]
 
@@ -264,7 +265,7 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
   while state.round < config.num_rounds:
     t0 = time.time()
     state, infos = sim.run_round(state)
-    jax.block_until_ready((state.params, state.server))
+    jax.block_until_ready((state.population, state.server))
     shared = time.time() - t0  # the round's training, shared by the seeds
     last = state.round == config.num_rounds
     for i, (run, info) in enumerate(zip(runs, infos)):
@@ -278,9 +279,9 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
         continue
       if state.round % config.checkpoint_every == 0 or last or stopping:
         run.progress.elapsed_seconds = time.time() - run.start
-        run.ckpts.save(sim.before_checkpoint(state, i), dataclasses.asdict(run.progress),
-                       run.meta)
-        sim.after_checkpoint(state, run.ckpts.steps())
+        run.ckpts.save(snapshots.before_checkpoint(sim.store, state, i),
+                       dataclasses.asdict(run.progress), run.meta)
+        snapshots.after_checkpoint(sim.store, state, run.ckpts.steps())
       run.report_progress(state.round)
       outputs.log_round(run.config, state.round, run.last_record, info,
                         run.progress.round_times, run.prefix)
