@@ -201,7 +201,8 @@ def test_a_chunk_reports_the_methods_norms_of_its_trained_clients():
       return base.Norms(max=jnp.abs(params['fc3']['bias']).max(), sum=jnp.zeros(()),
                         count=seen.sum() * 0)
 
-  for method in (standalone.Standalone(None, 4, 5), WeightNorms(None, 4, 5)):
+  config = config_lib.base_config()
+  for method in (standalone.Standalone(config, 4, 5), WeightNorms(config, 4, 5)):
     _, _, _, stats = simulator.train_chunk(params, {}, (), inputs, method=method, local=local)
     assert stats.clients == 'client stats'
     np.testing.assert_array_equal(stats.nonfinite, [False, False, False])

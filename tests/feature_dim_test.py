@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, errors, methods, models
-from fedssa_jax.engine import costs
+from fedssa_jax.engine import costs, snapshots
 
 from conftest import client_view, make_small_sim, params_of, rounds, synthetic_dataset
 
@@ -100,10 +100,10 @@ def test_a_512_d_run_has_513_wide_header_rows_end_to_end():
   assert sim.method.feature_dim == d and sim.method.header_row == d + 1
   n, s, seen = sim.num_clients, sim.num_classes, sim.seen[0]
   state, info = next(iter(rounds(sim, 1)))
-  server = sim.seed_state(state).server
+  server = snapshots.seed_state(sim.store, state).server
   assert server.table.shape == (n, s, d + 1) and server.global_rows.shape == (s, d + 1)
   for k in range(n):
-    p = params_of(sim, state.params, k)
+    p = params_of(sim, state.population.params, k)
     assert p['fc2']['kernel'].shape == (500, d) and p['fc3']['kernel'].shape == (d, s)
     assert models.header_rows(p).shape == (s, d + 1)
   # The initial header gives every class a global row: each participant gets and sends its

@@ -407,7 +407,7 @@ def test_a_second_process_on_a_locked_workdir_exits_at_once(tmp_path, tfds_dir):
 @pytest.mark.slow  # a subprocess
 def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path):
   workdir = str(tmp_path)
-  code = ('import os, sys; from fedssa_jax import workdir_lock; '
+  code = ('import os, sys; from fedssa_jax.run import workdir_lock; '
           'workdir_lock.hold(sys.argv[1]).__enter__(); os._exit(0)')  # dies holding it
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
   subprocess.run([sys.executable, '-c', code, workdir], env=env, check=True, timeout=60)

@@ -117,7 +117,7 @@ def untyped(name: str, data: dict) -> list[str]:
 
 @pytest.fixture(scope='module')
 def model():
-  return models.make_model('cnn5', C, 'im2col')
+  return models.make_model('cnn5', C, 'im2col', feature_dim=500)
 
 
 def test_the_type_checker_finds_a_dict_payload_and_a_changed_state(model):
