@@ -30,6 +30,7 @@ import numpy as np
 
 from fedssa_jax import config_lib, data
 from fedssa_jax.engine import distributed, simulator
+from fedssa_jax.engine.rows import DamagedRows
 from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
 from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
 from fedssa_jax.errors import ConfigError, DataError
@@ -245,7 +246,14 @@ def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
   if restored[0] is None:
     return state, [outputs.Progress() for _ in ckpts]
   del state  # the fresh state's buffers go before the restored one is placed
-  state = sim.stacked([r.state for r in restored])
+  while True:
+    try:
+      state = sim.stacked([r.state for r in restored])
+      break
+    except DamagedRows as e:  # the disk store (one seed): its files lack the checkpoint's rows
+      (k,), (r,) = ckpts, restored
+      k.reject(r.step, e)
+      restored = [k.restore_latest(template=r.state)]  # the one before, or CheckpointError
   for k, r in zip(ckpts, restored):
     k.discard_after(r.step)
     sim.after_checkpoint(state, k.steps())
