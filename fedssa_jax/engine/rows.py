@@ -56,10 +56,9 @@ class DamagedRows(ValueError):
         '--workdir).')
 
 
-def _row_sums(a: np.ndarray) -> np.ndarray:
-  """The CRC-32 of each row's bytes (a leading axis of rows)."""
-  flat = np.ascontiguousarray(a).reshape(len(a), -1).view(np.uint8) if len(a) else []
-  return np.array([zlib.crc32(r) for r in flat], np.uint32)
+def _row_sums(mm: np.ndarray, slots: np.ndarray) -> np.ndarray:
+  """The CRC-32 of the bytes of each of `slots` of a slot file's map."""
+  return np.array([zlib.crc32(mm[s].reshape(-1).view(np.uint8)) for s in slots], np.uint32)
 
 
 class DiskRows:
@@ -68,10 +67,11 @@ class DiskRows:
   `row_spec` is a pytree of jax.ShapeDtypeStruct of one row; `init_fn(rows)` returns the initial
   values of `rows` (a pytree of arrays with a leading axis of len(rows)).
 
-  Integrity: every write records the CRC-32 of each new row's bytes (per leaf, `sums`, in RAM:
-  the rows are in memory then, so it costs a pass over bytes already read). `snapshot` saves
-  the checkpoint's slot map with the checksums of its rows in `pins/<round>.npz` (a zip, whose
-  own CRCs catch a damaged pins file). Opening the table changes no existing file, and `restore`
+  Integrity: `snapshot` takes the CRC-32 of each row of the checkpoint (per leaf, `sums`) that
+  was written since the last snapshot, as it flushes them (a row rewritten between checkpoints
+  is summed once; one kept from before keeps its sum), and saves the checkpoint's slot map with
+  the checksums of its rows in `pins/<round>.npz` (a zip, whose own CRCs catch a damaged pins
+  file). Opening the table changes no existing file, and `restore`
   checks the files against the checkpoint before any row is used: the layout, every slot it
   refers to inside every file, its pins map present and readable, every row's checksum. What
   fails raises DamagedRows, naming the file.
@@ -107,6 +107,7 @@ class DiskRows:
                           f'expected {layout})')
     self._mm: list[np.memmap] = []
     self.sums = np.zeros((0, len(self.specs)), np.uint32)  # each slot's row checksums
+    self.unsummed = np.zeros(0, bool)  # slots written since their checksums were taken
     self.capacity = 0
     sizes = [os.path.getsize(self._path(i)) if os.path.exists(self._path(i)) else None
              for i in range(len(self.specs))]
@@ -143,6 +144,7 @@ class DiskRows:
           f.truncate(size)  # sparse: no blocks until written
       self._mm.append(np.memmap(path, dtype, 'r+', shape=(capacity, *shape)))
     self.sums = np.pad(self.sums[:capacity], ((0, max(capacity - len(self.sums), 0)), (0, 0)))
+    self.unsummed = np.pad(self.unsummed[:capacity], (0, max(capacity - len(self.unsummed), 0)))
     self.capacity = capacity
     self._pin_maps(self._maps)
 
@@ -177,10 +179,9 @@ class DiskRows:
       self._grow(self.capacity + max(self.GROW, len(rows) - len(free)))
       return self.write(rows, values)
     slots = free[:len(rows)]
-    for i, (mm, v) in enumerate(zip(self._mm, jax.tree.leaves(values))):
-      v = np.ascontiguousarray(v, mm.dtype)  # the bytes the file gets
-      mm[slots] = v
-      self.sums[slots, i] = _row_sums(v)
+    for mm, v in zip(self._mm, jax.tree.leaves(values)):
+      mm[slots] = np.asarray(v)
+    self.unsummed[slots] = True
     self.slot_of[rows] = slots
 
   # --- checkpoints ----------------------------------------------------------------------------
@@ -194,6 +195,11 @@ class DiskRows:
     for mm in self._mm:
       mm.flush()
     snap = self.slot_of.copy()
+    new = np.unique(snap[snap >= 0])
+    new = new[self.unsummed[new]]
+    for i, mm in enumerate(self._mm):
+      self.sums[new, i] = _row_sums(mm, new)
+    self.unsummed[new] = False
     sums = np.where(snap[:, None] >= 0, self.sums[np.maximum(snap, 0)], 0).astype(np.uint32)
     path = os.path.join(self.directory, 'pins', f'{step}.npz')
     np.savez(path + '.tmp.npz', slot_of=snap, sums=sums)
@@ -273,8 +279,7 @@ class DiskRows:
                         'is this checkpoint\'s (its <round>.npz is missing, unreadable or '
                         f'altered){": " if problems else ""}{"; ".join(problems)}')
     for i, mm in enumerate(self._mm):  # (pins of an older version hold no sums to compare)
-      found = np.array([zlib.crc32(mm[s].reshape(-1).view(np.uint8)) for s in slot_of[stored]],
-                       np.uint32)
+      found = _row_sums(mm, slot_of[stored])
       bad = [] if sums is None else stored[found != sums[stored, i]].tolist()
       if bad:
         raise DamagedRows(self.directory, f'{self._path(i)} does not hold what the checkpoint '
