@@ -1,21 +1,25 @@
 """Two processes joined by jax.distributed (on localhost, CPU devices, gloo collectives) run
 FedSSA as one process does: the `clients` mesh spans both processes' devices, the metrics match
 (cohorts and float counts exactly, accuracies and losses within float tolerance), only process 0
-writes the outputs, and SIGTERM to one of them stops both after the same round, from whose
-checkpoint they resume to the same metrics.
+writes the outputs, SIGTERM to one of them stops both after the same round, from whose
+checkpoint they resume to the same metrics, and SIGKILL to one of them in the middle of a round
+stops the other within seconds, naming it, with nothing taken from the unfinished round.
 
 One two-process run of ROUNDS = 2 rounds of one model family (cnn5) makes every check: SIGTERM
-stops it after round 1 (that part without TensorBoard events: no TensorFlow to import), and
-the resumed run does round 2. Each of its processes is a subprocess running
+stops it after round 1 (that part without TensorBoard events: no TensorFlow to import), a
+resume loses process 1 to SIGKILL as round 2 starts (also without events), and the next
+resume does round 2. Each of its processes is a subprocess running
 tests/multihost_run.py. The one-process reference is the same run (multihost_run.run)
 made in this process, which has one CPU device, while the stopped run's processes run (where
 this process has other devices, that script started alone with one CPU device instead)."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -23,7 +27,7 @@ import pytest
 
 from fedssa_jax import config_lib
 from fedssa_jax.engine import distributed
-from fedssa_jax.run import train
+from fedssa_jax.run import checkpoint, train
 
 import multihost_run
 from conftest import cpu_devices_env
@@ -31,6 +35,9 @@ from conftest import cpu_devices_env
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES, DEVICES_PER_PROCESS, ROUNDS = 2, 2, 2
 FAMILIES = 1  # multihost_run.run_config's model families (cnn5)
+# The processes' --heartbeat_timeout: a survivor must stop well within it (a failed collective
+# shows the loss at once), and never wait much longer.
+HEARTBEAT_TIMEOUT = 30
 EXACT = ('round', 'participants', 'up_floats', 'down_floats', 'client_flops', 'cum_up_floats',
          'cum_down_floats', 'cum_floats', 'cum_client_flops')
 CLOSE = ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference', 'train_loss',
@@ -43,10 +50,11 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(workdir, rounds, processes, devices, signal_round=None, events=True):
+def start(workdir, rounds, processes, devices, signal_round=None, events=True, kill_round=None):
   """Starts multihost_run.py as `processes` processes of `devices` CPU devices each (with
-  `signal_round`, the last one sends itself SIGTERM in that round; without `events`, they leave
-  out CLU's metric writers and TensorFlow); `finish` waits for them.
+  `signal_round`, the last one sends itself SIGTERM in that round; with `kill_round`, SIGKILL as
+  that round starts; without `events`, they leave out CLU's metric writers and TensorFlow);
+  `finish` waits for them.
   They share the session's compilation cache (conftest), so a resumed run loads what its first
   part compiled (process 1 too: multihost_run has it write its programs, as process 0 does)."""
   port = free_port()
@@ -54,10 +62,13 @@ def start(workdir, rounds, processes, devices, signal_round=None, events=True):
   try:
     for i in range(processes):
       env = cpu_devices_env(devices)
-      for var in (*distributed.ENV.values(), multihost_run.NO_EVENTS):
+      for var in (*distributed.ENV.values(), multihost_run.NO_EVENTS, multihost_run.KILL_ROUND):
         env.pop(var, None)
       if not events:
         env[multihost_run.NO_EVENTS] = '1'
+      if kill_round:
+        env[multihost_run.KILL_ROUND] = str(kill_round)
+      env[distributed.HEARTBEAT_ENV] = str(HEARTBEAT_TIMEOUT)
       if processes > 1:
         env.update(FEDSSA_COORDINATOR_ADDRESS=f'localhost:{port}',
                    FEDSSA_NUM_PROCESSES=str(processes), FEDSSA_PROCESS_ID=str(i))
@@ -104,6 +115,26 @@ def launch(*args, **kwargs):
   return finish(start(*args, **kwargs))
 
 
+def lose_the_last_process(*args, **kwargs):
+  """start(..., kill_round=r): [(exit status, stderr)] by process index, and the seconds the
+  first survivor took to exit after the last process died."""
+  procs = start(*args, **kwargs)
+  try:
+    victim = procs[-1][0]
+    victim.wait(timeout=300)
+    died = time.monotonic()
+    for p, _, _ in procs[:-1]:
+      p.wait(timeout=4 * HEARTBEAT_TIMEOUT)
+    took = time.monotonic() - died
+    results = []
+    for p, _, err in procs:
+      err.seek(0)
+      results.append((p.returncode, err.read()))
+  finally:
+    kill(procs)
+  return results, took
+
+
 def records(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return [json.loads(l) for l in f]
@@ -137,8 +168,14 @@ def runs(tmp_path_factory):
     raise
   stopped = finish(stopping)
   stopped_records = records(two)
+  # Process 1 lost as round 2 starts: process 0 stops; nothing of round 2 is kept.
+  lost = lose_the_last_process(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, events=False,
+                               kill_round=ROUNDS)
+  lost_steps = checkpoint.Checkpointer(os.path.join(two, 'checkpoints')).steps()
+  lost_records = records(two)
   resumed = launch(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS)
-  return {'one': (one, reference), 'two': (two, resumed), 'stopped': (stopped_records, stopped)}
+  return {'one': (one, reference), 'two': (two, resumed), 'stopped': (stopped_records, stopped),
+          'lost': (*lost, lost_steps, lost_records)}
 
 
 @pytest.mark.slow  # the runs are subprocesses
@@ -159,6 +196,24 @@ def test_a_signal_to_one_process_stops_all_after_the_same_round(runs):
   for status, r in results:
     assert status == train.EXIT_PREEMPTED and r['preempted']
   assert [r['round'] for r in stopped_records] == [1]
+
+
+@pytest.mark.slow  # the runs are subprocesses
+def test_a_process_lost_mid_round_stops_the_other_naming_it(runs):
+  """SIGKILL to process 1 as round 2 starts: process 0 exits with status 69 within seconds (far
+  under the heartbeat timeout: its collective failed), naming process 1 and how to resume; the
+  round's checkpoint is not taken as complete, and the next run resumes from round 1's (its
+  metrics: test_two_processes_give_the_metrics_of_one)."""
+  (survivor, victim), took, steps, records_after = runs['lost']
+  assert victim[0] == -signal.SIGKILL
+  status, stderr = survivor
+  assert status == distributed.EXIT_LOST_PROCESS, stderr[-3000:]
+  assert took < HEARTBEAT_TIMEOUT, took
+  assert ('LostProcess: process 1 of the 2 of this run stopped answering (this process\'s '
+          'collective failed') in stderr, stderr[-3000:]
+  assert 'Process 0 cannot go on without it and stops (exit status 69). Rerun the same ' in stderr
+  assert steps == [1]
+  assert [r['round'] for r in records_after] == [1]
 
 
 @pytest.mark.slow  # the runs are subprocesses
