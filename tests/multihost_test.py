@@ -12,6 +12,7 @@ resume does round 2. Each of its processes is a subprocess running
 tests/multihost_run.py. The one-process reference is the same run (multihost_run.run)
 made in this process, which has one CPU device, while the stopped run's processes run (where
 this process has other devices, that script started alone with one CPU device instead)."""
+import contextlib
 import json
 import os
 import signal
@@ -252,12 +253,60 @@ def test_only_process_zero_writes_the_outputs(runs):
       str(r) for r in range(1, ROUNDS + 1)]
 
 
+def test_watchdog_names_a_process_gone_silent_and_not_one_that_ended(monkeypatch):
+  """The watchdog's rules on a stand-in for the coordination service (three processes, this one
+  process 0): process 2 stops beating while process 1 beats on, then ends (`done`). Silent for
+  `timeout`, process 2 is lost whatever this process does; after this process's run fails, one
+  silent for 5 beats is. An ended process never is. (The two-process runs above show the real
+  service.)"""
+  store, lost = {}, []
+
+  class Service:
+    def key_value_set(self, key, value, allow_overwrite=False):
+      store[key] = value
+
+    def key_value_try_get(self, key):
+      return store[key]
+
+  monkeypatch.setattr(distributed, '_coordination_client', Service)
+  monkeypatch.setattr(distributed.jax, 'process_count', lambda: 3)
+  monkeypatch.setattr(distributed.jax, 'process_index', lambda: 0)
+
+  def run(timeout, peers_beat, fail=None):
+    store.clear()
+    lost.clear()
+    dog = distributed.Watchdog(timeout, 'Restart.', (KeyError,), interval=0.05)
+    dog._lost = lambda processes, why: lost.append((processes, why)) or dog._stop.set()
+    with contextlib.suppress(ValueError, KeyError), dog:
+      for beat in range(peers_beat):
+        store['fedssa/alive/1'] = str(beat)
+        if beat < 10:
+          store['fedssa/alive/2'] = str(beat)
+        time.sleep(0.05)
+      store['fedssa/alive/1'] = 'done'
+      if fail:
+        raise fail
+    return lost, store['fedssa/alive/0']
+
+  # Process 2 stops after 10 beats; 1 s later (timeout) the thread names it.
+  found, mark = run(timeout=1, peers_beat=60)
+  assert found[0] == ([2], 'no sign of life from it for 1 s') and mark == 'done'
+  # This process's run fails before the timeout: process 2, silent 5 beats, is named.
+  found, mark = run(timeout=60, peers_beat=12, fail=ValueError('Gloo AllGather failed'))
+  assert found[0][0] == [2] and mark == 'failed'
+  assert found[0][1] == "this process's collective failed: ValueError: Gloo AllGather failed"
+  # An expected error (a user's) names nobody; nor does a normal end with an ended process 1.
+  assert run(timeout=60, peers_beat=12, fail=KeyError('x'))[0] == []
+  assert run(timeout=60, peers_beat=12)[0] == []
+
+
 @pytest.mark.parametrize('kwargs, needle', [
     (dict(mode='off', coordinator_address='localhost:1'), '--distributed=auto'),
     (dict(coordinator_address='localhost:1', num_processes=2), '--process_id missing'),
     (dict(coordinator_address='localhost:1', num_processes=2, process_id=2), 'from 0 to 1'),
     (dict(num_processes=0), 'use 1 or more'),
     (dict(mode='sometimes'), 'auto, on, off'),
+    (dict(heartbeat_timeout=0), 'at least 1, not 0; the default is 60'),
 ])
 def test_bad_settings_name_the_fix(kwargs, needle):
   with pytest.raises(config_lib.ConfigError, match=needle):
@@ -275,6 +324,10 @@ def test_settings_fall_back_to_the_environment():
   assert not distributed.wanted(distributed.settings(environ={}), {})
   assert distributed.wanted(distributed.settings(environ={}), {'SLURM_NTASKS': '8'})
   assert not distributed.wanted(distributed.settings('off', environ={}), {'SLURM_NTASKS': '8'})
+  assert distributed.settings(environ={}).heartbeat_timeout == distributed.HEARTBEAT_TIMEOUT
+  assert distributed.settings(environ={distributed.HEARTBEAT_ENV: '15'}).heartbeat_timeout == 15
+  with pytest.raises(config_lib.ConfigError, match="not 'soon'"):
+    distributed.settings(environ={distributed.HEARTBEAT_ENV: 'soon'})
 
 
 def test_main_refuses_contradictory_flags_before_running(tmp_path):

@@ -105,7 +105,7 @@ def settings(mode: str = 'auto', coordinator_address: str | None = None,
   ids = None if ids is None else tuple(_int('local_device_ids', i) for i in ids)
   given_timeout = environ.get(HEARTBEAT_ENV) if heartbeat_timeout is None else heartbeat_timeout
   try:
-    heartbeat_timeout = int(given_timeout or HEARTBEAT_TIMEOUT)
+    heartbeat_timeout = int(HEARTBEAT_TIMEOUT if given_timeout in (None, '') else given_timeout)
   except (TypeError, ValueError):
     heartbeat_timeout = 0
   if heartbeat_timeout < 1:
@@ -204,12 +204,12 @@ class Watchdog:
 
   Used as a context around the run. Each process sets `fedssa/alive/<index>` in the
   coordination service's key-value store every `interval` seconds and reads the others'. A
-  process is lost when its value stops changing for `timeout` seconds, or for `3 * interval`
-  seconds once this process's run has raised an exception that is not one of `expected` (a
-  collective that failed because a peer died: then the message comes within seconds; where no
-  peer is lost, the exception goes on). Leaving the block marks this process as ended (`done`,
-  or `failed` with an exception), which is not lost: its own output says why it ended. A no-op
-  in a single-process run.
+  process is lost when its value stops changing for `timeout` seconds, or for `5 * interval`
+  seconds (if it had changed at all) once this process's run has raised an exception that is
+  not one of `expected` (a collective that failed because a peer died: then the message comes
+  within seconds; where no peer is lost, the exception goes on). Leaving the block marks this
+  process as ended (`done`, or `failed` with an exception), which is not lost: its own output
+  says why it ended. A no-op in a single-process run.
   """
   PREFIX = 'fedssa/alive'
   ENDED = ('done', 'failed')
@@ -234,10 +234,10 @@ class Watchdog:
     if self._client is None:
       return
     if exc is not None and not isinstance(exc, self.expected):
-      deadline = time.monotonic() + 3 * self.interval + 1
+      deadline = time.monotonic() + 5 * self.interval + 1
       while time.monotonic() < deadline:
         time.sleep(self.interval / 2)
-        lost = self._silent(3 * self.interval)
+        lost = self._silent(5 * self.interval)
         if lost:
           self._lost(lost, "this process's collective failed: "
                            f'{type(exc).__name__}: {" ".join(str(exc).split())[:200]}')
@@ -249,11 +249,12 @@ class Watchdog:
       pass
 
   def _silent(self, seconds: float) -> list[int]:
-    """The processes, not ended, whose value has not changed for `seconds`."""
+    """The processes, not ended, whose value has not changed for `seconds` (for `timeout`, if it
+    never changed: a process may take a while to start its watchdog)."""
     with self._lock:
       now = time.monotonic()
-      return [p for p, (value, since) in self._seen.items()
-              if value not in self.ENDED and now - since > seconds]
+      return [p for p, (value, since) in self._seen.items() if value not in self.ENDED
+              and now - since > (seconds if value else max(seconds, self.timeout))]
 
   def _watch(self) -> None:
     beat = 0
@@ -278,7 +279,7 @@ class Watchdog:
             self._seen[p] = (value, time.monotonic())
       silent = self._silent(self.timeout)
       if silent and not self._stop.is_set():
-        self._lost(silent, f'no sign of life from it for {self.timeout:.0f} s')
+        self._lost(silent, f'no sign of life from it for {self.timeout:g} s')
 
   def _lost(self, processes: list[int], why: str) -> None:
     """Prints what happened and what to do, and ends this process at once: waiting for JAX's
