@@ -160,9 +160,9 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
       proc.send_signal(signum)
     raise KeyboardInterrupt
   try:  # the launcher's main thread (signal handlers can be set from no other)
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous, installed = signal.signal(signal.SIGTERM, on_sigterm), True
   except ValueError:
-    previous = None
+    previous, installed = None, False
   try:
     while queue or running:
       while queue and len(running) < parallel:
@@ -193,7 +193,8 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
   except KeyboardInterrupt:
     # The runs got the same SIGINT (or the SIGTERM passed on): each finishes its round,
     # checkpoints and exits 75.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one may not cut the waits short
+    if installed:  # a second one may not cut the waits short
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print('Interrupted: waiting for the running runs to checkpoint. Rerun the same command to '
           'resume.', flush=True)
     for name, (proc, log, _) in running.items():
@@ -202,8 +203,8 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
       unfinished.append(name)
     unfinished += [name for name, _, _ in queue]
   finally:
-    if previous is not None:
-      signal.signal(signal.SIGTERM, previous)
+    if installed:
+      signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
   return unfinished
 
 

@@ -134,6 +134,28 @@ def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
   assert workdir_lock.in_use(str(held)) is None  # released
 
 
+@pytest.mark.slow  # starts subprocesses
+def test_sigterm_to_the_launcher_is_passed_on_to_its_runs(tmp_path, capsys):
+  """The runs (each stops with status 75 on SIGTERM, as a run checkpoints) get the launcher's
+  SIGTERM and end at once; the launcher waits for them and reports every run unfinished."""
+  import threading  # pylint: disable=g-import-not-at-top
+  run = ('import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); '
+         'open(sys.argv[1], "w").close(); time.sleep(120)')
+  jobs = [(f'r{i}', [sys.executable, '-c', run, str(tmp_path / f'started{i}')],
+           str(tmp_path / f'r{i}')) for i in range(3)]
+
+  def terminate_once_both_run():
+    while not all((tmp_path / f'started{i}').exists() for i in range(2)):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+  threading.Thread(target=terminate_once_both_run, daemon=True).start()
+  start = time.time()
+  assert sorted(sweep.run_local(jobs, parallel=2)) == ['r0', 'r1', 'r2']
+  assert time.time() - start < 60  # the runs ended on the signal, not after their sleep
+  assert 'Interrupted: waiting for the running runs to checkpoint.' in capsys.readouterr().out
+  assert not (tmp_path / 'started2').exists()  # the queued run never started
+
+
 def test_pack_seeds_packs_the_runs_that_differ_only_in_their_seed(tmp_path):
   run_dir = tmp_path / 'cifar10-hetero-n10-E1-R2-fedssa-s1'
   run_dir.mkdir()
