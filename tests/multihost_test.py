@@ -289,7 +289,7 @@ def test_watchdog_names_a_process_gone_silent_and_not_one_that_ended(monkeypatch
     return lost, store['fedssa/alive/0']
 
   # Process 2 stops after 10 beats; 1 s later (timeout) the thread names it.
-  found, mark = run(timeout=1, peers_beat=60)
+  found, mark = run(timeout=1, peers_beat=45)
   assert found[0] == ([2], 'no sign of life from it for 1 s') and mark == 'done'
   # This process's run fails before the timeout: process 2, silent 5 beats, is named.
   found, mark = run(timeout=60, peers_beat=12, fail=ValueError('Gloo AllGather failed'))
