@@ -189,9 +189,15 @@ def small():
               [{'num_rounds': 2, 'local_epochs': 1}])
 
 
+def tiny():
+  """FedSSA's three seeds on the tiny config (5 clients, 3 rounds): a sweep of seconds, for smoke
+  checks of the launcher (tests/sweep_test.py kills it and its runs)."""
+  return grid(['cifar10'], ['hetero,tiny'], ('fedssa',))
+
+
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
-    appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small)}
+    appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny)}
 
 
 def get_sweep(name: str) -> list[Run]:

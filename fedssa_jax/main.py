@@ -13,7 +13,9 @@ one paragraph that says what to do, without a traceback; --verbose (or FEDSSA_VE
 tracebacks and every library's logs. Exit statuses: EXIT_* below and in docs/operations.md.
 
 Several processes (hosts, or one per accelerator) run the same command and join through
-jax.distributed: see --distributed and fedssa_jax/engine/distributed.py.
+jax.distributed: see --distributed and fedssa_jax/engine/distributed.py. When one of them is
+lost, the others stop within seconds (at most --heartbeat_timeout) with status 69 and a message
+that names it and how to resume (distributed.Watchdog, installed around the run).
 """
 import sys
 
@@ -25,6 +27,7 @@ if __name__ == '__main__' and not console.verbose_requested(sys.argv):
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
 import os
+import shlex
 import traceback
 
 from absl import flags
@@ -37,6 +40,7 @@ from fedssa_jax.run import checkpoint, train, workdir_lock
 EXIT_FAILED = 1       # the run failed: it diverged, a checkpoint could not be written, or a bug
 EXIT_BAD_INPUT = 2    # a config, command line, data set, workdir or checkpoint that cannot work
 EXIT_LOCKED = 73      # another run holds the workdir (sysexits.h's EX_CANTCREAT)
+EXIT_LOST_PROCESS = distributed.EXIT_LOST_PROCESS  # 69: another process of the run was lost
 EXIT_PREEMPTED = train.EXIT_PREEMPTED  # 75: stopped by a signal after a checkpoint; rerun
 EXIT_INTERRUPTED = 130  # a second SIGINT: stopped at once, after the last checkpoint
 
@@ -80,13 +84,28 @@ def define_flags(flag_values: flags.FlagValues) -> None:
                        '($FEDSSA_PROCESS_ID).', flag_values=flag_values)
   flags.DEFINE_list('local_device_ids', None, 'The local devices this process uses, e.g. 0,1 '
                     '($FEDSSA_LOCAL_DEVICE_IDS; default all).', flag_values=flag_values)
+  flags.DEFINE_integer('heartbeat_timeout', None, 'Seconds without a sign of life after which '
+                       'another process of the run counts as lost: this one then stops with '
+                       f'status {distributed.EXIT_LOST_PROCESS} ($FEDSSA_HEARTBEAT_TIMEOUT; '
+                       f'default {distributed.HEARTBEAT_TIMEOUT}).', flag_values=flag_values)
 
 
 def run(flag_values: flags.FlagValues):
   # Before anything touches a JAX backend.
-  distributed.initialize(distributed.settings(
+  settings = distributed.settings(
       flag_values.distributed, flag_values.coordinator_address, flag_values.num_processes,
-      flag_values.process_id, flag_values.local_device_ids))
+      flag_values.process_id, flag_values.local_device_ids,
+      heartbeat_timeout=flag_values.heartbeat_timeout)
+  distributed.initialize(settings)
+  resume = (f'Restart every process of the run with the command it was started with (this '
+            f'one: {shlex.join(["python", "-m", "fedssa_jax.main", *sys.argv[1:]])}): they '
+            f'resume from the last complete checkpoint in {flag_values.workdir}.')
+  expected = (*(error for error, _ in USER_ERRORS), train.Preempted, KeyboardInterrupt)
+  with distributed.Watchdog(settings.heartbeat_timeout, resume, expected):
+    return _run(flag_values)
+
+
+def _run(flag_values: flags.FlagValues):
   config = flag_values.config
   if flag_values.seeds is None:
     if flag_values.seed_workdirs is not None:

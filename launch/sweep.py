@@ -5,18 +5,24 @@
   python launch/sweep.py --sweep=table2 --mode=slurm         # write jobs, print how to submit
   python -m fedssa_jax.run.report --sweep_dir=runs/sweeps/small  # tables and plots
 
-Every run has its own workdir, `<sweep_dir>/<run name>`. A run whose summary.json exists is
-skipped; any other run is started, and one that was interrupted resumes from its newest
-checkpoint (fedssa_jax.main does that by itself), so rerunning the same command finishes a sweep.
+Every run has its own workdir, `<sweep_dir>/<run name>`. A run whose summary.json exists (and
+reads whole) is skipped; any other run is started, and one that was interrupted resumes from its
+newest checkpoint (fedssa_jax.main does that by itself), so rerunning the same command finishes a
+sweep. Locally, the runs end with the launcher, however it ends: SIGTERM or SIGINT stop them
+after their round, checkpointed; if the launcher is killed (SIGKILL), Linux kills its runs too
+(each asks for SIGKILL when its parent dies), so that a rerun finds their workdirs free and
+resumes them from their last checkpoints.
 `--num_rounds`, `--local_epochs`, `--data_dir` and `--set=field=value` apply to every run; they
 do not change run names (a resume may change only num_rounds and data_dir; see docs/operations.md).
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -111,22 +117,52 @@ def packed_jobs(runs, sweep_dir: str, cmd_dir: str, extra: dict,
 
 
 def is_done(sweep_dir: str, run) -> bool:
-  return os.path.exists(os.path.join(sweep_dir, run.name, 'summary.json'))
+  """Whether the run wrote its summary.json, whole (one cut short by a kill is not done)."""
+  try:
+    with open(os.path.join(sweep_dir, run.name, 'summary.json')) as f:
+      json.load(f)
+  except (OSError, ValueError):
+    return False
+  return True
 
 
 # ----------------------------------------------------------------------------------------------
 # Local runs
 # ----------------------------------------------------------------------------------------------
 
+def _die_with_parent(parent: int):
+  """preexec_fn of a run: Linux sends it SIGKILL when the launcher dies (PR_SET_PDEATHSIG), so
+  that a killed launcher leaves no run behind to hold its workdir. Elsewhere, nothing."""
+  def preexec():
+    try:
+      ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+      return
+    if os.getppid() != parent:  # the launcher died before prctl
+      os.kill(os.getpid(), signal.SIGKILL)
+  return preexec
+
+
 def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str]:
   """Runs (name, command, workdir) jobs, `parallel` at a time, each logging to
-  <workdir>/sweep.log. Returns the names of the runs that did not finish."""
+  <workdir>/sweep.log. Returns the names of the runs that did not finish. SIGTERM to the
+  launcher is passed on to the runs, which stop after their round, checkpointed."""
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
   if parallel > 1:  # share accelerator memory instead of each process taking 75%
     env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
   queue, running, unfinished = list(jobs), {}, []
   total = len(jobs)
+
+  def on_sigterm(signum, frame):
+    del frame
+    for proc, _, _ in running.values():
+      proc.send_signal(signum)
+    raise KeyboardInterrupt
+  try:  # the launcher's main thread (signal handlers can be set from no other)
+    previous, installed = signal.signal(signal.SIGTERM, on_sigterm), True
+  except ValueError:
+    previous, installed = None, False
   try:
     while queue or running:
       while queue and len(running) < parallel:
@@ -140,7 +176,8 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
         os.makedirs(workdir, exist_ok=True)
         log = open(os.path.join(workdir, 'sweep.log'), 'a')
         running[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT), log, workdir)
+                                          stderr=subprocess.STDOUT,
+                                          preexec_fn=_die_with_parent(os.getpid())), log, workdir)
         print(f'[{total - len(queue)}/{total}] {name}: '
               f'started (log {os.path.join(workdir, "sweep.log")})', flush=True)
       time.sleep(0.5)
@@ -154,7 +191,10 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
         if rc:
           unfinished.append(name)
   except KeyboardInterrupt:
-    # The runs got the same SIGINT: each finishes its round, checkpoints and exits 75.
+    # The runs got the same SIGINT (or the SIGTERM passed on): each finishes its round,
+    # checkpoints and exits 75.
+    if installed:  # a second one may not cut the waits short
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print('Interrupted: waiting for the running runs to checkpoint. Rerun the same command to '
           'resume.', flush=True)
     for name, (proc, log, _) in running.items():
@@ -162,6 +202,9 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
       log.close()
       unfinished.append(name)
     unfinished += [name for name, _, _ in queue]
+  finally:
+    if installed:
+      signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
   return unfinished
 
 
@@ -173,6 +216,9 @@ def _outcome(rc: int, workdir: str) -> str:
   if rc == EXIT_LOCKED:
     return ('not started: another process is running it in this workdir; rerun the sweep once '
             'that one is done')
+  if rc < 0:
+    return (f'killed by {signal.Signals(-rc).name} (rerun the sweep to resume it from its last '
+            'checkpoint)')
   return f'FAILED with exit status {rc}; see {os.path.join(workdir, "sweep.log")}'
 
 

@@ -7,6 +7,8 @@ Data, in order of preference: `--jpeg_npz` (the offline CIFAR-10 JPEG archive of
 
   python launch/time_rounds.py --config=configs/cifar10.py:hetero,n100 \
       --config.local_epochs=1 --rounds=3 [--synthetic] [--methods=fedssa,standalone]
+
+`--workdir` is where the disk store keeps its files (`--config.population_store=disk`).
 """
 import io
 import time
@@ -26,6 +28,7 @@ flags.DEFINE_bool('synthetic', False, 'Random CIFAR-shaped data instead of TFDS.
 flags.DEFINE_string('jpeg_npz', None, 'Path of cifar10_jpeg.npz to read instead of TFDS.')
 flags.DEFINE_list('methods', [], 'Methods to run in turn; default: the config\'s method.')
 flags.DEFINE_integer('eval_every', 1, 'Evaluate all clients every this many rounds.')
+flags.DEFINE_string('workdir', None, 'The run folder of the disk store (population/).')
 
 
 def jpeg_cifar10(path):
@@ -42,7 +45,7 @@ def jpeg_cifar10(path):
 
 def time_method(c, ds):
   t0 = time.time()
-  sim = simulator.Simulator(c, ds, data.partition_from_config(c, ds))
+  sim = simulator.Simulator(c, ds, data.partition_from_config(c, ds), FLAGS.workdir)
   state = sim.init_state()
   jax.block_until_ready(state)
   print(f'{c.method}: backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '

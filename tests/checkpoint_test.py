@@ -173,6 +173,9 @@ def test_killed_run_resumes_to_the_uninterrupted_outputs(sig, env, uninterrupted
 
 
 def test_resume_falls_back_past_a_corrupt_checkpoint(env, uninterrupted, tmp_path):
+  """The last checkpoint's files cut in half, and metrics.jsonl's last line torn (a kill while
+  it was written): the checkpoint is named and deleted, the run resumes from the one before,
+  and no round is recorded twice or torn."""
   workdir = str(tmp_path / 'run')
   shutil.copytree(uninterrupted, workdir)
   latest = os.path.join(workdir, 'checkpoints', str(NUM_ROUNDS))
@@ -180,6 +183,11 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(env, uninterrupted, tmp_pat
     for name in files:
       path = os.path.join(folder, name)
       os.truncate(path, os.path.getsize(path) // 2)
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  with open(metrics) as f:
+    lines = f.readlines()
+  with open(metrics, 'w') as f:
+    f.writelines(lines[:-1] + [lines[-1][:len(lines[-1]) // 2]])
   text = run(env, workdir)
   assert (f'The checkpoint of round {NUM_ROUNDS} in' in text and
           'is corrupt or truncated' in text and
@@ -188,6 +196,8 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(env, uninterrupted, tmp_pat
   # The skipped step's abandoned reads stay off the console (console.abandoned_reads_silenced).
   assert 'Event loop is closed' not in text and 'Traceback' not in text, text[-5000:]
   assert outputs(workdir) == outputs(uninterrupted)
+  assert checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints')).steps() == [
+      NUM_ROUNDS - 2, NUM_ROUNDS - 1, NUM_ROUNDS]  # the corrupt one deleted, then written again
 
 
 def test_same_seed_gives_identical_outputs_and_another_seed_differs(env, uninterrupted,

@@ -67,8 +67,8 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes',
 # short ones fill the workers in at the end. A file missing here only runs later (see the
 # slowest durations every run prints); the order changes nothing else.
 LONGEST_FILES = ('sharding_test.py', 'multihost_test.py', 'main_every_method_test.py',
-                 'zoo_test.py', 'checkpoint_test.py', 'replicas_test.py', 'engine_test.py',
-                 'model_state_test.py', 'bench_test.py', 'client_test.py',
+                 'zoo_test.py', 'checkpoint_test.py', 'sweep_test.py', 'replicas_test.py',
+                 'engine_test.py', 'model_state_test.py', 'bench_test.py', 'client_test.py',
                  'main_bad_input_test.py', 'population_test.py', 'precision_test.py')
 
 

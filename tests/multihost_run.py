@@ -7,7 +7,10 @@ the FEDSSA_* variables), first stopped by a signal, then resumed:
         python tests/multihost_run.py WORKDIR ROUNDS [SIGNAL_ROUND]
 
 With SIGNAL_ROUND, the last process sends itself SIGTERM in that round (the others get none):
-all of them must stop after it, exit with status 75, and resume when run again.
+all of them must stop after it, exit with status 75, and resume when run again. With
+MULTIHOST_RUN_KILL_ROUND=r in the environment, the last process sends itself SIGKILL as round r
+starts, while the others train it: they must stop within seconds, with status 69 and a message
+that names it (distributed.Watchdog, which this script installs as main does).
 With MULTIHOST_RUN_NO_EVENTS=1 in the environment, the run leaves out CLU's metric writers
 (no TensorBoard events, no TensorFlow to import).
 
@@ -24,6 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 NO_EVENTS = 'MULTIHOST_RUN_NO_EVENTS'
+KILL_ROUND = 'MULTIHOST_RUN_KILL_ROUND'
 if __name__ == '__main__' and os.environ.get(NO_EVENTS):
   # Before anything imports fedssa_jax.run.train: without CLU's writers (and the TensorFlow they
   # import, several CPU seconds a process), the run takes train.py's branch for an image
@@ -52,7 +56,7 @@ def run(workdir, rounds, signal_round=None):
   import jax  # pylint: disable=g-import-not-at-top
   import conftest  # pylint: disable=g-import-not-at-top  (full float32 matmuls, the data set)
   from fedssa_jax.run import console  # pylint: disable=g-import-not-at-top
-  from fedssa_jax.engine import evaluation  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.engine import evaluation, simulator  # pylint: disable=g-import-not-at-top
   from fedssa_jax.run import outputs  # pylint: disable=g-import-not-at-top
   from fedssa_jax.run import train  # pylint: disable=g-import-not-at-top
 
@@ -86,13 +90,25 @@ def run(workdir, rounds, signal_round=None):
       os.kill(os.getpid(), signal.SIGTERM)  # as a preempted task gets it
     return real_record(sim, state, info, ev)
 
+  real_run_round = simulator.Simulator.run_round
+  kill_round = int(os.environ.get(KILL_ROUND, 0))
+
+  def run_round_or_die(sim, state):
+    if state.round + 1 == kill_round and jax.process_index() == jax.process_count() - 1:
+      os.kill(os.getpid(), signal.SIGKILL)  # as a lost host goes: no cleanup, no message
+    return real_run_round(sim, state)
+
   writers = (train, outputs)  # the modules that write the outputs (with the builtin open)
   for module in writers:
     module.open = tracking_open
   evaluation.np.savez_compressed = tracking_savez
   outputs.record = capturing_record
+  simulator.Simulator.run_round = run_round_or_die
+  settings = distributed.settings()
   try:
-    with console.StopRequests() as stop:  # as main installs them
+    # As main installs them.
+    with distributed.Watchdog(settings.heartbeat_timeout, 'Rerun the same commands.',
+                              (train.Preempted,)), console.StopRequests() as stop:
       train.train_and_evaluate(config, workdir, conftest.synthetic_dataset(), stop=stop)
     preempted = False
   except train.Preempted:
@@ -102,6 +118,7 @@ def run(workdir, rounds, signal_round=None):
       del module.open
     evaluation.np.savez_compressed = real_savez
     outputs.record = real_record
+    simulator.Simulator.run_round = real_run_round
   return {
       'process_index': jax.process_index(), 'process_count': jax.process_count(),
       'local_devices': jax.local_device_count(), 'devices': jax.device_count(),

@@ -1,8 +1,12 @@
 """The population stores: device, host and disk give the same metrics (counts exactly, values to
 float rounding: their training programs differ in where the rows come from); the disk store's rows,
-lazy initial values, copy-on-write checkpoints and resume; evaluation of a fixed subset."""
+lazy initial values, copy-on-write checkpoints and resume; damaged disk state found before a
+resume, and the fallback past it; evaluation of a fixed subset."""
+import glob
 import json
+import logging
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +16,9 @@ import pytest
 from fedssa_jax import config_lib
 from fedssa_jax.engine import population, schedule, simulator
 from fedssa_jax.engine.placement import Placement
+from fedssa_jax.engine.rows import DamagedRows, DiskRows
 from fedssa_jax.engine.state import StalePopulation
-from fedssa_jax.run import train
+from fedssa_jax.run import checkpoint, train
 
 from conftest import assert_same_records, synthetic_dataset
 
@@ -168,3 +173,183 @@ def test_a_row_store_refuses_a_population_that_a_later_round_superseded():
   device = population.DeviceStore(Placement(1), [g], 2, 1, None, None)
   with pytest.raises(StalePopulation, match='device arrays'):
     store.saved(device.stacked([((params,), {})]), 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged disk state: found before a resume, named, and fallen back past
+# ----------------------------------------------------------------------------------------------
+
+def disk_config():
+  """small_config on the disk store, a checkpoint after each of its 3 rounds, all kept."""
+  return small_config(population_store='disk', checkpoint_every=1, checkpoint_keep=3)
+
+
+@pytest.fixture(scope='module')
+def disk_run(ds, tmp_path_factory):
+  """An uninterrupted run of disk_config: its workdir."""
+  workdir = str(tmp_path_factory.mktemp('disk_uninterrupted'))
+  train.train_and_evaluate(disk_config(), workdir, dataset=ds)
+  return workdir
+
+
+def damaged_copy(disk_run, tmp_path):
+  """A copy of the finished run, to damage: (workdir, its CNN-5 table's folder). Rerun, it
+  resumes after its last round, or trains again the rounds after the checkpoint it falls back
+  to."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(disk_run, workdir)
+  return workdir, os.path.join(workdir, 'population', 'cnn5')
+
+
+def resume(ds, workdir, caplog):
+  """Resumes the run in `workdir`; the text of its warnings and info lines."""
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(disk_config(), workdir, dataset=ds)
+  return '\n'.join(r.getMessage() for r in caplog.records)
+
+
+def largest_leaf(table):
+  """The table's slot file of the largest rows (CNN-5's fc1 kernel), and its row size."""
+  path = max(glob.glob(os.path.join(table, 'leaf*.bin')), key=os.path.getsize)
+  with open(os.path.join(table, 'layout.json')) as f:
+    shape, dtype = json.load(f)['leaves'][int(os.path.basename(path)[4:-4])]
+  return path, int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+@pytest.mark.slow  # whole runs, compiled
+def test_disk_store_falls_back_past_overwritten_rows(ds, disk_run, tmp_path, caplog):
+  """Bytes flipped in a row that only round 3's checkpoint holds: its checksum names the file,
+  the run resumes from round 2's checkpoint, and ends with the uninterrupted numbers."""
+  workdir, table = damaged_copy(disk_run, tmp_path)
+  with np.load(os.path.join(table, 'pins', '3.npz')) as z3, \
+       np.load(os.path.join(table, 'pins', '2.npz')) as z2:
+    new = np.flatnonzero((z3['slot_of'] >= 0) & (z3['slot_of'] != z2['slot_of']))
+    row, slot = int(new[0]), int(z3['slot_of'][new[0]])
+  path, row_bytes = largest_leaf(table)
+  with open(path, 'r+b') as f:
+    f.seek(slot * row_bytes + row_bytes // 2)
+    byte = f.read(1)[0]
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte ^ 0x10]))
+  text = resume(ds, workdir, caplog)
+  assert (f'The checkpoint of round 3 in {workdir}/checkpoints cannot be resumed: the files it '
+          f'refers to are damaged (DamagedRows: {path} does not hold what the checkpoint saved '
+          f'in rows [{row}]') in text, text
+  assert 'falling back to the previous one (round 2)' in text
+  assert 'Resuming after round 2' in text
+  assert records(workdir) == records(disk_run)
+
+
+@pytest.mark.slow  # whole runs, compiled
+def test_disk_store_falls_back_past_a_missing_pins_map(ds, disk_run, tmp_path, caplog):
+  workdir, table = damaged_copy(disk_run, tmp_path)
+  os.remove(os.path.join(table, 'pins', '3.npz'))
+  text = resume(ds, workdir, caplog)
+  assert (f'The checkpoint of round 3 in {workdir}/checkpoints cannot be resumed: the files it '
+          f'refers to are damaged (DamagedRows: No pins map in {table}/pins is this '
+          'checkpoint\'s (its <round>.npz is missing, unreadable or altered)') in text, text
+  assert 'Resuming after round 2' in text
+  assert records(workdir) == records(disk_run)
+
+
+@pytest.mark.slow  # compiles the simulator's setup, trains nothing
+def test_disk_store_cut_short_stops_naming_the_file_and_the_fix(ds, disk_run, tmp_path, caplog):
+  """A slot file cut to a row and a half: every checkpoint refers to rows it lost, so the run
+  stops before training, naming the file, and says what to do; the files are left as found."""
+  workdir, table = damaged_copy(disk_run, tmp_path)
+  path, row_bytes = largest_leaf(table)
+  os.truncate(path, row_bytes * 3 // 2)
+  caplog.clear()
+  with pytest.raises(checkpoint.CheckpointError) as e, caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(disk_config(), workdir, dataset=ds)
+  message = str(e.value)
+  assert message.startswith(f'No checkpoint in {workdir}/checkpoints can be resumed (rounds '
+                            '[1, 2, 3]): The client rows those checkpoints refer to are lost from '
+                            f'{table}: put back a copy'), message
+  assert 'start the run over (delete checkpoints/ and population/' in message
+  text = '\n'.join(r.getMessage() for r in caplog.records)
+  for step in (3, 2, 1):
+    assert (f'The checkpoint of round {step} in {workdir}/checkpoints cannot be resumed' in text)
+  assert f'{path} holds 1 row, but the checkpoint refers to slot' in text
+  assert os.path.getsize(path) == row_bytes * 3 // 2  # nothing was written over it
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['1', '2', '3']
+
+
+def test_disk_rows_find_damage_before_a_resume(tmp_path, caplog):
+  """Each kind of damage, made for real on a table's files, raises DamagedRows naming the file
+  from `restore`, before any row is read; opening the table changes no file."""
+  spec = {'a': jax.ShapeDtypeStruct((2, 3), jnp.float32), 'b': jax.ShapeDtypeStruct((), jnp.int32)}
+
+  def init_fn(rows):
+    return {'a': np.zeros((len(rows), 2, 3), np.float32), 'b': np.asarray(rows, np.int32)}
+
+  folder = str(tmp_path / 'table')
+  table = DiskRows(folder, spec, 6, init_fn)
+  table.write(np.array([0, 2]), {'a': np.ones((2, 2, 3), np.float32), 'b': np.array([5, 6])})
+  first = table.snapshot(1)
+  table.retain([1])
+  table.write(np.array([2, 3]), {'a': np.full((2, 2, 3), 2, np.float32), 'b': np.array([7, 8])})
+  second = table.snapshot(2)
+  table.retain([1, 2])
+  a_file, a_bytes = os.path.join(folder, 'leaf0.bin'), 24
+  row, slot = 3, int(second[3])  # a row only the second checkpoint holds
+
+  def damaged(make, steps=(1, 2)):
+    """Damage made on a copy: what opening and restoring each checkpoint of `steps` raise."""
+    shutil.rmtree(str(tmp_path / 'copy'), ignore_errors=True)
+    copy = shutil.copytree(folder, str(tmp_path / 'copy'))
+    make(copy)
+    files = {f: open(os.path.join(copy, f), 'rb').read() for f in os.listdir(copy)
+             if f.endswith('.bin') or f == 'layout.json'}
+    out = []
+    for step in steps:
+      opened = DiskRows(copy, spec, 6, init_fn)
+      try:
+        opened.restore({1: first, 2: second}[step])
+        out.append(None)
+      except DamagedRows as e:
+        out.append(str(e).replace(copy, '<copy>'))
+    assert files == {f: open(os.path.join(copy, f), 'rb').read() for f in files}
+    return out
+
+  def flip(copy):
+    with open(os.path.join(copy, 'leaf0.bin'), 'r+b') as f:
+      f.seek(slot * a_bytes + 5)
+      f.write(b'\xff')
+  assert damaged(flip) == [None, f'<copy>/leaf0.bin does not hold what the checkpoint saved in '
+                                 f'rows [{row}] (slots [{slot}]): their checksums differ '
+                                 '(overwritten or cut short).']
+  cut = lambda copy: os.truncate(os.path.join(copy, 'leaf0.bin'), a_bytes * 2 + 7)
+  assert damaged(cut)[0] is None  # its rows are in the two slots left
+  assert damaged(cut)[1] == ('<copy>/leaf0.bin holds 2 rows, but the checkpoint refers to slot '
+                          f'{int(second.max())}: cut short.')
+  caplog.clear()
+  appended = lambda copy: open(os.path.join(copy, 'leaf0.bin'), 'ab').write(b'xyz')
+  with caplog.at_level(logging.WARNING):
+    assert damaged(appended) == [None, None]  # the rows are intact: a warning names the file
+  assert (f'leaf0.bin holds {os.path.getsize(a_file) + 3} bytes, not a whole number of rows of '
+          '24 bytes (cut or appended to); the rows the checkpoint refers to are intact'
+          ) in caplog.text
+
+  def unreadable(copy):
+    with open(os.path.join(copy, 'pins', '2.npz'), 'r+b') as f:
+      f.seek(os.path.getsize(f.name) // 3)  # in the slot map: the zip's CRC catches it
+      f.write(b'\x01')
+  assert damaged(unreadable) == [None, (
+      "No pins map in <copy>/pins is this checkpoint's (its <round>.npz is missing, unreadable "
+      "or altered): <copy>/pins/2.npz is unreadable (BadZipFile: Bad CRC-32 for file "
+      "'slot_of.npy').")]
+  missing = lambda copy: os.remove(os.path.join(copy, 'pins', '2.npz'))
+  assert damaged(missing) == [None, "No pins map in <copy>/pins is this checkpoint's (its "
+                                    '<round>.npz is missing, unreadable or altered).']
+  gone = lambda copy: os.remove(os.path.join(copy, 'leaf1.bin'))
+  assert damaged(gone, [2]) == ['<copy>/leaf1.bin is missing.']
+  other = lambda copy: open(os.path.join(copy, 'layout.json'), 'w').write('{"num_rows": 7}')
+  assert damaged(other, [2])[0].startswith(
+      "<copy>/layout.json describes other rows than this run's ({'num_rows': 7}, expected")
+  # Intact, the table reads back both checkpoints' rows.
+  for m, values in ((first, [1, 0, 1, 0]), (second, [1, 0, 2, 2])):
+    opened = DiskRows(folder, spec, 6, init_fn)
+    opened.restore(m)
+    np.testing.assert_array_equal(opened.read(np.arange(4))['a'][:, 0, 0], values)

@@ -1,8 +1,13 @@
-"""Sweep expansion (configs/sweeps.py) and the launcher's commands and job scripts."""
+"""Sweep expansion (configs/sweeps.py), the launcher's commands and job scripts, and a sweep
+that is killed (the launcher, and one of its runs) and finished by rerunning the same command."""
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
 from conftest import REPO, load_file
@@ -17,7 +22,7 @@ sweeps = sweep.load_sweeps()
     ('comm_compute', 2 * 8 * 3), ('fig5', 2), ('fig6_7', (5 + 6 + 2 * 5) * 2 * 3),
     ('appendix_participation', 2 * 5 * 2 * 3), ('appendix_ablation', 2 * 2 * 3 * 3),
     ('appendix_mu0', 2 * 7 * 3), ('appendix_t_stable', 2 * 7 * 3), ('small', 6),
-    ('partial', 8 * 3 + 2 + 3), ('partial_homo', 8 * 3 + 2 + 3)])
+    ('partial', 8 * 3 + 2 + 3), ('partial_homo', 8 * 3 + 2 + 3), ('tiny', 3)])
 def test_every_sweep_expands_to_unique_names_and_valid_configs(name, count):
   from fedssa_jax import config_lib
   runs = sweeps.get_sweep(name)
@@ -129,6 +134,28 @@ def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
   assert workdir_lock.in_use(str(held)) is None  # released
 
 
+@pytest.mark.slow  # starts subprocesses
+def test_sigterm_to_the_launcher_is_passed_on_to_its_runs(tmp_path, capsys):
+  """The runs (each stops with status 75 on SIGTERM, as a run checkpoints) get the launcher's
+  SIGTERM and end at once; the launcher waits for them and reports every run unfinished."""
+  import threading  # pylint: disable=g-import-not-at-top
+  run = ('import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); '
+         'open(sys.argv[1], "w").close(); time.sleep(120)')
+  jobs = [(f'r{i}', [sys.executable, '-c', run, str(tmp_path / f'started{i}')],
+           str(tmp_path / f'r{i}')) for i in range(3)]
+
+  def terminate_once_both_run():
+    while not all((tmp_path / f'started{i}').exists() for i in range(2)):
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+  threading.Thread(target=terminate_once_both_run, daemon=True).start()
+  start = time.time()
+  assert sorted(sweep.run_local(jobs, parallel=2)) == ['r0', 'r1', 'r2']
+  assert time.time() - start < 60  # the runs ended on the signal, not after their sleep
+  assert 'Interrupted: waiting for the running runs to checkpoint.' in capsys.readouterr().out
+  assert not (tmp_path / 'started2').exists()  # the queued run never started
+
+
 def test_pack_seeds_packs_the_runs_that_differ_only_in_their_seed(tmp_path):
   run_dir = tmp_path / 'cifar10-hetero-n10-E1-R2-fedssa-s1'
   run_dir.mkdir()
@@ -148,3 +175,89 @@ def test_pack_seeds_packs_the_runs_that_differ_only_in_their_seed(tmp_path):
   assert (f'--seed_workdirs={os.path.join(sweep_dir, base + "-s0")},'
           f'{os.path.join(sweep_dir, base + "-s1")}') in cmd
   assert not any(c.startswith('--config.seed') for c in cmd)
+
+
+# ----------------------------------------------------------------------------------------------
+# A killed sweep
+# ----------------------------------------------------------------------------------------------
+
+TIMING_FIELDS = ('round_seconds', 'elapsed_seconds')
+
+
+def rounds_written(workdir) -> int:
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      return sum(1 for _ in f)
+  except FileNotFoundError:
+    return 0
+
+
+def metrics(workdir) -> list:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in f]
+
+
+def wait_for(condition, what, launcher):
+  deadline = time.time() + 300
+  while not condition():
+    assert launcher.poll() is None, f'the launcher ended (status {launcher.returncode}) {what}'
+    assert time.time() < deadline, f'not {what} after 300 s'
+    time.sleep(0.05)
+
+
+@pytest.mark.slow  # a real sweep: the launcher and its runs are subprocesses
+def test_a_killed_sweep_finishes_when_rerun(tmp_path):
+  """`--sweep=tiny --parallel=2`, 4 rounds, a checkpoint after each: SIGKILL to the run of seed
+  0 once it has recorded 2 rounds, so that round 1's checkpoint is complete (the launcher
+  reports it and starts seed 2's), then SIGKILL to the launcher once seed 1's run is done and
+  seed 2's has recorded 2 rounds (seed 2's run dies with it). The same command again skips
+  seed 1, resumes the others, and every run's metrics.jsonl is an uninterrupted run's: the
+  sweep's `--set=seed=0` makes its three runs one computation, so seed 1's run, which nothing
+  interrupted, is the reference of the other two (and no run need be made twice)."""
+  from conftest import synthetic_dataset  # pylint: disable=g-import-not-at-top
+  from fedssa_jax.run import workdir_lock  # pylint: disable=g-import-not-at-top
+  ds = synthetic_dataset(100, 50)
+  data = str(tmp_path / 'data.npz')  # plain arrays: no TFDS to prepare
+  train, test = ds.tfds_splits['train'], ds.tfds_splits['test']
+  np.savez(data, x_train=ds.images[train], y_train=ds.labels[train], x_test=ds.images[test],
+           y_test=ds.labels[test])
+  sweep_dir = str(tmp_path / 'sweep')
+  flags = ['--sweep=tiny', f'--sweep_dir={sweep_dir}', '--parallel=2', f'--data_dir={data}',
+           '--num_rounds=4', '--set=model.families=("cnn5",)', '--set=checkpoint_every=1',
+           '--set=seed=0']
+  runs = sweeps.get_sweep('tiny')
+  workdirs = [os.path.join(sweep_dir, r.name) for r in runs]
+  command = [sys.executable, 'launch/sweep.py', *flags]
+  env = dict(os.environ, PYTHONPATH=REPO)
+  with open(tmp_path / 'launcher.log', 'w') as log:
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+  try:
+    wait_for(lambda: rounds_written(workdirs[0]) >= 2, '2 rounds of seed 0', launcher)
+    with open(os.path.join(workdirs[0], workdir_lock.LOCK_FILE)) as f:
+      os.kill(int(f.read().split()[1]), signal.SIGKILL)  # 'pid <pid> on host ...'
+    wait_for(lambda: sweep.is_done(sweep_dir, runs[1]) and rounds_written(workdirs[2]) >= 2,
+             'seed 1 done and 2 rounds of seed 2', launcher)
+    launcher.kill()
+    assert launcher.wait() == -signal.SIGKILL
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  deadline = time.time() + 60
+  while workdir_lock.in_use(workdirs[2]):  # seed 2's run died with the launcher
+    assert time.time() < deadline, 'seed 2\'s run outlived the launcher by 60 s'
+    time.sleep(0.05)
+  text = (tmp_path / 'launcher.log').read_text()
+  assert (f'{runs[0].name}: killed by SIGKILL (rerun the sweep to resume it from its last '
+          'checkpoint)') in text, text
+  assert not sweep.is_done(sweep_dir, runs[0]) and not sweep.is_done(sweep_dir, runs[2])
+
+  rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+  assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+  assert f'Sweep tiny: 3 runs, 1 done, 2 to do, in {sweep_dir}' in rerun.stdout
+  assert 'All 3 runs done.' in rerun.stdout
+  reference = metrics(workdirs[1])
+  assert [r['round'] for r in reference] == [1, 2, 3, 4]
+  for i in (0, 2):
+    with open(os.path.join(workdirs[i], 'sweep.log')) as f:
+      assert 'Resuming after round' in f.read()
+    assert metrics(workdirs[i]) == reference, i

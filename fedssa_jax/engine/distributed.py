@@ -18,6 +18,16 @@ single-process. `--distributed=off` never initializes.
 
 On the CPU, processes exchange data through gloo (JAX's `jax_cpu_collectives_implementation`,
 whose default is gloo in this JAX version), which is what the two-process test uses.
+
+A lost process (killed, crashed, its host gone) must not leave the others waiting in a
+collective forever. `Watchdog` (the command line's, around the run) bounds that wait: each
+process bumps a counter in the coordination service's key-value store every second and watches
+the others'; one that stops for `--heartbeat_timeout` seconds (default 60), or that has stopped
+when this process's collective fails, is lost, and this process prints which and how to resume,
+and exits with EXIT_LOST_PROCESS at once (no shutdown barrier). JAX's own heartbeat check, set
+to twice that timeout, stops a process whose watchdog could not (abort, status 134); when
+process 0, which hosts the coordination service, is lost, JAX stops the others at once that way,
+with its own message ("the JAX distributed service detected fatal errors").
 """
 from __future__ import annotations
 
@@ -25,6 +35,9 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
+import threading
+import time
 from typing import Any, Sequence
 
 import jax
@@ -39,6 +52,11 @@ ENV = {'coordinator_address': 'FEDSSA_COORDINATOR_ADDRESS',
        'num_processes': 'FEDSSA_NUM_PROCESSES',
        'process_id': 'FEDSSA_PROCESS_ID',
        'local_device_ids': 'FEDSSA_LOCAL_DEVICE_IDS'}
+HEARTBEAT_ENV = 'FEDSSA_HEARTBEAT_TIMEOUT'
+HEARTBEAT_TIMEOUT = 60  # seconds without a sign of life after which a process counts as lost
+# The exit status of a process that stopped because another process of the run was lost
+# (sysexits.h's EX_UNAVAILABLE); restarting every process resumes from the last checkpoint.
+EXIT_LOST_PROCESS = 69
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +67,7 @@ class Settings:
   num_processes: int | None = None
   process_id: int | None = None
   local_device_ids: tuple[int, ...] | None = None
+  heartbeat_timeout: int = HEARTBEAT_TIMEOUT  # seconds (Watchdog; JAX's check: twice that)
 
   @property
   def explicit(self) -> bool:
@@ -69,7 +88,7 @@ def _int(name: str, value) -> int | None:
 def settings(mode: str = 'auto', coordinator_address: str | None = None,
              num_processes: int | None = None, process_id: int | None = None,
              local_device_ids: Sequence[int] | str | None = None,
-             environ: dict | None = None) -> Settings:
+             environ: dict | None = None, heartbeat_timeout: int | None = None) -> Settings:
   """The settings from flag values (None: not given), each falling back to its FEDSSA_*
   environment variable; raises ConfigError on a combination that cannot work."""
   environ = os.environ if environ is None else environ
@@ -84,9 +103,18 @@ def settings(mode: str = 'auto', coordinator_address: str | None = None,
   if isinstance(ids, str):
     ids = [s for s in ids.replace(' ', '').split(',') if s]
   ids = None if ids is None else tuple(_int('local_device_ids', i) for i in ids)
+  given_timeout = environ.get(HEARTBEAT_ENV) if heartbeat_timeout is None else heartbeat_timeout
+  try:
+    heartbeat_timeout = int(HEARTBEAT_TIMEOUT if given_timeout in (None, '') else given_timeout)
+  except (TypeError, ValueError):
+    heartbeat_timeout = 0
+  if heartbeat_timeout < 1:
+    raise ConfigError(f'--heartbeat_timeout (or ${HEARTBEAT_ENV}) must be a whole number of '
+                      f'seconds, at least 1, not {given_timeout!r}; the default is '
+                      f'{HEARTBEAT_TIMEOUT}.')
   s = Settings(mode, given['coordinator_address'] or None,
                _int('num_processes', given['num_processes']),
-               _int('process_id', given['process_id']), ids or None)
+               _int('process_id', given['process_id']), ids or None, heartbeat_timeout)
 
   named = [f'--{k} (${ENV[k]})' for k in ENV if getattr(s, k) is not None]
   if mode == 'off' and s.explicit:
@@ -143,7 +171,8 @@ def initialize(s: Settings) -> bool:
   if s.local_device_ids is not None:
     kwargs['local_device_ids'] = list(s.local_device_ids)
   try:
-    jax.distributed.initialize(**kwargs)
+    # JAX's own check is the backstop of the Watchdog's, which speaks first.
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=2 * s.heartbeat_timeout)
   except (RuntimeError, ValueError) as e:
     how = ('with ' + ', '.join(f'{k}={v!r}' for k, v in kwargs.items())) if kwargs else (
         'with nothing given, so JAX looked for SLURM, Open MPI, Kubernetes or a Cloud TPU slice')
@@ -154,6 +183,116 @@ def initialize(s: Settings) -> bool:
   logging.info('Process %d of %d; devices: %d here, %d in all.', jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
   return jax.process_count() > 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A lost process
+# ----------------------------------------------------------------------------------------------
+
+def _coordination_client():
+  """The jax.distributed client (a JAX internal; None where it has moved or is not started)."""
+  try:
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return getattr(getattr(jax_distributed, 'global_state', None), 'client', None)
+
+
+class Watchdog:
+  """A thread that stops this process when another process of the run is lost, with a message
+  that names it and `resume` (what to do), instead of leaving it waiting in a collective.
+
+  Used as a context around the run. Each process sets `fedssa/alive/<index>` in the
+  coordination service's key-value store every `interval` seconds and reads the others'. A
+  process is lost when its value stops changing for `timeout` seconds, or for `5 * interval`
+  seconds (if it had changed at all) once this process's run has raised an exception that is
+  not one of `expected` (a collective that failed because a peer died: then the message comes
+  within seconds; where no peer is lost, the exception goes on). Leaving the block marks this
+  process as ended (`done`, or `failed` with an exception), which is not lost: its own output
+  says why it ended. A no-op in a single-process run.
+  """
+  PREFIX = 'fedssa/alive'
+  ENDED = ('done', 'failed')
+
+  def __init__(self, timeout: float, resume: str, expected: tuple = (), interval: float = 1.0):
+    self.timeout, self.resume, self.expected, self.interval = timeout, resume, expected, interval
+    self._client = _coordination_client()  # None in a single process (no backend started)
+    self._stop = threading.Event()
+    self._seen: dict[int, tuple[str, float]] = {}  # process: (value, when it last changed)
+    self._lock = threading.Lock()
+
+  def __enter__(self):
+    if self._client is not None and jax.process_count() == 1:
+      self._client = None
+    if self._client is not None:
+      self._me, now = jax.process_index(), time.monotonic()
+      self._seen = {p: ('', now) for p in range(jax.process_count()) if p != self._me}
+      threading.Thread(target=self._watch, name='fedssa-watchdog', daemon=True).start()
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    if self._client is None:
+      return
+    if exc is not None and not isinstance(exc, self.expected):
+      deadline = time.monotonic() + 5 * self.interval + 1
+      while time.monotonic() < deadline:
+        time.sleep(self.interval / 2)
+        lost = self._silent(5 * self.interval)
+        if lost:
+          self._lost(lost, "this process's collective failed: "
+                           f'{type(exc).__name__}: {" ".join(str(exc).split())[:200]}')
+    self._stop.set()
+    try:
+      self._client.key_value_set(f'{self.PREFIX}/{self._me}', 'failed' if exc else 'done',
+                                 allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except  (the service is gone: nobody to tell)
+      pass
+
+  def _silent(self, seconds: float) -> list[int]:
+    """The processes, not ended, whose value has not changed for `seconds` (for `timeout`, if it
+    never changed: a process may take a while to start its watchdog)."""
+    with self._lock:
+      now = time.monotonic()
+      return [p for p, (value, since) in self._seen.items() if value not in self.ENDED
+              and now - since > (seconds if value else max(seconds, self.timeout))]
+
+  def _watch(self) -> None:
+    beat = 0
+    while not self._stop.wait(self.interval):
+      try:
+        self._client.key_value_set(f'{self.PREFIX}/{self._me}', str(beat), allow_overwrite=True)
+        values = {}
+        for p in self._seen:
+          try:
+            values[p] = self._client.key_value_try_get(f'{self.PREFIX}/{p}')
+          except Exception:  # pylint: disable=broad-except  (not set yet)
+            values[p] = ''
+      except Exception as e:  # pylint: disable=broad-except
+        if not self._stop.is_set():
+          self._lost([0], 'the coordination service, which process 0 runs, stopped answering: '
+                          f'{type(e).__name__}: {" ".join(str(e).split())[:200]}')
+        return
+      beat += 1
+      with self._lock:
+        for p, value in values.items():
+          if value != self._seen[p][0]:
+            self._seen[p] = (value, time.monotonic())
+      silent = self._silent(self.timeout)
+      if silent and not self._stop.is_set():
+        self._lost(silent, f'no sign of life from it for {self.timeout:g} s')
+
+  def _lost(self, processes: list[int], why: str) -> None:
+    """Prints what happened and what to do, and ends this process at once: waiting for JAX's
+    shutdown barrier would wait for the lost process."""
+    names = ', '.join(map(str, sorted(processes)))
+    sys.stderr.write(
+        f'LostProcess: process{"es" if len(processes) > 1 else ""} {names} of the '
+        f'{jax.process_count()} of this run stopped answering ({why}). Process {self._me} '
+        f'cannot go on without {"them" if len(processes) > 1 else "it"} and stops (exit status '
+        f'{EXIT_LOST_PROCESS}). {self.resume}\n')
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_LOST_PROCESS)  # pylint: disable=protected-access
 
 
 # ----------------------------------------------------------------------------------------------

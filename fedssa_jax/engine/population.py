@@ -36,10 +36,15 @@ about 100 clients a round. Writes are copy-on-write: a chunk's new rows go to fr
 `slot_of` points at them. A checkpoint therefore saves `slot_of` alone (one int per client), never
 the population; the slots named by the `slot_of` of every checkpoint still kept are *pinned*
 (never reused), so a run that dies after a checkpoint resumes from rows the later rounds did not
-overwrite. Each checkpoint's map is also written beside the table (`<table>/pins/<round>.npy`),
-so a resumed run knows which slots the older kept checkpoints pin. Capacity grows on demand (the
+overwrite. Each checkpoint's map is also written beside the table, with the CRC-32 of each of its
+rows (`<table>/pins/<round>.npz`, checksums taken as the rows are written), so a resumed run
+knows which slots the older kept checkpoints pin, and checks before it trains that the files
+still hold the checkpoint's rows: a file cut short, overwritten or of another layout, or a pins
+map missing or unreadable, raises `rows.DamagedRows` naming the file, and the run falls back to
+an older checkpoint whose rows are intact, or stops (train.py). Capacity grows on demand (the
 files are sparse: an unused slot takes no disk); the store needs about
-(N + K * checkpoint_every * checkpoint_keep) slots at most.
+(N + K * checkpoint_every * checkpoint_keep) slots at most. The host store writes no files: its
+rows are in the checkpoint, under its digest.
 """
 from __future__ import annotations
 

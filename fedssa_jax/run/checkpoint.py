@@ -233,7 +233,7 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=False,
             cleanup_tmp_directories=True))  # what a kill during a save left behind
-    self._unreadable: set[int] = set()
+    self._unreadable: dict[int, Exception] = {}  # step: why it cannot be resumed
 
   def steps(self) -> list[int]:
     """The rounds with a complete checkpoint, oldest first."""
@@ -242,15 +242,27 @@ class Checkpointer:
   def _candidates(self):
     return [s for s in reversed(self.steps()) if s not in self._unreadable]
 
-  def _skip(self, step: int, error: Exception) -> None:
-    self._unreadable.add(step)
+  def _skip(self, step: int, error: Exception,
+            what: str = 'is corrupt or truncated') -> None:
+    self._unreadable[step] = error
     earlier = [s for s in self._candidates() if s < step]
     then = (f'falling back to the previous one (round {earlier[0]})' if earlier
             else 'no earlier checkpoint is left')
-    logging.warning('The checkpoint of round %d in %s is corrupt or truncated (%s: %s); %s.',
-                    step, self.directory, type(error).__name__, str(error)[:300], then)
+    logging.warning('The checkpoint of round %d in %s %s (%s: %s); %s.', step, self.directory,
+                    what, type(error).__name__, str(error)[:600], then)
+
+  def reject(self, step: int, error: Exception) -> None:
+    """Marks the checkpoint of `step`, which read back whole, as not resumable: what it refers
+    to outside it is damaged (`error`, e.g. the disk store's rows.DamagedRows, whose `fix` the
+    final error repeats if no checkpoint is left). restore_latest then tries the one before."""
+    self._skip(step, error, 'cannot be resumed: the files it refers to are damaged')
 
   def _none_readable(self) -> CheckpointError:
+    fixes = [e.fix for e in self._unreadable.values() if isinstance(getattr(e, 'fix', None), str)]
+    if fixes:
+      return CheckpointError(
+          f'No checkpoint in {self.directory} can be resumed (rounds {self.steps()}): '
+          f'{fixes[0]} The warnings above name each damaged file.')
     return CheckpointError(
         f'No checkpoint in {self.directory} can be read (rounds {self.steps()}; see the '
         'warnings above). If the code has changed what a run\'s state holds, finish the run with '

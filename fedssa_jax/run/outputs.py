@@ -172,9 +172,11 @@ class SeedOutputs:
     """summary.json (from process 0), and the console's last line."""
     self.progress.elapsed_seconds = now - self.start
     summary = make_summary(self.config, state, self.progress)
-    if jax.process_index() == 0:
-      with open(os.path.join(self.workdir, 'summary.json'), 'w') as f:
+    if jax.process_index() == 0:  # whole or not at all: a sweep skips a run that has one
+      path = os.path.join(self.workdir, 'summary.json')
+      with open(path + '.tmp', 'w') as f:
         f.write(json.dumps(summary, indent=2, default=jsonable))
+      os.replace(path + '.tmp', path)
     acc = lambda a: 'n/a' if a is None else f'{a:.4f}'
     logging.info('%sDone: final mean accuracy %s, best %s (round %s), wall %.1f s; summary in %s',
                  self.prefix, acc(summary['final_mean_accuracy']),

@@ -30,6 +30,7 @@ import numpy as np
 
 from fedssa_jax import config_lib, data
 from fedssa_jax.engine import distributed, parts, simulator, snapshots
+from fedssa_jax.engine.rows import DamagedRows
 from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
 from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
 from fedssa_jax.errors import ConfigError, DataError
@@ -246,7 +247,14 @@ def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
   if restored[0] is None:
     return state, [outputs.Progress() for _ in ckpts]
   del state  # the fresh state's buffers go before the restored one is placed
-  state = snapshots.stacked(sim.store, [r.state for r in restored])
+  while True:
+    try:
+      state = snapshots.stacked(sim.store, [r.state for r in restored])
+      break
+    except DamagedRows as e:  # the disk store (one seed): its files lack the checkpoint's rows
+      (k,), (r,) = ckpts, restored
+      k.reject(r.step, e)
+      restored = [k.restore_latest(template=r.state)]  # the one before, or CheckpointError
   for k, r in zip(ckpts, restored):
     k.discard_after(r.step)
     snapshots.after_checkpoint(sim.store, state, k.steps())
