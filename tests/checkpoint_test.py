@@ -246,3 +246,17 @@ def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path,
   assert rounds_written(workdir) == 1
   ckpts = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
   assert ckpts.steps() == [1] and ckpts.restore_latest().step == 1
+
+
+def test_a_template_with_numpy_scalars_restores(tmp_path):
+  """A seed's saved state holds numpy scalars where the server keeps 0-d arrays (an Inbox's
+  weight, after the seed axis is taken off): a restore with it as the template reads them back."""
+  state = {'server': {'weight': np.float32(2.5), 'rows': np.arange(6, dtype=np.float32)},
+           'round': 1}
+  ckpt = checkpoint.Checkpointer(str(tmp_path / 'checkpoints'))
+  ckpt.save(state, {'round': 1}, {'config': {}})
+  ckpt.close()
+  template = {'server': {'weight': np.float32(0), 'rows': np.zeros(6, np.float32)}, 'round': 0}
+  restored = checkpoint.Checkpointer(str(tmp_path / 'checkpoints')).restore_latest(template)
+  assert float(restored.state['server']['weight']) == 2.5
+  np.testing.assert_array_equal(np.asarray(restored.state['server']['rows']), np.arange(6))

@@ -293,7 +293,8 @@ class Checkpointer:
     if not self.steps():
       return None
     on_host = None if template is None else jax.tree.map(
-        lambda x: np.empty(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray)) else x,
+        lambda x: np.empty(x.shape, x.dtype)
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x,  # numpy scalars: 0-d leaves
         template)
     for step in self._candidates():
       try:
