@@ -13,6 +13,8 @@
   dir      Dirichlet partition (gamma = partition.dirichlet_gamma, 0.5)
   paper    the paper's 8:1:1 per-client split instead of the reference's pools
   tiny     a few clients, rounds and steps: for tests and smoke runs
+  devices  model follows device: system.device_tiers 'three_tiers', the cheapest models on the
+           slowest tier (system.tier_assignment 'model')
   htfe2, htfe3, htfe4, htfe5, htfe8, htfe9
            HtFLlib's model groups HtFE-img-N (client k gets the group's family k mod N;
            model.feature_dim 512; fedssa_jax/models/zoo.py)
@@ -25,7 +27,7 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from fedssa_jax import data, methods, models
+from fedssa_jax import data, methods, models, system
 from fedssa_jax.errors import ConfigError, DataError
 from fedssa_jax.models import zoo
 
@@ -89,6 +91,9 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
     if method.config_section is not None:
       c[method.config_section] = method.default_config()
   c.eval_batch_size = 512             # also the batch of the reference's per-batch metric
+  # System heterogeneity (availability, dropout, stragglers, lost uploads, devices and a
+  # simulated clock): off by default; fedssa_jax/system.py, docs/configuration.md.
+  c.system = system.default_config()
   c.engine = _engine_config()
   return c
 
@@ -203,13 +208,17 @@ def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
   elif name == 'tiny':
     c.num_clients, c.participation = 5, 0.6
     c.num_rounds, c.local_epochs, c.batch_size, c.eval_batch_size = 3, 1, 16, 32
+  elif name == 'devices':
+    # The paper's scenario: clients pick the model their device can train, so the slowest tier
+    # holds the cheapest models (fedssa_jax/system.py).
+    c.system.device_tiers, c.system.tier_assignment = 'three_tiers', 'model'
   elif name in zoo.GROUPS:
     # HtFLlib's model group HtFE-img-N (zoo.py): client k gets its family k mod |group|, every
     # representation pooled to HtFLlib's feature_dim 512. Nothing else changes.
     c.model.families, c.model.feature_dim = zoo.GROUPS[name], zoo.FEATURE_DIM
   else:
     raise ValueError(f'Unknown config variant {name!r}; known: hetero, homo, n10, n50, n100, '
-                     f'dir, xdevice, paper, tiny, {", ".join(zoo.GROUPS)}.')
+                     f'dir, xdevice, paper, tiny, devices, {", ".join(zoo.GROUPS)}.')
 
 
 def build(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
@@ -264,6 +273,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_guard(c)
   _check_engine_batching(c)
   _check_method_sections(c)
+  system.check_config(c.system, c.num_clients)
 
 
 def dataset_facts(c: ml_collections.ConfigDict) -> data.DatasetFacts:

@@ -18,6 +18,7 @@ LAYERS = (
     ('models',),
     ('data',),
     ('methods',),
+    ('system',),
     ('config_lib',),
     ('engine',),
     ('run',),

@@ -26,7 +26,8 @@ from fedssa_jax.engine.placement import Placement
 # own initial model (model.init_scope='client', keyed by client id); STREAM_FAMILY_INIT a
 # family's shared one ('family', keyed by the family's index in models.FAMILY_NAMES);
 # STREAM_AGGREGATE the server rule's key of each round; STREAM_STUDY the study batch of a
-# method's step after training (Method.after_training), keyed by round and client id.
+# method's step after training (Method.after_training), keyed by round and client id. The system
+# section's draws take the next two (fedssa_jax/system.py: STREAM_SYSTEM, STREAM_SYSTEM_PROFILE).
 (STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL,
  STREAM_FAMILY_INIT, STREAM_AGGREGATE, STREAM_STUDY) = range(9)
 
@@ -58,10 +59,16 @@ def cohort_size(num_clients: int, participation: float) -> int:
   return max(1, int(np.floor(participation * num_clients)))
 
 
-def sample_cohort(seed: int, round_index: int, num_clients: int, k: int) -> np.ndarray:
-  """The round's participants, sorted; a pure function of (seed, round)."""
+def sample_cohort(seed: int, round_index: int, num_clients: int, k: int,
+                  online: np.ndarray | None = None) -> np.ndarray:
+  """The round's participants, sorted; a pure function of (seed, round). `online` [N] (the
+  system section's availability): drawn among the online clients only, all of them if fewer
+  than K are; with every client online, the same cohort as without."""
   rng = np.random.default_rng([seed, STREAM_SAMPLE, round_index])
-  return np.sort(rng.choice(num_clients, size=k, replace=False))
+  if online is None:
+    return np.sort(rng.choice(num_clients, size=k, replace=False))
+  ids = np.flatnonzero(online)
+  return np.sort(ids[rng.choice(len(ids), size=min(k, len(ids)), replace=False)])
 
 
 def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray | None:

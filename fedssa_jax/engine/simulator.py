@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import data, methods
+from fedssa_jax import data, methods, system
 from fedssa_jax.engine import costs, evaluation, parts, schedule, training
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
@@ -41,13 +41,14 @@ from fedssa_jax.engine.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  
                                  STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
                                  STREAM_TRAIN, cohort_size, sample_cohort)
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
-                                     RoundInfo, RunState, ServerState)
+                                     RoundInfo, RunState, ServerState, SystemRound)
 
 
 # Under a mesh, each device trains its share of a chunk's clients (local_round's arguments).
 LOCAL_SPECS = (SHARDED, SHARDED, REPLICATED,
                ChunkInputs(slots=SHARDED, ids=SHARDED, active=SHARDED, seen=REPLICATED,
-                           data=REPLICATED, round_index=REPLICATED, root_key=REPLICATED))
+                           data=REPLICATED, round_index=REPLICATED, root_key=REPLICATED,
+                           system=REPLICATED))
 
 
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
@@ -88,8 +89,12 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     split_n, split_rows = n, rows
   trains = method.trains(t)
   train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
-  trainable, loss_sums, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(
-      {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_)
+  train_args = ({'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_)
+  if inputs.system is None:
+    trainable, loss_sums, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(*train_args)
+  else:  # a straggler's share of its steps
+    trainable, loss_sums, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None, 0))(
+        *train_args, inputs.system.work[ids])
   if when == 'after':
     passed = forward(trainable['model'])
   if after_one is not None:  # keyed by round and client, as the training shuffles
@@ -119,15 +124,32 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
   the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
   server, ChunkStats); the store's call brings the rows and takes them back."""
   new_params, new_state, payload, stats = local(params, state, server, inputs)
-  server = method.server_receive(server, inputs.ids, payload, inputs.active)
+  received = seconds = None
+  if inputs.system is None:
+    received = inputs.active
+  else:  # the federation: lost uploads, and with a clock those past the deadline
+    seconds, received = arrivals(inputs.system, inputs.ids, inputs.active, stats)
+  server = method.server_receive(server, inputs.ids, payload, received)
   # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
   nonfinite = jnp.stack([
       ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
       for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
   ]).any(axis=0) & inputs.active
   norms = jax.vmap(method.trained_norms)(new_params, inputs.seen[inputs.ids])
+  if inputs.system is None:
+    received = None
   return new_params, new_state, server, ChunkStats(clients=stats, nonfinite=nonfinite,
-                                                   norms=norms)
+                                                   norms=norms, received=received,
+                                                   seconds=seconds)
+
+
+def arrivals(sys_in: system.SystemInputs, ids, active, stats: ClientStats):
+  """(each client's simulated seconds, whether the server receives its upload): a trained
+  client's upload arrives unless it is lost or later than the deadline."""
+  flops = sys_in.train_flops[ids] * stats.train.samples.astype(jnp.float32) + stats.extra_flops
+  seconds = jnp.where(active, system.client_seconds(sys_in, ids, stats.down_floats,
+                                                    stats.up_floats, flops), 0.0)
+  return seconds, active & ~sys_in.lost[ids] & (seconds <= sys_in.deadline)
 
 
 def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
@@ -196,6 +218,10 @@ class Simulator:
     self.group_of, self.slot_of = schedule.group_index(self.groups, self.num_clients)
     self.flops = costs.Flops(config, ds.num_classes, self.image_shape, self.method, self.groups,
                              self.group_of)
+    # The federation's draws and devices (None: the ideal federation).
+    self.system = (system.System(config.system, self.num_clients, self.seeds,
+                                 self.flops.per_client)
+                   if system.enabled(config.system) else None)
     self.initial = parts.Initial(config, self.method, keys, place)
     self.store = make_store(
         config.population_store, place, self.groups, self.num_clients, r,
@@ -205,8 +231,8 @@ class Simulator:
         g, self.method, self.train_cfg, self.flops, place, self.data.train_idx.shape[-1],
         config.eval_batch_size)) for g in self.groups]
     self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
-        functools.partial(aggregate_seed, self.method), r, (0, 0, None, 0))(*a),
-        sharded=False), donate_argnums=0)
+        functools.partial(aggregate_seed, self.method, keep_when_empty=self.system is not None),
+        r, (0, 0, None, 0))(*a), sharded=False), donate_argnums=0)
     self.evaluator = evaluation.Evaluator(
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
         self.slot_of, eval_batch_size=config.eval_batch_size,
@@ -227,24 +253,31 @@ class Simulator:
     Returns the new state and each seed's RoundInfo; `state` is used up (its population is the
     store's to change: population.py)."""
     t = int(state.round)
-    cohorts = [self.cohort(t, i) for i in range(self.num_seeds)]
+    rounds = [self.federation(t, i) for i in range(self.num_seeds)]
+    cohorts = [cohort for _, _, cohort in rounds]
     chunks = self.plan(cohorts)
     self.phase('sample')
-    population, server, chunk_stats = self.train_chunks(state.population, state.server,
-                                                        chunks, t)
+    population, server, chunk_stats = self.train_chunks(
+        state.population, state.server, chunks, t, [draws for draws, _, _ in rounds])
     self.phase('train', population, server)
-    participants = np.zeros((self.num_seeds, self.num_clients), bool)
-    for i, c in enumerate(cohorts):
-      participants[i, c] = True
-    agg = self._aggregate(server, jnp.asarray(participants), jnp.asarray(t, jnp.int32),
-                          self.root_keys)
+    if self.system is None:
+      participants = np.zeros((self.num_seeds, self.num_clients), bool)
+      for i, c in enumerate(cohorts):
+        participants[i, c] = True
+      participants = jnp.asarray(participants)
+    else:  # the clients whose uploads the server received, as the chunks found them
+      participants = jnp.zeros((self.num_seeds, self.num_clients), bool)
+      for c, stats in zip(chunks, chunk_stats):
+        participants = _mark(participants, jnp.asarray(c.ids, jnp.int32), stats.received)
+    agg = self._aggregate(server, participants, jnp.asarray(t, jnp.int32), self.root_keys)
     server = agg.server
     self.phase('aggregate', server)
     # One transfer for the round: the chunks' statistics, the server's FLOPs and diagnostics.
     all_stats, server_flops, server_metrics = self.placement.fetch(
         (chunk_stats, agg.flops, agg.metrics))
     infos = [self._round_info(cohorts[i], chunks,
-                              [jax.tree.map(lambda v, i=i: v[i], s) for s in all_stats], i)
+                              [jax.tree.map(lambda v, i=i: v[i], s) for s in all_stats], i,
+                              rounds[i])
              .replace(server_flops=float(server_flops[i]),
                       server_metrics={k: float(v[i]) for k, v in server_metrics.items()})
              for i in range(self.num_seeds)]
@@ -253,7 +286,20 @@ class Simulator:
                     costs=state.costs.add(infos)), infos
 
   def cohort(self, t: int, seed_index: int = 0) -> np.ndarray:
-    return sample_cohort(self.seeds[seed_index], t, self.num_clients, self.k)
+    """The clients that train in round `t` (sorted ids)."""
+    return self.federation(t, seed_index)[2]
+
+  def federation(self, t: int, seed_index: int = 0
+                 ) -> tuple[system.RoundDraws | None, np.ndarray, np.ndarray]:
+    """Round `t` of a seed: (the system section's draws, or None when it is off; the sampled
+    clients; those of them that train, the cohort), a pure function of (seed, t)."""
+    seed = self.seeds[seed_index]
+    if self.system is None:
+      sampled = sample_cohort(seed, t, self.num_clients, self.k)
+      return None, sampled, sampled
+    draws = self.system.round_draws(seed, t)
+    sampled = sample_cohort(seed, t, self.num_clients, self.k, draws.online)
+    return draws, sampled, draws.cohort(sampled)
 
   def chunks(self, cohort: np.ndarray, per_call: int | None = None,
              seed_index: int = 0) -> list:
@@ -265,17 +311,25 @@ class Simulator:
     """The calls of a round whose cohorts (one per seed) are `cohorts` (schedule.plan)."""
     return schedule.plan(self.groups, self.group_of, self.slot_of, self.train_n, cohorts)
 
-  def train_chunks(self, population: Population, server: ServerState, chunks, t: int
+  def train_chunks(self, population: Population, server: ServerState, chunks, t: int,
+                   draws: list | None = None
                    ) -> tuple[Population, ServerState, list[ChunkStats]]:
-    """Trains round `t`'s `chunks`. Returns (the new population, the server, [the statistics of
-    each chunk]); `population` and `server` are used up."""
+    """Trains round `t`'s `chunks`, with each seed's system draws (`draws`, the system section
+    on). Returns (the new population, the server, [the statistics of each chunk]); `population`
+    and `server` are used up."""
+    sys_in = None
+    if self.system is not None:
+      sys_in = self.placement.replicate(jax.tree.map(jnp.asarray, self.system.inputs(
+          self.seeds, draws, self.flops.per_client)))
     inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
-                         round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys)
+                         round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys,
+                         system=sys_in)
     return self.store.train(population, server, chunks, self._train_calls, inputs)
 
   def _round_info(self, cohort: np.ndarray, chunks, chunk_stats: list[ChunkStats],
-                  i: int) -> RoundInfo:
-    """Seed i's round: per-client stats and counts, from the fetched stats of every chunk."""
+                  i: int, federation=None) -> RoundInfo:
+    """Seed i's round: per-client stats and counts, from the fetched stats of every chunk
+    (and its `federation`'s draws, with the system section on)."""
     per_client = jax.tree.map(lambda _: np.zeros(self.num_clients), chunk_stats[0])
     for c, stats in zip(chunks, chunk_stats):
       active = c.active[i]
@@ -300,7 +354,25 @@ class Simulator:
         nonfinite_params=s.nonfinite.astype(bool),
         header_norm_max=float(s.norms.max.max()),
         header_norm_mean=float(s.norms.sum.sum() / max(s.norms.count.sum(), 1)),
-        server_flops=0.0, server_metrics={})  # the server's: run_round fills them in
+        server_flops=0.0, server_metrics={},  # the server's: run_round fills them in
+        system=None if self.system is None else self._system_round(cohort, s, *federation))
+
+  def _system_round(self, cohort, s: ChunkStats, draws: system.RoundDraws,
+                    sampled: np.ndarray, _) -> SystemRound:
+    """A round's federation, for its record: `s` the cohort's statistics."""
+    received = s.received.astype(bool)
+    lost = draws.lost[cohort]
+    straggler = draws.work[cohort] < 1
+    seconds = round_seconds = None
+    if self.system.clock:
+      seconds = np.asarray(s.seconds, np.float64)
+      round_seconds = system.round_seconds(seconds, self.system.deadline)
+    return SystemRound(
+        online=int(draws.online.sum()), sampled=sampled,
+        dropped=sampled[draws.dropped[sampled]], stragglers=cohort[straggler],
+        work=draws.work[cohort][straggler], lost=cohort[lost],
+        late=cohort[~received & ~lost], received=cohort[received], seconds=seconds,
+        round_seconds=round_seconds)
 
   # ------------------------------------------------------------------------------------------
   # Evaluation (evaluation.py)
@@ -317,8 +389,24 @@ class Simulator:
                                                self.seed_data[seed_index], workdir)
 
 
-def aggregate_seed(method: methods.Method, server, participants, round_index,
-                   root_key) -> methods.Aggregated:
-  """One seed's server rule, with its key of the round (STREAM_AGGREGATE)."""
+@jax.jit
+def _mark(participants, ids, received):
+  """`participants` [R, N] with each seed's `received` clients of a chunk ([R, P] `ids`) set;
+  a dummy slot (not received) never clears a client that was."""
+  rows = jnp.arange(ids.shape[0])[:, None]
+  return participants | jnp.zeros_like(participants).at[rows, ids].max(received)
+
+
+def aggregate_seed(method: methods.Method, server, participants, round_index, root_key, *,
+                   keep_when_empty: bool = False) -> methods.Aggregated:
+  """One seed's server rule, with its key of the round (STREAM_AGGREGATE). `keep_when_empty`
+  (the system section on, where a round may receive nothing): a round without a received
+  upload leaves the server state as it was, and costs the server nothing."""
   key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
-  return method.server_aggregate(server, participants, round_index, key)
+  agg = method.server_aggregate(server, participants, round_index, key)
+  if not keep_when_empty:
+    return agg
+  any_ = participants.any()
+  return agg._replace(server=jax.tree.map(lambda new, old: jnp.where(any_, new, old),
+                                          agg.server, server),
+                      flops=jnp.where(any_, agg.flops, 0.0))

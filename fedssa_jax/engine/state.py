@@ -21,6 +21,7 @@ from flax import struct
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine.training import TrainStats
 from fedssa_jax.methods.base import Norms
+from fedssa_jax.system import SystemInputs
 from fedssa_jax.types import PyTree
 
 
@@ -116,6 +117,27 @@ class ChunkStats:
   clients: ClientStats
   nonfinite: jax.Array     # whether its parameters hold a NaN or inf after training
   norms: Norms             # the method's norms of its trained model (Method.trained_norms)
+  # With the system section on (fedssa_jax/system.py), else None: whether the server received
+  # its upload (not lost, not late), and its simulated seconds.
+  received: jax.Array | None = None
+  seconds: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemRound:
+  """One seed's round of the federation (the system section on), for its record: client ids,
+  sorted, unless said otherwise."""
+  online: int                 # clients online
+  sampled: np.ndarray         # sampled among them (fewer than K when fewer were online)
+  dropped: np.ndarray         # sampled, dropped out before training
+  stragglers: np.ndarray      # trained, on part of their steps ...
+  work: np.ndarray            # ... the fraction f of each
+  lost: np.ndarray            # trained, upload lost
+  late: np.ndarray            # trained, upload later than the deadline (and not lost)
+  received: np.ndarray        # trained, upload received by the server
+  seconds: np.ndarray | None  # with a clock: each trained client's simulated seconds (cohort
+                              # order)
+  round_seconds: float | None  # ... the round's: its slowest trained client, at most the deadline
 
 
 @struct.dataclass
@@ -139,6 +161,7 @@ class RoundInfo:
   header_norm_mean: float       # by default their seen-class header rows'), and their mean
   server_flops: float           # FLOPs the server spent this round (methods.Aggregated)
   server_metrics: dict          # the server's scalar diagnostics of the round, by name
+  system: SystemRound | None = None  # the federation's draws and clock (system section on)
 
 
 @struct.dataclass
@@ -153,9 +176,10 @@ class ChunkInputs:
   data: DeviceData         # the images and the clients' training indices
   round_index: jax.Array   # the global round t (the same for every seed)
   root_key: jax.Array      # the seed's key
+  system: SystemInputs | None = None  # the round's draws and devices (system section on)
 
 
 SEED_AXES = ChunkInputs(
-    slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0,
+    slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0, system=0,
     data=DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
                     test_n=None))  # the images are shared

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedssa_jax import models
+from fedssa_jax import models, system
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.types import PyTree
@@ -152,16 +152,17 @@ def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key
 
 
 def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
-                n: jax.Array, data: DeviceData, *, apply_fn: Callable, cfg: TrainConfig,
-                method, train_apply: Callable | None = None
-                ) -> tuple[dict, PyTree, TrainStats]:
+                n: jax.Array, data: DeviceData, work: jax.Array | None = None, *,
+                apply_fn: Callable, cfg: TrainConfig, method,
+                train_apply: Callable | None = None) -> tuple[dict, PyTree, TrainStats]:
   """Trains one client for E epochs with `method.loss`. Returns (trainable, acc, stats).
 
   `trainable` is {'model': params, **aux}; each entry has its own optimizer (and clip), as
   separate torch optimizers would. `train_idx` is the client's padded [max_train] index row, `n`
   its true count (0 for a masked dummy client, which then runs no step and stays unchanged).
   `acc` sums the loss's per-step statistics (method.init_acc() to start). `stats` (TrainStats)
-  sums over the samples and steps actually run.
+  sums over the samples and steps actually run. `work` (a straggler's fraction f, the system
+  section's): only the first floor(f S) of the S = E ceil(n / B) steps run, the rest are no-ops.
 
   A model with batch statistics (models.StatefulModel, whose `train_apply` is given) has them in
   its row (models.MODEL_STATE): they are no trainable parameter, and each step trains its whole
@@ -211,10 +212,14 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
                        samples=stats.samples + count, steps=stats.steps + (count > 0))
     return (new_trainable, model_state), new_opt_state, acc, stats
 
+  if work is not None:  # a straggler's bound on the steps of the whole round
+    bound = system.step_bound(work, cfg.local_epochs * steps)
+
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
     order = epoch_order(k_order, n, padded_len)
-    return jax.lax.fori_loop(0, steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
+    epoch_steps = steps if work is None else jnp.clip(bound - e * steps, 0, steps)
+    return jax.lax.fori_loop(0, epoch_steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
 
   opt_state = {part: tx.init(p) for part, p in trainable.items()}
   (trainable, model_state), _, acc, stats = jax.lax.fori_loop(

@@ -69,6 +69,7 @@ class Progress:
   compile_rounds: list = dataclasses.field(default_factory=list)
   elapsed_seconds: float = 0.0  # wall time of the run so far, over all its processes
   best_train_loss: float | None = None  # the lowest round train loss so far (the blow-up guard)
+  sim_seconds: float = 0.0  # simulated seconds so far (the system section's clock)
 
   @classmethod
   def from_checkpoint(cls, saved: dict) -> Progress:
@@ -81,7 +82,7 @@ def first_reaching(history: list[dict], target: float) -> dict | None:
   for r in history:
     if r['mean_accuracy'] >= target:
       return {k: r[k] for k in ('round', 'cum_floats', 'cum_up_floats', 'cum_down_floats',
-                                'cum_client_flops')}
+                                'cum_client_flops', 'cum_sim_seconds') if k in r}
   return None
 
 
@@ -107,6 +108,9 @@ def make_summary(config, state, progress: Progress) -> dict:
                                   else (times[0] if times else None),
       'first_round_seconds': times[0] if times else None,
       'wall_seconds': progress.elapsed_seconds,
+      # With the system section's clock: the simulated seconds of the run.
+      **({'cum_sim_seconds': progress.sim_seconds} if history and 'cum_sim_seconds' in history[-1]
+         else {}),
   }
 
 
@@ -185,9 +189,9 @@ class SeedOutputs:
     return summary
 
 
-def record(sim, state, info, ev) -> dict:
+def record(sim, state, info, ev, sim_seconds: float = 0.0) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
-  evaluation `ev`."""
+  evaluation `ev`; `sim_seconds`, the simulated seconds so far (the system section's clock)."""
   evaluated = ev.evaluated
   acc = ev.accuracy[evaluated]
   cohort = info.cohort
@@ -217,7 +221,25 @@ def record(sim, state, info, ev) -> dict:
       # The server's FLOPs and scalar diagnostics of the round (methods.Aggregated).
       'server_flops': info.server_flops,
       'server_metrics': dict(info.server_metrics),
+      **({} if info.system is None else system_fields(sim, info.system, sim_seconds)),
   }
+
+
+def system_fields(sim, s, sim_seconds: float) -> dict:
+  """A record's fields of the federation (the system section on): who was online, sampled,
+  dropped out, straggled, lost or was late with an upload, and with a clock, the simulated
+  seconds."""
+  out = {
+      'online': s.online, 'sampled': s.sampled.tolist(), 'dropped': s.dropped.tolist(),
+      'stragglers': s.stragglers.tolist(), 'straggler_work': s.work.tolist(),
+      'lost_uploads': s.lost.tolist(), 'late_uploads': s.late.tolist(),
+      'received': s.received.tolist(),
+  }
+  if s.round_seconds is not None:
+    out.update(sim_seconds=s.round_seconds, cum_sim_seconds=sim_seconds)
+    if sim.config.system.client_seconds:
+      out['client_sim_seconds'] = s.seconds.tolist()
+  return out
 
 
 class NoEvents:
@@ -246,5 +268,8 @@ def log_round(config, rounds_done, record, info, round_times, prefix='') -> None
   steady = np.mean(round_times[1:]) if len(round_times) > 1 else round_times[-1]
   eta = steady * (config.num_rounds - rounds_done)
   acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
-  logging.info('%sround %d/%d: %s, train loss %.4f, %.2f s/round, ETA %.0f s', prefix,
-               rounds_done, config.num_rounds, acc_text, info.train_loss, round_times[-1], eta)
+  s = info.system
+  fed = '' if s is None else f', {len(s.received)}/{len(s.sampled)} uploads received'
+  logging.info('%sround %d/%d: %s, train loss %.4f%s, %.2f s/round, ETA %.0f s', prefix,
+               rounds_done, config.num_rounds, acc_text, info.train_loss, fed, round_times[-1],
+               eta)

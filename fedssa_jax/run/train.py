@@ -331,9 +331,12 @@ def _evaluate_and_record(sim: simulator.Simulator, state, i: int, run: outputs.S
   guards.check_finite(sim, state, info, run.ckpts)
   guards.check_blowup(config, sim, state, info, progress.best_train_loss, run.ckpts)
   progress.best_train_loss = guards.best_train_loss(progress.best_train_loss, info)
+  if info.system is not None and info.system.round_seconds is not None:
+    progress.sim_seconds += info.system.round_seconds
   record = None
   if state.round % config.eval_every == 0 or last:
     run.last_ev = sim.evaluate(state, previous=run.last_ev, seed_index=i)
-    record = outputs.record(sim, state.replace(costs=state.costs.of(i)), info, run.last_ev)
+    record = outputs.record(sim, state.replace(costs=state.costs.of(i)), info, run.last_ev,
+                            progress.sim_seconds)
   now = time.time()
   run.add_record(record, now - t0, now)
