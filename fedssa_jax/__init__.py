@@ -7,6 +7,8 @@ Its sub-packages are layers; a module imports only from its own layer and those 
     models          the client model families (the five CNNs, HtFLlib's zoo)
     data            data sets, partitions, augmentation
     methods         FedSSA and the baselines, as hooks of one interface
+    system          system heterogeneity: availability, dropout, stragglers, lost uploads,
+                    devices and a simulated clock
     config_lib      the config: defaults, variants, validation
     engine          the round: the simulator, the population, local training, evaluation
     run             a whole experiment: training loop, checkpoints, outputs, reports

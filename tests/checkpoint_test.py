@@ -1,4 +1,5 @@
-"""Runs that survive: kill and resume, preemption, determinism, corrupt checkpoints, divergence.
+"""Runs that survive: kill and resume, preemption, determinism, corrupt checkpoints, divergence;
+every run a federation with the system section on (SYSTEM).
 
 The end-to-end tests run the command line of `python -m fedssa_jax.main` on a tiny prepared
 TFDS cifar10 written here. Most call main.run_cli in this process (a subprocess would add
@@ -57,12 +58,21 @@ def env(tmp_path_factory):
   return {'data_dir': str(base / 'tfds'), 'environ': environ}
 
 
+# The system section on (fedssa_jax/system.py), every kind with a clock and a deadline that
+# some uploads miss: every run here, killed and resumed or not, is a federation of dropouts,
+# stragglers, lost and late uploads, whose draws and simulated seconds must resume exactly.
+SYSTEM = ('--config.system.availability=0.9', '--config.system.dropout=0.2',
+          '--config.system.straggler_rate=0.5', '--config.system.min_work=0.2',
+          '--config.system.upload_loss=0.3', '--config.system.device_tiers=three_tiers',
+          '--config.system.deadline=0.05')
+
+
 def command(env, workdir, *overrides):
   # CNN-5: of the five families, the quickest round here (CNN-1's is 2-3x longer).
   return [sys.executable, '-m', 'fedssa_jax.main', f'--config={ROOT}/configs/tiny.py',
           f'--workdir={workdir}', f'--config.data_dir={env["data_dir"]}',
           '--config.model.families=("cnn5",)', f'--config.num_rounds={NUM_ROUNDS}',
-          '--config.checkpoint_every=1', '--config.partition.seed=0', *overrides]
+          '--config.checkpoint_every=1', '--config.partition.seed=0', *SYSTEM, *overrides]
 
 
 def start(env, workdir, *overrides):
@@ -128,6 +138,11 @@ def test_uninterrupted_run_writes_every_round_and_keeps_the_last_checkpoints(uni
   records, summary = outputs(uninterrupted)
   assert [r['round'] for r in records] == list(range(1, NUM_ROUNDS + 1))
   assert summary['rounds'] == NUM_ROUNDS
+  # The federation's records: the simulated seconds add up, and the kinds happened.
+  assert summary['cum_sim_seconds'] == pytest.approx(sum(r['sim_seconds'] for r in records))
+  assert records[-1]['cum_sim_seconds'] == summary['cum_sim_seconds'] > 0
+  for kind in ('dropped', 'stragglers', 'lost_uploads', 'late_uploads'):
+    assert any(r[kind] for r in records), kind
   steps = checkpoint.Checkpointer(os.path.join(uninterrupted, 'checkpoints')).steps()
   assert steps == [NUM_ROUNDS - 2, NUM_ROUNDS - 1, NUM_ROUNDS]  # checkpoint_keep = 3
 

@@ -30,9 +30,9 @@ def setup(ds, cfg):
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
   method = standalone.Standalone(CONFIG, 4, 10)  # plain cross-entropy
 
-  def train(params, key, idx, n, dd):
-    trainable, _, stats = training.local_train({'model': params}, None, key, idx, n, dd,
-                                             apply_fn=model.apply, cfg=cfg, method=method)
+  def train(params, key, idx, n, dd, work=None):
+    trainable, _, stats = training.local_train({'model': params}, None, key, idx, n, dd, work,
+                                               apply_fn=model.apply, cfg=cfg, method=method)
     return trainable['model'], stats
   return dd, model, params, keys, train
 
@@ -79,8 +79,9 @@ def test_micro_batched_steps_equal_whole_batches(small_ds):
   np.testing.assert_allclose(got[4][1].loss_sum, got[0][1].loss_sum, rtol=1e-5)
 
 
-def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
-  """torch-style SGD written out: clip, L2 added to the gradient, momentum buffer, lr step."""
+def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg, max_steps=None):
+  """torch-style SGD written out: clip, L2 added to the gradient, momentum buffer, lr step;
+  `max_steps`: stop after that many steps (a straggler's)."""
   images = np.asarray(augment.normalize(ds.images, cfg.mean, cfg.std))
   b = cfg.batch_size
   padded = -(-len(idx_row) // b) * b
@@ -91,10 +92,14 @@ def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
         apply_fn({'params': p}, x)[0], y).mean())(p)
 
   buf = jax.tree_util.tree_map(np.zeros_like, params)
+  steps = 0
   for e in range(cfg.local_epochs):
     k_order, _ = jax.random.split(jax.random.fold_in(key, e))
     order = np.asarray(training.epoch_order(k_order, n, padded))[:n]
     for start in range(0, n, b):
+      if max_steps is not None and steps == max_steps:
+        return params
+      steps += 1
       sel = idx_row[order[start:start + b]]   # the last batch is partial
       g = grad_of_mean_ce(params, images[sel], ds.labels[sel])
       norm = np.sqrt(sum(float(np.sum(np.square(x))) for x in jax.tree_util.tree_leaves(g)))
@@ -120,6 +125,32 @@ def test_matches_plain_torch_style_sgd(small_ds, clip_norm):
   tree_allclose(got, want, rtol=1e-3, atol=1e-5)
   # And training did move the parameters.
   assert not np.allclose(got['fc3']['kernel'], p_c['fc3']['kernel'])
+
+
+@pytest.mark.slow  # local training compiled and vmapped
+def test_a_straggler_runs_the_first_floor_f_s_steps_as_a_plain_loop_does(small_ds):
+  """The system section's stragglers: work fractions f per client, vmapped; S = E ceil(n / B)
+  steps (E = 2, B = 8), of which floor(f S) run, across the epoch boundary too."""
+  cfg = training.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
+                             clip_norm=0.5, weight_decay=1e-2, mean=small_ds.mean,
+                             std=small_ds.std)
+  dd, model, params, keys, train = setup(small_ds, cfg)
+  work = jnp.array([0.5, 0.8, 0.3, 0.2], jnp.float32)  # S = 2, 4, 0, 6: 1, 3, 0, 1 steps
+  got, stats = jax.jit(jax.vmap(train, in_axes=(0, 0, 0, 0, None, 0)))(
+      params, keys, dd.train_idx, dd.train_n, dd, work)
+  np.testing.assert_array_equal(stats.steps, [1, 3, 0, 1])
+  np.testing.assert_array_equal(stats.samples, [5, 8 + 5 + 8, 0, 8])
+  for c, steps in ((1, 3), (3, 1)):
+    p_c = jax.tree_util.tree_map(lambda x: x[c], params)
+    want = plain_sgd(p_c, keys[c], np.asarray(dd.train_idx[c]), SIZES[c], small_ds,
+                     model.apply, cfg, max_steps=steps)
+    tree_allclose(jax.tree_util.tree_map(lambda x: x[c], got), want, rtol=1e-3, atol=1e-5)
+  # And f = 1 is the whole round.
+  full, _ = jax.jit(train)(jax.tree_util.tree_map(lambda x: x[1], params), keys[1],
+                           dd.train_idx[1], dd.train_n[1], dd)
+  one, _ = jax.jit(train)(jax.tree_util.tree_map(lambda x: x[1], params), keys[1],
+                          dd.train_idx[1], dd.train_n[1], dd, jnp.float32(1.0))
+  tree_allclose(one, full, rtol=1e-6, atol=1e-9)  # another program: rounding only
 
 
 def test_epoch_order_is_a_permutation_of_the_valid_positions():

@@ -26,10 +26,19 @@ from fedssa_jax.engine import simulator, snapshots
 from fedssa_jax.run import checkpoint
 
 
-def make_config(method, rounds, families, mesh_devices, store='device', seed=0):
+# The system section of a run marked ':system' (fedssa_jax/system.py): every kind, a clock and
+# a deadline that some uploads miss.
+SYSTEM = {'participation': 0.5, 'system.availability': 0.9, 'system.dropout': 0.2,
+          'system.straggler_rate': 0.5, 'system.min_work': 0.2, 'system.upload_loss': 0.3,
+          'system.device_tiers': 'three_tiers', 'system.deadline': 0.3}
+
+
+def make_config(method, rounds, families, mesh_devices, store='device', seed=0, system=False):
   """engine_test's small config (10 clients, K = 3), with these rounds, families and seed, on
-  `mesh_devices` (0: all) with the population store `store`."""
+  `mesh_devices` (0: all) with the population store `store`; `system`: with SYSTEM (K = 5)."""
   config = engine_test.small_config(method)
+  if system:
+    config.update_from_flattened_dict(SYSTEM)
   config.engine.mesh_devices = mesh_devices
   config.population_store = store
   config.num_rounds = rounds
@@ -67,6 +76,11 @@ def one_run(config, ds):
       'cohorts': [i.cohort.tolist() for i in infos],
       'train_loss': [i.train_loss for i in infos],
       'train_samples': [i.train_samples.tolist() for i in infos],
+      # The system section's rounds (None: off): who was dropped, lost, late and received.
+      'system': [None if i.system is None else
+                 {k: getattr(i.system, k).tolist() for k in ('dropped', 'stragglers', 'lost',
+                                                              'late', 'received', 'seconds')}
+                 for i in infos],
       'up_floats': [i.up_floats for i in infos],
       'down_floats': [i.down_floats for i in infos],
       'client_flops': [i.client_flops for i in infos],
@@ -129,7 +143,8 @@ def replicas_on_the_mesh(ds, rounds, families, seed0_alone, seeds=(0, 15)):
 
 
 def main(runs):
-  """runs: 'method:rounds:family,family' each; every one on one device and on all of them.
+  """runs: 'method:rounds:family,family[:system]' each (':system': with the system section on,
+  SYSTEM); every one on one device and on all of them.
   The first also resumes one device's checkpoint on all of them, and runs with the host store
   on all of them. 'replicas': replicas_on_the_mesh, with the rounds and families of the first
   run, which must be FedSSA (its mesh run is seed 0's run alone)."""
@@ -138,9 +153,10 @@ def main(runs):
   packed = 'replicas' in runs
   runs = [r for r in runs if r != 'replicas']
   for i, run in enumerate(runs):
-    method, rounds, families = run.split(':')
+    method, rounds, families, *system = run.split(':')
     rounds, families = int(rounds), tuple(families.split(','))
-    configs = {d: make_config(method, rounds, families, d) for d in (1, 0)}
+    configs = {d: make_config(method, rounds, families, d, system=system == ['system'])
+               for d in (1, 0)}
     sims = {d: one_run(c, ds) for d, c in configs.items()}
     out[method] = {str(d): r for d, (_, _, r) in sims.items()}
     if i == 0:

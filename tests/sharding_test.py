@@ -25,8 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
 # method:rounds:families. Both methods as engine_test's small config (10 clients, K = 3) with
 # one group of 10 clients (padded to 16 rows, two per device) and two rounds; the first run also
-# gives the resume, the host store and the packed seeds (tests/sharding_run.py).
-RUNS = ('fedssa:2:cnn4', 'fd:2:cnn4')
+# gives the resume, the host store and the packed seeds (tests/sharding_run.py). FD's runs have
+# the system section on (every kind, a clock and a deadline).
+RUNS = ('fedssa:2:cnn4', 'fd:2:cnn4:system')
 SHARDING = {  # per group: stored rows, clients, chunk size, rows per device
     'fedssa': [(16, 10, 8, 2)],
     'fd': [(16, 10, 8, 2)],
@@ -53,6 +54,16 @@ def test_eight_devices_give_the_metrics_of_one(results, method):
     assert one[key] == eight[key], key
   assert one['costs'] == eight['costs']
   assert all(len(c) % DEVICES for c in one['cohorts'])  # every chunk holds dummies
+  # The system section's draws and arrivals (FD's runs), and its clock up to rounding.
+  for a, b in zip(one['system'], eight['system']):
+    assert (a is None) == (b is None) == (method != 'fd')
+    if a is not None:
+      for key in ('dropped', 'stragglers', 'lost', 'late', 'received'):
+        assert a[key] == b[key], key
+      np.testing.assert_allclose(b['seconds'], a['seconds'], rtol=1e-6)
+  if method == 'fd':  # the federation did more than the ideal one
+    kinds = [sum(len(r[k]) for r in one['system']) for k in ('dropped', 'stragglers', 'lost')]
+    assert all(kinds), kinds
   for key in ('train_loss', 'accuracy', 'batch_accuracy', 'server_abs_sum', 'params_abs_sum'):
     np.testing.assert_allclose(eight[key], one[key], rtol=1e-3, atol=1e-6, err_msg=key)
 
