@@ -154,6 +154,15 @@ UNMATCHED = {
                'The study batch is drawn by each side\'s own RNG.'],
 }
 
+# HtFLlib's servers that aggregate every selected client whatever -cdr says (their receive
+# step never samples the active clients).
+CDR_IGNORED = ('standalone', 'fd', 'fedproto', 'fedtgp')
+
+
+def system_has_clock(config) -> bool:
+  return bool(config.system.device_tiers or config.system.device_profile)
+
+
 # What our side sets, beyond the optimizer, to do what HtFLlib's code does (each is a documented
 # option of ours; the value HtFLlib's code fixes is named in docs/algorithm.md).
 HTFLLIB_BEHAVIOUR = {
@@ -166,13 +175,17 @@ HTFLLIB_BEHAVIOUR = {
 }
 
 
-def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512) -> dict:
-  """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`."""
+def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
+                 upload_loss: float = 0.0) -> dict:
+  """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`;
+  `upload_loss` > 0: clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10)."""
   settings = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
               'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
               'optimizer.weight_decay': 0.0,
               'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
               'checkpoint_every': rounds, 'checkpoint_keep': 1}
+  if upload_loss:
+    settings['system.upload_loss'] = upload_loss
   settings.update(HTFLLIB_BEHAVIOUR.get(method, {}))
   # HtFLlib's server-side training reuses the local batch size (and FedTGP's the local lr), and
   # FedL2G's quiz set is one local batch.
@@ -185,17 +198,18 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512) -> 
   return settings
 
 
-def our_overrides(method: str, lr: float, rounds: int) -> list[str]:
+def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0) -> list[str]:
   """our_settings as fedssa_jax.main's --config.* flags."""
-  return [f'--config.{k}={v}' for k, v in our_settings(method, lr, rounds).items()]
+  return [f'--config.{k}={v}' for k, v in our_settings(method, lr, rounds,
+                                                         upload_loss=upload_loss).items()]
 
 
-def our_config(method: str, lr: float, rounds: int):
+def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0):
   """Our config with `our_settings` applied (what fedssa_jax.main runs)."""
   sys.path.insert(0, REPO)
   from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.build('cifar10', CONFIG.split(':')[1])
-  for key, value in our_settings(method, lr, rounds).items():
+  for key, value in our_settings(method, lr, rounds, upload_loss=upload_loss).items():
     *parents, leaf = key.split('.')
     node = c
     for p in parents:
@@ -243,6 +257,18 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
     args += ['-slr', str(server_lr), '-wu',
              str(config.fedl2g.warmup), '-mdb', '1', '-mqb', '1']
   unmatched = list(UNMATCHED['*']) + list(UNMATCHED.get(method, []))
+  q = config.system.upload_loss
+  if q:  # HtFLlib's client drop rate: its clients train, and the server drops some uploads
+    args += ['-cdr', str(q)]
+    unmatched.append(f'lost uploads: HtFLlib keeps exactly int((1 - {q}) K) uploads, drawn by '
+                     f"Python's unseeded random.sample; ours loses each with probability {q}, "
+                     'drawn from the run\'s seed.')
+    if method in CDR_IGNORED:
+      unmatched.append(f'lost uploads: HtFLlib\'s {ALGORITHMS[method]} aggregates every selected '
+                       'client whatever -cdr says; ours honours them.')
+  if config.system.dropout or config.system.straggler_rate or system_has_clock(config):
+    raise Failure('only system.upload_loss has an HtFLlib counterpart (-cdr) here; its -tsr '
+                  'crashes at E = 1 and its clock reads host time (docs/algorithm.md §10).')
   if o.name != 'sgd' or o.momentum or o.weight_decay:
     unmatched.append(f'optimizer: ours {o.name} momentum {o.momentum} weight decay '
                      f'{o.weight_decay}; HtFLlib plain SGD.')
@@ -534,12 +560,13 @@ def prepare_data(args, scratch):
 
 
 def _suffix(args):
-  return '' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}'
+  return (('' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}')
+          + (f'_cdr{args.upload_loss:g}' if args.upload_loss else ''))
 
 
 def run_htfllib(args, method, system, scratch):
   log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args)}.log')
-  config = our_config(method, args.lr, args.rounds)
+  config = our_config(method, args.lr, args.rounds, args.upload_loss)
   if not os.path.isfile(log_path + '.done'):
     argv, _ = htfllib_args(config, args.rounds)
     runner = os.path.join(scratch, 'run_htfllib.py')
@@ -566,14 +593,15 @@ def run_htfllib(args, method, system, scratch):
 
 def run_ours(args, method, scratch, seed):
   """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
-  name = f'ours_{method}' + (f'_seed{seed}' if seed else '')
+  name = f'ours_{method}' + (f'_seed{seed}' if seed else '') + (
+      f'_loss{args.upload_loss:g}' if args.upload_loss else '')
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
   if not os.path.isfile(metrics):
     cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={CONFIG}',
            f'--config.data_dir={args.data_dir}', f'--config.seed={seed}',
            '--config.partition.seed=0', f'--workdir={workdir}',
-           *our_overrides(method, args.lr, args.rounds)]
+           *our_overrides(method, args.lr, args.rounds, args.upload_loss)]
     env = dict(os.environ, JAX_PLATFORMS='cpu')
     env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
     side_by_side._run_logged(cmd, os.path.join(args.out, f'{name}.log'), REPO, env,
@@ -703,6 +731,9 @@ def main(argv=None):
                  help='a diagnostic: "shuffled" patches HtFLlib\'s training loaders to reshuffle '
                  'every epoch and keep the last partial batch, as ours do (its logs and results '
                  'get the suffix _shuffled)')
+  p.add_argument('--upload_loss', type=float, default=0.0,
+                 help='clients lose their upload with this probability: our '
+                 'system.upload_loss, HtFLlib\'s -cdr (results get the suffix _cdr<q>)')
   p.add_argument('--seeds', default='0', help='our seeds, comma-separated (HtFLlib seeds '
                  'itself); the partition is seed 0\'s for all')
   p.add_argument('--out', default='results/against_htfllib',
@@ -732,12 +763,13 @@ def main(argv=None):
               'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
               'torch': torch_version, 'cpus': os.cpu_count(), 'config': CONFIG,
               'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds,
-              'htfllib_loader': args.htfllib_loader}
+              'htfllib_loader': args.htfllib_loader, 'upload_loss': args.upload_loss}
     print(json.dumps(header, indent=1), flush=True)
     info = prepare_data(args, scratch)
     results = []
     for m in methods:
-      _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds), args.rounds)
+      _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds, args.upload_loss),
+                                  args.rounds)
       print(f'\n{m}: not matched:\n  - ' + '\n  - '.join(unmatched), flush=True)
       htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
       ours = [run_ours(args, m, scratch, seed) for seed in seeds]

@@ -142,6 +142,24 @@ def test_our_defaults_are_listed_as_differences():
     ah.htfllib_args(c, 20)
 
 
+def test_lost_uploads_map_onto_htfllib_s_client_drop_rate():
+  ah = load_script()
+  c = ah.our_config('fedgh', 0.05, 20, upload_loss=0.3)
+  assert c.system.upload_loss == 0.3
+  assert '--config.system.upload_loss=0.3' in ah.our_overrides('fedgh', 0.05, 20, 0.3)
+  args, unmatched = ah.htfllib_args(c, 20)
+  assert args[args.index('-cdr') + 1] == '0.3'
+  assert any('int((1 - 0.3) K)' in u for u in unmatched)
+  # FedProto's server in HtFLlib aggregates every selected client: named as a difference.
+  _, unmatched = ah.htfllib_args(ah.our_config('fedproto', 0.05, 20, upload_loss=0.3), 20)
+  assert any('whatever -cdr says' in u for u in unmatched)
+  args, _ = ah.htfllib_args(ah.our_config('fedgh', 0.05, 20), 20)
+  assert '-cdr' not in args
+  c.system.dropout = 0.2  # no counterpart in HtFLlib
+  with pytest.raises(ah.Failure, match='only system.upload_loss'):
+    ah.htfllib_args(c, 20)
+
+
 def test_models_are_checked_layer_by_layer():
   ah = load_script()
   ours = ah.our_layer_sizes(500)
