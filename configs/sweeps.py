@@ -34,7 +34,9 @@ _SHORT = {'partition.classes_per_client': 'k', 'partition.dirichlet_gamma': 'gam
           'participation': 'C', 'fedssa.mu0': 'mu0_', 'fedssa.t_stable': 'tstable',
           'lg_fedavg.weighting': 'w', 'save_representations': 'reps_',
           'num_rounds': 'R', 'local_epochs': 'E', 'batch_size': 'B', 'eval_every': 'ev',
-          'optimizer.lr': 'lr', 'fedssa.scope': 'scope_', 'fedssa.initial_header': 'ih_'}
+          'optimizer.lr': 'lr', 'fedssa.scope': 'scope_', 'fedssa.initial_header': 'ih_',
+          'system.upload_loss': 'loss', 'system.straggler_rate': 'strag',
+          'system.min_work': 'minwork', 'system.dropout': 'drop', 'system.deadline': 'deadline'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +197,48 @@ def tiny():
   return grid(['cifar10'], ['hetero,tiny'], ('fedssa',))
 
 
+# Every method of the registry (fedssa_jax/methods/__init__.py), the paper's eight first.
+ALL_METHODS = METHODS + ('fedgh', 'fedtgp', 'fedl2g', 'fedmrl')
+# The system section's conditions (docs/algorithm.md §10) beside the ideal federation.
+SYSTEM_CONDITIONS = (
+    {},
+    {'system__upload_loss': 0.3},
+    {'system__straggler_rate': 0.5, 'system__min_work': 0.2},
+    {'system__dropout': 0.3},
+)
+SYSTEM_SCHEDULE = {'local_epochs': 1, 'num_rounds': 20}
+
+
+def system():
+  """Under system heterogeneity: the twelve methods at hetero,n10, E = 1, 20 rounds, in the
+  ideal federation and under lost uploads (0.3), stragglers (0.5, min_work 0.2) and dropout
+  (0.3). Seed 0 of every method and condition first, method by method, so that a sweep cut
+  short holds whole rows of the table; then seeds 1 and 2. 144 runs."""
+  return [r for seed in SEEDS for m in ALL_METHODS
+          for r in grid(['cifar10'], ['hetero,n10'], (m,), (seed,),
+                        [{**SYSTEM_SCHEDULE, **c} for c in SYSTEM_CONDITIONS])]
+
+
+# The devices scenario's deadline. At E = 1 on hetero,n10's 4,000 samples a client, the slowest
+# tier's (1 GFLOP/s) CNN-5 and CNN-4 clients train about 62 and 71 simulated seconds, the fastest
+# tier's CNN-1 clients about 6 s: every client of a method that trains one model arrives, while
+# a method that trains a second model beside its own (FML, FedKD, FedMRL) takes about twice as
+# long and loses its slow clients' uploads.
+DEVICES_DEADLINE = 90.0
+
+
+def system_devices():
+  """Model follows device (the `devices` variant: three_tiers, the cheapest models on the
+  slowest tier) with a deadline of DEVICES_DEADLINE simulated seconds: FedSSA and the seven
+  baselines at hetero,n10, E = 1, 20 rounds, seed 0. Accuracy against simulated time."""
+  return grid(['cifar10'], ['hetero,n10,devices'], METHODS, (0,),
+              [{**SYSTEM_SCHEDULE, 'system__deadline': DEVICES_DEADLINE}])
+
+
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
-    appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny)}
+    appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny,
+    system, system_devices)}
 
 
 def get_sweep(name: str) -> list[Run]:

@@ -68,7 +68,8 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes',
 # slowest durations every run prints); the order changes nothing else.
 LONGEST_FILES = ('sharding_test.py', 'multihost_test.py', 'main_every_method_test.py',
                  'zoo_test.py', 'checkpoint_test.py', 'sweep_test.py', 'replicas_test.py',
-                 'engine_test.py', 'model_state_test.py', 'bench_test.py', 'client_test.py',
+                 'engine_test.py', 'model_state_test.py', 'bench_test.py', 'system_test.py',
+                 'client_test.py',
                  'main_bad_input_test.py', 'population_test.py', 'precision_test.py')
 
 

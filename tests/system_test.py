@@ -232,19 +232,18 @@ def test_a_round_whose_uploads_are_all_lost_leaves_every_method_s_server_as_it_w
     return jax.tree.map(lambda *a: jnp.stack(a),
                         *[random_like(payload_shape, jax.random.fold_in(k, i)) for i in ids])
 
-  def aggregate(server, participants, t):  # as the engine runs it with the section on
-    return simulator.aggregate_seed(method, server, jnp.asarray(participants), t,
-                                    jax.random.PRNGKey(0), keep_when_empty=True).server
+  # Jitted, as the engine runs them (and compiled once, not op by op).
+  agg = jax.jit(lambda server, participants, t: simulator.aggregate_seed(
+      method, server, participants, t, jax.random.PRNGKey(0), keep_when_empty=True).server)
+  receive = jax.jit(method.server_receive)
 
   if payload_shape is not None:  # a round that arrives: clients 0, 1 and 2
-    server = method.server_receive(server, jnp.arange(3), uploads(range(3), key),
-                                   jnp.ones(3, bool))
-  before = aggregate(server, np.arange(N) < 3, 0)
+    server = receive(server, jnp.arange(3), uploads(range(3), key), jnp.ones(3, bool))
+  before = agg(server, jnp.arange(N) < 3, 0)
   after = before
   if payload_shape is not None:  # a round whose uploads (clients 3, 4) are all lost
-    after = method.server_receive(after, jnp.array([3, 4]), uploads([3, 4], key + 1),
-                                  jnp.zeros(2, bool))
-  after = aggregate(after, np.zeros(N, bool), 1)
+    after = receive(after, jnp.array([3, 4]), uploads([3, 4], key + 1), jnp.zeros(2, bool))
+  after = agg(after, jnp.zeros(N, bool), 1)
   for path, a, b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(before),
                         jax.tree.leaves(after)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
