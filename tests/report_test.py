@@ -12,7 +12,7 @@ from fedssa_jax.run import plots, report, runs
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
               accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8),
-              derived=None):
+              derived=None, sim_seconds=None):
   """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json."""
   c = config_lib.build(dataset, variants)
   c.method, c.seed = method, seed
@@ -28,8 +28,11 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
     json.dump({'config': c.to_dict(), 'derived': derived or {}}, f)
   with open(os.path.join(d, 'metrics.jsonl'), 'w') as f:
     for i, a in enumerate(accs):
-      f.write(json.dumps({'round': i + 1, 'mean_accuracy': a, 'cum_floats': 100.0 * (i + 1),
-                          'cum_client_flops': 1e9 * (i + 1)}) + '\n')
+      record = {'round': i + 1, 'mean_accuracy': a, 'cum_floats': 100.0 * (i + 1),
+                'cum_client_flops': 1e9 * (i + 1)}
+      if sim_seconds:  # the system section's clock: sim_seconds a round
+        record['cum_sim_seconds'] = sim_seconds * (i + 1)
+      f.write(json.dumps(record) + '\n')
   summary = {'rounds': len(accs), 'final_mean_accuracy': accs[-1],
              'best_mean_accuracy': max(accs), 'final_client_accuracy': list(clients),
              'target_accuracy': 0.6, 'to_target': to_target}
@@ -118,6 +121,29 @@ def test_best_accuracy_table_labels_and_a_target_from_the_history(tmp_path):
   assert table_row(costs, 'fedssa')[1:5] == ['1/1', '2', '200', '2e+09']
   assert table_row(costs, 'standalone (lr=0.01)')[1:5] == ['1/1', '2', '200', '2e+09']
   assert table_row(costs, 'standalone')[1:3] == ['0/1', '—']
+
+
+def test_system_conditions_are_settings_of_their_own_with_simulated_time_to_target(tmp_path):
+  root = str(tmp_path)
+  write_run(root, 'ideal', accs=(0.5, 0.7))
+  write_run(root, 'lost', accs=(0.4, 0.6), overrides={'system.upload_loss': 0.3})
+  clock = {'system.device_tiers': 'three_tiers', 'system.tier_assignment': 'model',
+           'system.deadline': 90.0}
+  write_run(root, 'dev', accs=(0.5, 0.7), overrides=clock, sim_seconds=70.0)
+  write_run(root, 'dev_fml', method='fml', accs=(0.4, 0.6, 0.7), overrides=clock,
+            sim_seconds=90.0)
+  labels = sorted(s.system for s in runs.by_setting_and_method(runs.load_runs(root)[0]))
+  assert labels == ['', 'devices three_tiers (model), deadline 90 s', 'lost 30%']
+  out = os.path.dirname(report.write_report(root, target=0.7))
+  costs = open(os.path.join(out, 'costs.md')).read()
+  section = costs.split('deadline 90 s hetero, target 70%')[1]
+  # FedSSA reaches 70% at round 2 (140 simulated s), FML at round 3 (270 s): 1.93x.
+  assert table_row(section, 'fedssa')[-2:] == ['140', '1.00× |']
+  assert table_row(section, 'fml')[-2:] == ['270', '1.93× |']
+  assert 'simulated s' not in costs.split('deadline 90 s hetero')[0]  # no clock, no column
+  index = open(os.path.join(out, 'index.md')).read()
+  assert index.count('simtime_') == 1 and os.path.exists(os.path.join(
+      out, next(w for w in index.split('(') if w.startswith('simtime_')).split(')')[0]))
 
 
 def test_method_labels_read_each_methods_own_section():

@@ -71,6 +71,28 @@ def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
   return _save(fig, path)
 
 
+def plot_accuracy_vs_sim_time(setting: Setting, methods, path: str) -> str:
+  """Mean test accuracy against the system section's simulated seconds (the seeds' mean of
+  both at each evaluated round)."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6.4 + 2.4 * (len(methods) > 8), 4.4))
+  styles = line_styles(methods)
+  for m, rs in methods.items():
+    common, acc = series(rs, 'mean_accuracy')
+    _, sim = series(rs, 'cum_sim_seconds')
+    if not common or sim.shape != acc.shape:
+      continue
+    ax.plot(sim.mean(0), acc.mean(0) * 100, label=m, marker='.' if len(common) < 30 else None,
+            **styles[m])
+  ax.set(xlabel='simulated seconds', ylabel='mean test accuracy (%)', title=setting.label)
+  ax.grid(alpha=0.3)
+  if len(methods) > 8:
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+  else:
+    ax.legend(fontsize=7)
+  return _save(fig, path)
+
+
 def plot_training_curves(setting: Setting, methods, path: str) -> str:
   """Per method (seed-mean curves): mean test accuracy, train loss, and the header-row norms
   (largest, and mean over the trained clients' seen rows), against rounds. A run whose

@@ -32,8 +32,9 @@ from absl import flags
 import numpy as np
 
 from fedssa_jax.engine import evaluation
-from fedssa_jax.run.plots import (plot_accuracy_vs_rounds, plot_client_boxes, plot_robustness,
-                                  plot_training_curves, plot_tsne, robustness_series)
+from fedssa_jax.run.plots import (plot_accuracy_vs_rounds, plot_accuracy_vs_sim_time,
+                                  plot_client_boxes, plot_robustness, plot_training_curves,
+                                  plot_tsne, robustness_series)
 from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key,
                                  by_setting_and_method, load_runs)
 
@@ -125,15 +126,20 @@ def reached(r: Run, target: float | None = None) -> dict | None:
     return r.summary.get('to_target')
   for x in r.metrics:
     if x.get('mean_accuracy') is not None and x['mean_accuracy'] >= target:
-      return {'round': x['round'], 'cum_floats': x['cum_floats'],
-              'cum_client_flops': x['cum_client_flops']}
+      return {k: x[k] for k in ('round', 'cum_floats', 'cum_client_flops', 'cum_sim_seconds')
+              if k in x}
   return None
 
 
 def _to_target(rs, key, target=None):
   """Mean over the seeds that reached the target of their cost `key`, and how many did."""
-  vals = [c[key] for c in (reached(r, target) for r in rs) if c]
+  vals = [c[key] for c in (reached(r, target) for r in rs) if c and key in c]
   return (float(np.mean(vals)) if vals else None), len(vals)
+
+
+def has_clock(r: Run) -> bool:
+  """Whether the run's records carry the system section's simulated seconds."""
+  return any('cum_sim_seconds' in x for x in r.metrics)
 
 
 def ratio_text(baseline, reference) -> str:
@@ -155,16 +161,25 @@ def costs_tables(grouped, target: float | None = None) -> str:
     ref = methods.get(REFERENCE_METHOD)
     ref_floats = _to_target(ref, 'cum_floats', target)[0] if ref else None
     ref_flops = _to_target(ref, 'cum_client_flops', target)[0] if ref else None
+    # With the system section's clock: the simulated seconds to the target too.
+    clock = any(has_clock(r) for rs in methods.values() for r in rs)
+    ref_sim = _to_target(ref, 'cum_sim_seconds', target)[0] if ref and clock else None
     rows = []
     for m, rs in methods.items():
       rounds, hits = _to_target(rs, 'round', target)
       floats, _ = _to_target(rs, 'cum_floats', target)
       flops, _ = _to_target(rs, 'cum_client_flops', target)
-      rows.append([m, f'{hits}/{len(rs)}', sci(rounds), sci(floats), sci(flops),
-                   ratio_text(floats, ref_floats), ratio_text(flops, ref_flops)])
-    out += [f'## {s.label}, target {shown * 100:g}%', '',
-            markdown_table(['method', 'reached', 'rounds', 'floats', 'client FLOPs',
-                            'floats / FedSSA\'s', 'FLOPs / FedSSA\'s'], rows)]
+      row = [m, f'{hits}/{len(rs)}', sci(rounds), sci(floats), sci(flops),
+             ratio_text(floats, ref_floats), ratio_text(flops, ref_flops)]
+      if clock:
+        sim, _ = _to_target(rs, 'cum_sim_seconds', target)
+        row += [sci(sim), ratio_text(sim, ref_sim)]
+      rows.append(row)
+    columns = ['method', 'reached', 'rounds', 'floats', 'client FLOPs', 'floats / FedSSA\'s',
+               'FLOPs / FedSSA\'s']
+    if clock:
+      columns += ['simulated s', 'simulated s / FedSSA\'s']
+    out += [f'## {s.label}, target {shown * 100:g}%', '', markdown_table(columns, rows)]
   return '\n'.join(out)
 
 
@@ -208,11 +223,16 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
     curves = plot_accuracy_vs_rounds(s, methods, os.path.join(out_dir, f'rounds_{s.slug}.png'))
     boxes = plot_client_boxes(s, methods, os.path.join(out_dir, f'boxes_{s.slug}.png'))
     training = plot_training_curves(s, methods, os.path.join(out_dir, f'training_{s.slug}.png'))
+    clock = any(has_clock(r) for rs in methods.values() for r in rs)
+    sim = '—'
+    if clock:
+      path = plot_accuracy_vs_sim_time(s, methods, os.path.join(out_dir, f'simtime_{s.slug}.png'))
+      sim = f'[png]({rel(path)})'
     rows.append([s.label, len(methods), '/'.join(map(str, rounds)), f'[png]({rel(curves)})',
-                 f'[png]({rel(boxes)})', f'[png]({rel(training)})'])
+                 f'[png]({rel(boxes)})', f'[png]({rel(training)})', sim])
   index += ['## Per setting', '', markdown_table(
       ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes',
-       'accuracy, train loss and header norms'], rows)]
+       'accuracy, train loss and header norms', 'accuracy against simulated time'], rows)]
 
   robust = robustness_series(grouped)
   if robust:

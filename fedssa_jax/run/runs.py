@@ -25,12 +25,13 @@ class Setting:
   participation: float
   partition: str        # '' (the data set's default pathological k), 'k=4', 'Dir(0.1)'
   scheme: str           # '' (reference pools) or '8:1:1'
+  system: str = ''      # '' (the ideal federation), or the system section's (system_label)
 
   @property
   def column(self) -> str:
     """The label within a table of one model setting."""
     parts = [self.dataset, f'N={self.num_clients}, C={self.participation * 100:g}%']
-    parts += [p for p in (self.partition, self.scheme) if p]
+    parts += [p for p in (self.partition, self.scheme, self.system) if p]
     return ' '.join(parts)
 
   @property
@@ -40,12 +41,12 @@ class Setting:
   @property
   def slug(self) -> str:
     text = f'{self.dataset}_{self.models}_n{self.num_clients}_c{self.participation:g}'
-    text += ''.join(f'_{p}' for p in (self.partition, self.scheme) if p)
+    text += ''.join(f'_{p}' for p in (self.partition, self.scheme, self.system) if p)
     return ''.join(ch if ch.isalnum() or ch in '._-' else '_' for ch in text)
 
   def sort_key(self):
     return (self.dataset, self.models, self.num_clients, -self.participation,
-            self.partition.split('=')[0], _number_in(self.partition), self.scheme)
+            self.partition.split('=')[0], _number_in(self.partition), self.scheme, self.system)
 
 
 def _number_in(text: str) -> float:
@@ -78,7 +79,32 @@ def setting_of(config: dict) -> Setting:
   return Setting(config['dataset'],
                  'homo' if len(config['model']['families']) == 1 else 'hetero',
                  config['num_clients'], float(config['participation']), partition,
-                 '8:1:1' if p['scheme'] == 'paper' else '')
+                 '8:1:1' if p['scheme'] == 'paper' else '', system_label(config))
+
+
+def system_label(config: dict) -> str:
+  """The system section of a run's config in a few words ('' when off, or absent: a run from
+  before the section): e.g. 'lost 30%', 'stragglers 50% (f >= 0.2)', 'devices three_tiers
+  (model), deadline 90 s'."""
+  s = {**config_lib.base_config(config['dataset']).system.to_dict(), **config.get('system', {})}
+  parts = []
+  if s['availability_trace']:
+    parts.append(f'trace {os.path.basename(s["availability_trace"])}')
+  elif s['availability'] < 1:
+    spread = f' ± {s["availability_spread"]:g}' if s['availability_spread'] else ''
+    parts.append(f'online {s["availability"] * 100:g}%{spread}')
+  if s['dropout']:
+    parts.append(f'dropout {s["dropout"] * 100:g}%')
+  if s['straggler_rate']:
+    parts.append(f'stragglers {s["straggler_rate"] * 100:g}% (f >= {s["min_work"]:g})')
+  if s['upload_loss']:
+    parts.append(f'lost {s["upload_loss"] * 100:g}%')
+  if s['device_tiers'] or s['device_profile']:
+    devices = s['device_tiers'] or os.path.basename(s['device_profile'])
+    parts.append(f'devices {devices}' + (' (model)' if s['tier_assignment'] == 'model' else ''))
+  if s['deadline']:
+    parts.append(f'deadline {s["deadline"]:g} s')
+  return ', '.join(parts)
 
 
 def method_label(config: dict, models: str) -> str:
