@@ -198,7 +198,14 @@ def assert_same_records(records_p, records_a, what=''):
     for key in ('round', 'participants', 'up_floats', 'down_floats', 'cum_floats',
                 'evaluated_clients'):
       assert p[key] == a[key], (what, a['round'], key)
+    # The system section's draws and arrivals, where it is on.
+    for key in ('online', 'sampled', 'dropped', 'stragglers', 'lost_uploads', 'late_uploads',
+                'received'):
+      assert p.get(key) == a.get(key), (what, a['round'], key)
     for key in ('mean_accuracy', 'client_accuracy', 'participant_accuracy_reference'):
+      if a[key] is None:  # a round without an evaluated participant
+        assert p[key] is None, (what, a['round'], key)
+        continue
       np.testing.assert_allclose(p[key], a[key], atol=1e-9, err_msg=f'{what}: {key}')
     for key in ('train_loss', 'train_accuracy', 'client_flops', 'cum_client_flops',
                 'header_norm_max', 'header_norm_mean'):

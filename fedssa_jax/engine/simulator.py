@@ -308,8 +308,16 @@ class Simulator:
                            cohort, per_call)
 
   def plan(self, cohorts: list[np.ndarray]) -> list[schedule.Chunk]:
-    """The calls of a round whose cohorts (one per seed) are `cohorts` (schedule.plan)."""
-    return schedule.plan(self.groups, self.group_of, self.slot_of, self.train_n, cohorts)
+    """The calls of a round whose cohorts (one per seed) are `cohorts` (schedule.plan). A round
+    in which no seed trains anyone (the system section's dropouts) gets one all-inactive chunk,
+    a no-op whose statistics are the round's zeros."""
+    chunks = schedule.plan(self.groups, self.group_of, self.slot_of, self.train_n, cohorts)
+    if not chunks:
+      g = self.groups[0]
+      shape = (self.num_seeds, g.clients_per_call)
+      chunks = [schedule.Chunk(0, np.full(shape, g.rows), np.full(shape, g.members[-1]),
+                               np.zeros(shape, bool))]
+    return chunks
 
   def train_chunks(self, population: Population, server: ServerState, chunks, t: int,
                    draws: list | None = None
@@ -352,7 +360,7 @@ class Simulator:
         client_up_floats=s.clients.up_floats, client_down_floats=s.clients.down_floats,
         client_flops_per_client=flops,
         nonfinite_params=s.nonfinite.astype(bool),
-        header_norm_max=float(s.norms.max.max()),
+        header_norm_max=float(s.norms.max.max(initial=0.0)),  # 0 for a round without clients
         header_norm_mean=float(s.norms.sum.sum() / max(s.norms.count.sum(), 1)),
         server_flops=0.0, server_metrics={},  # the server's: run_round fills them in
         system=None if self.system is None else self._system_round(cohort, s, *federation))
