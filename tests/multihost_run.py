@@ -81,14 +81,14 @@ def run(workdir, rounds, signal_round=None):
   captured = {}
   real_record = outputs.record
 
-  def capturing_record(sim, state, info, ev):
+  def capturing_record(sim, state, info, ev, *more):
     captured['sharding'] = [str(jax.tree.leaves(p)[0].sharding.spec)
                             if hasattr(jax.tree.leaves(p)[0].sharding, 'spec') else None
                             for p in state.population.params]
     captured['mesh_devices'] = sim.placement.num_devices
     if state.round == signal_round and jax.process_index() == jax.process_count() - 1:
       os.kill(os.getpid(), signal.SIGTERM)  # as a preempted task gets it
-    return real_record(sim, state, info, ev)
+    return real_record(sim, state, info, ev, *more)
 
   real_run_round = simulator.Simulator.run_round
   kill_round = int(os.environ.get(KILL_ROUND, 0))
