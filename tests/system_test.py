@@ -204,17 +204,17 @@ def test_a_three_client_round_s_simulated_time_by_hand():
 # ----------------------------------------------------------------------------------------------
 # Every method: a round whose uploads are all lost leaves its server as it was
 # ----------------------------------------------------------------------------------------------
-def random_like(tree, key):
-  """Random arrays shaped as `tree`'s (floats normal, ints in [1, 5], bools mostly True)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  keys = jax.random.split(key, max(len(leaves), 1))
-  def one(leaf, k):
-    if jnp.issubdtype(leaf.dtype, jnp.floating):
-      return jax.random.normal(k, leaf.shape, leaf.dtype)
-    if leaf.dtype == jnp.bool_:
-      return jax.random.uniform(k, leaf.shape) < 0.8
-    return jax.random.randint(k, leaf.shape, 1, 5).astype(leaf.dtype)
-  return jax.tree.unflatten(treedef, [one(l, k) for l, k in zip(leaves, keys)])
+def random_uploads(tree, num, rng):
+  """`num` clients' random uploads shaped as `tree`'s leaves with a leading client axis (floats
+  normal, ints in [1, 5), bools mostly True), made with numpy: nothing to compile."""
+  def one(leaf):
+    shape = (num, *leaf.shape)
+    if np.issubdtype(leaf.dtype, np.floating):
+      return rng.standard_normal(shape).astype(leaf.dtype)
+    if leaf.dtype == np.bool_:
+      return rng.random(shape) < 0.8
+    return rng.integers(1, 5, shape).astype(leaf.dtype)
+  return jax.tree.map(one, tree)
 
 
 @pytest.mark.parametrize('name', sorted(methods.METHODS))
@@ -225,12 +225,10 @@ def test_a_round_whose_uploads_are_all_lost_leaves_every_method_s_server_as_it_w
   model = models.make_model('cnn5', C, feature_dim=cfg.model.feature_dim)
   payload_shape = method_hooks_test.hook_data(method, model)['Upload.payload']
   key = jax.random.PRNGKey(0)
-  seen = jax.random.uniform(key, (N, C)) < 0.4
-  server = method.init_server(key, seen)
+  seen = jnp.asarray(np.random.default_rng(1).random((N, C)) < 0.4)
+  server = jax.jit(method.init_server)(key, seen)
 
-  def uploads(ids, k):
-    return jax.tree.map(lambda *a: jnp.stack(a),
-                        *[random_like(payload_shape, jax.random.fold_in(k, i)) for i in ids])
+  rng = np.random.default_rng(0)
 
   # Jitted, as the engine runs them (and compiled once, not op by op).
   agg = jax.jit(lambda server, participants, t: simulator.aggregate_seed(
@@ -238,11 +236,13 @@ def test_a_round_whose_uploads_are_all_lost_leaves_every_method_s_server_as_it_w
   receive = jax.jit(method.server_receive)
 
   if payload_shape is not None:  # a round that arrives: clients 0, 1 and 2
-    server = receive(server, jnp.arange(3), uploads(range(3), key), jnp.ones(3, bool))
+    server = receive(server, jnp.arange(3), random_uploads(payload_shape, 3, rng),
+                     jnp.ones(3, bool))
   before = agg(server, jnp.arange(N) < 3, 0)
   after = before
   if payload_shape is not None:  # a round whose uploads (clients 3, 4) are all lost
-    after = receive(after, jnp.array([3, 4]), uploads([3, 4], key + 1), jnp.zeros(2, bool))
+    after = receive(after, jnp.array([3, 4]), random_uploads(payload_shape, 2, rng),
+                    jnp.zeros(2, bool))
   after = agg(after, jnp.zeros(N, bool), 1)
   for path, a, b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(before),
                         jax.tree.leaves(after)):
