@@ -143,6 +143,9 @@ def test_uninterrupted_run_writes_every_round_and_keeps_the_last_checkpoints(uni
   assert records[-1]['cum_sim_seconds'] == summary['cum_sim_seconds'] > 0
   for kind in ('dropped', 'stragglers', 'lost_uploads', 'late_uploads'):
     assert any(r[kind] for r in records), kind
+  with open(os.path.join(uninterrupted, 'config.json')) as f:
+    devices = json.load(f)['derived']['client_device']
+  assert len(devices) == 5 and {d[0] for d in devices} <= {1e9, 5e9, 2e10}  # three_tiers
   steps = checkpoint.Checkpointer(os.path.join(uninterrupted, 'checkpoints')).steps()
   assert steps == [NUM_ROUNDS - 2, NUM_ROUNDS - 1, NUM_ROUNDS]  # checkpoint_keep = 3
 

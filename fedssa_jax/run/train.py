@@ -227,6 +227,12 @@ def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
       'eval_client_ids': 'all' if len(evaluated) == sim.num_clients else evaluated,
       'backend': jax.default_backend(),
       'jax_version': jax.__version__,
+      # The system section's clock: each client's device (FLOP/s, download and upload bytes/s),
+      # and with availability_spread its own probability of being online.
+      **({} if sim.system is None or not sim.system.clock else
+         {'client_device': sim.system.devices[sim.seeds[i]].tolist()}),
+      **({} if sim.system is None or not sim.config.system.availability_spread else
+         {'client_p_online': sim.system.p_online[sim.seeds[i]].tolist()}),
   }
 
 
