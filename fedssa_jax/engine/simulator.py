@@ -16,6 +16,11 @@ state [R, ...], the costs [R]. A round (`Simulator.run_round`):
 3. runs the method's server rule, per seed, under jit;
 4. adds up each seed's floats, FLOPs and training statistics (`ChunkStats` into `RoundInfo`).
 
+With the `system` section on (fedssa_jax/system.py), step 1 draws the federation too (who is
+online, drops out, straggles, loses its upload), step 2's call takes the draws as data
+(`ChunkInputs.system`) and hands the server only the uploads that arrive (`arrivals`), and step
+3 aggregates those; a round that receives nothing leaves the server as it was.
+
 Shapes never depend on the round, so each family compiles its training call once. Dummy clients
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
 change nothing. The Simulator's parts are built elsewhere: the seeds' data and round 0
@@ -124,11 +129,11 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
   the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
   server, ChunkStats); the store's call brings the rows and takes them back."""
   new_params, new_state, payload, stats = local(params, state, server, inputs)
-  received = seconds = None
-  if inputs.system is None:
-    received = inputs.active
-  else:  # the federation: lost uploads, and with a clock those past the deadline
+  if inputs.system is None:  # the ideal federation: every trained client's upload arrives
+    received, reported, seconds = inputs.active, None, None
+  else:  # lost uploads, and with a clock those past the deadline, do not
     seconds, received = arrivals(inputs.system, inputs.ids, inputs.active, stats)
+    reported = received
   server = method.server_receive(server, inputs.ids, payload, received)
   # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
   nonfinite = jnp.stack([
@@ -136,10 +141,8 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
       for l in jax.tree.leaves(new_params) if jnp.issubdtype(l.dtype, jnp.inexact)
   ]).any(axis=0) & inputs.active
   norms = jax.vmap(method.trained_norms)(new_params, inputs.seen[inputs.ids])
-  if inputs.system is None:
-    received = None
   return new_params, new_state, server, ChunkStats(clients=stats, nonfinite=nonfinite,
-                                                   norms=norms, received=received,
+                                                   norms=norms, received=reported,
                                                    seconds=seconds)
 
 
