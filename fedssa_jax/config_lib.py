@@ -28,7 +28,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from fedssa_jax import data, methods, models, system
-from fedssa_jax.errors import ConfigError, DataError
+from fedssa_jax.errors import ConfigError, DataError, require, require_one_of
 from fedssa_jax.models import zoo
 
 DATASET_DEFAULTS = {
@@ -250,15 +250,6 @@ def _default(dataset: str, field: str):
   return node
 
 
-def _need(ok, msg) -> None:
-  if not ok:
-    raise ConfigError(msg)
-
-
-def _one_of(field, value, choices) -> None:
-  _need(value in choices, f'Unknown {field} {value!r}; choose one of {sorted(choices)}.')
-
-
 def validate(c: ml_collections.ConfigDict) -> None:
   """Cheap checks that run before any data is loaded or any compile starts.
 
@@ -288,133 +279,133 @@ def dataset_facts(c: ml_collections.ConfigDict) -> data.DatasetFacts:
 def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
   """The data set and its image size, the method, every float field finite, and the model
   families."""
-  _need(c.image_size >= 0,
-        f'image_size must be 0 (the images as stored) or a size N >= '
-        f'{models.MIN_IMAGE_SIZE} to resize them to N x N; got {c.image_size}.')
+  require(c.image_size >= 0,
+          f'image_size must be 0 (the images as stored) or a size N >= '
+          f'{models.MIN_IMAGE_SIZE} to resize them to N x N; got {c.image_size}.')
   facts = dataset_facts(c)
   try:
     data.check_image_size(c.dataset, facts.image_shape, c.image_size)
   except DataError as e:
     raise ConfigError(str(e)) from None
-  _one_of('method', c.method, methods.METHODS)
+  require_one_of('method', c.method, methods.METHODS)
   for field, value in _numbers(c.to_dict()):
-    _need(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
-          f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
-  _need(len(c.model.families) >= 1, 'model.families must name at least one family.')
+    require(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
+            f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
+  require(len(c.model.families) >= 1, 'model.families must name at least one family.')
   names = models.all_family_names()
   for f in c.model.families:
-    _need(f in names, f'Unknown model family {f!r} in model.families; choose from {names}.')
-  _one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
-  _need(isinstance(c.model.feature_dim, int) and c.model.feature_dim >= 1,
-        f'model.feature_dim must be a positive integer, got {c.model.feature_dim!r} '
-        f'(the paper\'s CNNs: {models.CNN_FEATURE_DIM}; HtFLlib\'s model groups: '
-        f'{zoo.FEATURE_DIM}).')
-  _one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
+    require(f in names, f'Unknown model family {f!r} in model.families; choose from {names}.')
+  require_one_of('model.conv_impl', c.model.conv_impl, models.CONV_IMPLS)
+  require(isinstance(c.model.feature_dim, int) and c.model.feature_dim >= 1,
+          f'model.feature_dim must be a positive integer, got {c.model.feature_dim!r} '
+          f'(the paper\'s CNNs: {models.CNN_FEATURE_DIM}; HtFLlib\'s model groups: '
+          f'{zoo.FEATURE_DIM}).')
+  require_one_of('model.init_scope', c.model.init_scope, ('family', 'client'))
 
 
 def _check_run(c: ml_collections.ConfigDict) -> None:
   """The top-level fields: clients and participation, rounds, seeds, batches, evaluation,
   population store, target and checkpoints."""
   n = c.num_clients
-  _need(n >= 1, f'num_clients must be >= 1, got {n}.')
-  _need(0 < c.participation <= 1,
-        f'participation must be in (0, 1], got {c.participation}. It is the fraction C of the '
-        'clients sampled per round.')
-  _need(int(math.floor(c.participation * n)) >= 1,
-        f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
-        f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
+  require(n >= 1, f'num_clients must be >= 1, got {n}.')
+  require(0 < c.participation <= 1,
+          f'participation must be in (0, 1], got {c.participation}. It is the fraction C of the '
+          'clients sampled per round.')
+  require(int(math.floor(c.participation * n)) >= 1,
+          f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
+          f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
   train_images = dataset_facts(c).train_examples  # None: the metadata does not say
-  _need(train_images is None or n <= train_images,
-        f'num_clients={n} is more than the {train_images or 0:,} training images of '
-        f'{c.dataset}, and every client needs at least one training sample. Set num_clients to '
-        f'at most {train_images or 0:,} (the cross-device variant xdevice uses 10,000).')
-  _need(c.num_rounds >= 1, f'num_rounds must be >= 1, got {c.num_rounds}.')
-  _need(c.local_epochs >= 1,
-        f'local_epochs must be >= 1, got {c.local_epochs}: with no local training a round '
-        'changes nothing.')
-  _need(0 <= c.seed < 2**63, f'seed must be in [0, 2**63), got {c.seed}.')
-  _need(-1 <= c.partition.seed < 2**63,
-        f'partition.seed must be in [0, 2**63), or -1 to use `seed`; got {c.partition.seed}.')
-  _need(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
-  _need(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
-  _need(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
-  _need(c.eval_clients >= 0,
-        f'eval_clients must be 0 (all clients) or a count of clients to evaluate, got '
-        f'{c.eval_clients}.')
-  _need(c.eval_clients <= n,
-        f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
-        f'most {n}, or to 0 to evaluate all of them.')
-  _one_of('population_store', c.population_store, ('device', 'host', 'disk'))
-  _need(0 < c.target_accuracy <= 1,
-        f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
-        'a fraction (0.8 is 80%).')
-  _need(c.checkpoint_every >= 1, f'checkpoint_every must be >= 1, got {c.checkpoint_every}.')
-  _need(c.checkpoint_keep >= 1, f'checkpoint_keep must be >= 1, got {c.checkpoint_keep}.')
+  require(train_images is None or n <= train_images,
+          f'num_clients={n} is more than the {train_images or 0:,} training images of '
+          f'{c.dataset}, and every client needs at least one training sample. Set num_clients to '
+          f'at most {train_images or 0:,} (the cross-device variant xdevice uses 10,000).')
+  require(c.num_rounds >= 1, f'num_rounds must be >= 1, got {c.num_rounds}.')
+  require(c.local_epochs >= 1,
+          f'local_epochs must be >= 1, got {c.local_epochs}: with no local training a round '
+          'changes nothing.')
+  require(0 <= c.seed < 2**63, f'seed must be in [0, 2**63), got {c.seed}.')
+  require(-1 <= c.partition.seed < 2**63,
+          f'partition.seed must be in [0, 2**63), or -1 to use `seed`; got {c.partition.seed}.')
+  require(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
+  require(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
+  require(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
+  require(c.eval_clients >= 0,
+          f'eval_clients must be 0 (all clients) or a count of clients to evaluate, got '
+          f'{c.eval_clients}.')
+  require(c.eval_clients <= n,
+          f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
+          f'most {n}, or to 0 to evaluate all of them.')
+  require_one_of('population_store', c.population_store, ('device', 'host', 'disk'))
+  require(0 < c.target_accuracy <= 1,
+          f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
+          'a fraction (0.8 is 80%).')
+  require(c.checkpoint_every >= 1, f'checkpoint_every must be >= 1, got {c.checkpoint_every}.')
+  require(c.checkpoint_keep >= 1, f'checkpoint_keep must be >= 1, got {c.checkpoint_keep}.')
 
 
 def _check_partition(c: ml_collections.ConfigDict) -> None:
   p, n = c.partition, c.num_clients
-  _one_of('partition.kind', p.kind, ('pathological', 'dirichlet'))
-  _one_of('partition.scheme', p.scheme, ('reference', 'paper'))
+  require_one_of('partition.kind', p.kind, ('pathological', 'dirichlet'))
+  require_one_of('partition.scheme', p.scheme, ('reference', 'paper'))
   num_classes = dataset_facts(c).num_classes
   if p.kind == 'pathological':
     k = p.classes_per_client
-    _need(1 <= k <= num_classes,
+    require(1 <= k <= num_classes,
           f'partition.classes_per_client={k} must be in [1, {num_classes}]: {c.dataset} has '
           f'{num_classes} classes.')
     # Every class has k*N/S holders (data.pathological_shares).
-    _need((k * n) % num_classes == 0,
+    require((k * n) % num_classes == 0,
           f'The pathological partition needs k*N/S holders per class to be a whole number: '
           f'partition.classes_per_client={k}, num_clients={n}, S={num_classes} classes gives '
           f'{k * n / num_classes:g}. Set num_clients to a multiple of '
           f'{num_classes // math.gcd(k, num_classes)}, or change partition.classes_per_client.')
   else:
-    _need(p.dirichlet_gamma > 0,
+    require(p.dirichlet_gamma > 0,
           f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma} (smaller is more '
           'skewed; 0.1 to 1 are usual).')
-    _need(p.dirichlet_min_train >= 0,
+    require(p.dirichlet_min_train >= 0,
           f'partition.dirichlet_min_train must be >= 0, got {p.dirichlet_min_train}.')
-    _need(p.dirichlet_min_test >= 0,
+    require(p.dirichlet_min_test >= 0,
           f'partition.dirichlet_min_test must be >= 0, got {p.dirichlet_min_test}.')
 
 
 def _check_precision(c: ml_collections.ConfigDict) -> None:
-  _need(c.engine.matmul_precision in ('default', 'high', 'highest'),
-        f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
-        f'{c.engine.matmul_precision!r}.')
-  _one_of('engine.compute_dtype', c.engine.compute_dtype, models.COMPUTE_DTYPES)
+  require(c.engine.matmul_precision in ('default', 'high', 'highest'),
+          f"engine.matmul_precision must be 'default', 'high' or 'highest', got "
+          f'{c.engine.matmul_precision!r}.')
+  require_one_of('engine.compute_dtype', c.engine.compute_dtype, models.COMPUTE_DTYPES)
 
 
 def _check_optimizer(c: ml_collections.ConfigDict) -> None:
   o = c.optimizer
-  _one_of('optimizer.name', o.name, ('sgd', 'adam'))
-  _need(o.lr > 0, f'optimizer.lr must be > 0, got {o.lr} (the default is 0.005).')
-  _need(0 <= o.momentum < 1,
-        f'optimizer.momentum must be in [0, 1), got {o.momentum} (0 is plain SGD; the default '
-        'is 0.9).')
-  _need(o.weight_decay >= 0, f'optimizer.weight_decay must be >= 0, got {o.weight_decay}.')
-  _need(o.clip_norm >= 0,
-        f'optimizer.clip_norm must be > 0, or 0 to turn clipping off; got {o.clip_norm}.')
+  require_one_of('optimizer.name', o.name, ('sgd', 'adam'))
+  require(o.lr > 0, f'optimizer.lr must be > 0, got {o.lr} (the default is 0.005).')
+  require(0 <= o.momentum < 1,
+          f'optimizer.momentum must be in [0, 1), got {o.momentum} (0 is plain SGD; the default '
+          'is 0.9).')
+  require(o.weight_decay >= 0, f'optimizer.weight_decay must be >= 0, got {o.weight_decay}.')
+  require(o.clip_norm >= 0,
+          f'optimizer.clip_norm must be > 0, or 0 to turn clipping off; got {o.clip_norm}.')
   for b in ('adam_b1', 'adam_b2'):
-    _need(0 <= o[b] < 1, f'optimizer.{b} must be in [0, 1), got {o[b]}.')
+    require(0 <= o[b] < 1, f'optimizer.{b} must be in [0, 1), got {o[b]}.')
 
 
 def _check_guard(c: ml_collections.ConfigDict) -> None:
   for field in ('max_train_loss', 'loss_growth'):
-    _need(c.guard[field] >= 0,
-          f'guard.{field} must be >= 0 (0 turns that test off), got {c.guard[field]}.')
-  _need(c.guard.loss_growth == 0 or c.guard.loss_growth > 1,
-        f'guard.loss_growth={c.guard.loss_growth} would stop a run whose loss merely stays '
-        'level: set it above 1 (the default is 1000), or to 0 to turn that test off.')
+    require(c.guard[field] >= 0,
+            f'guard.{field} must be >= 0 (0 turns that test off), got {c.guard[field]}.')
+  require(c.guard.loss_growth == 0 or c.guard.loss_growth > 1,
+          f'guard.loss_growth={c.guard.loss_growth} would stop a run whose loss merely stays '
+          'level: set it above 1 (the default is 1000), or to 0 to turn that test off.')
 
 
 def _check_engine_batching(c: ml_collections.ConfigDict) -> None:
-  _need(c.engine.mesh_devices >= 0,
-        f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
-        'device count.')
+  require(c.engine.mesh_devices >= 0,
+          f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
+          'device count.')
   mb = c.engine.micro_batch
-  _need(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
-        f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')
+  require(mb >= 0 and (mb == 0 or c.batch_size % mb == 0),
+          f'engine.micro_batch={mb} must divide batch_size={c.batch_size} (or be 0, automatic).')
 
 
 def _check_method_sections(c: ml_collections.ConfigDict) -> None:

@@ -15,3 +15,14 @@ class DataError(ValueError):
 
 class UnknownDatasetError(DataError):
   """A data set name TFDS does not know."""
+
+
+def require(ok, msg: str) -> None:
+  """A ConfigError with `msg` (which names the fix) unless `ok`."""
+  if not ok:
+    raise ConfigError(msg)
+
+
+def require_one_of(field: str, value, choices) -> None:
+  """A ConfigError naming `field`'s choices unless `value` is one of them."""
+  require(value in choices, f'Unknown {field} {value!r}; choose one of {sorted(choices)}.')

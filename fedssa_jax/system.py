@@ -38,7 +38,7 @@ import ml_collections
 import numpy as np
 from flax import struct
 
-from fedssa_jax.errors import ConfigError
+from fedssa_jax.errors import ConfigError, require, require_one_of
 
 BYTES_PER_FLOAT = 4  # uploads and downloads are float32
 
@@ -105,34 +105,34 @@ def parse_tiers(spec: str) -> list[Tier]:
   tiers = []
   for part in filter(None, (p.strip() for p in text.replace('\n', ';').split(';'))):
     fields = part.split(':')
-    _need(len(fields) == 5,
-          f"system.device_tiers: {part!r} is not 'name:flops:down:up:share' (training FLOP/s, "
-          f"download and upload bytes/s, share of the clients), e.g. 'low:1e9:2.5e6:1.25e6:0.3'; "
-          f'or use a preset: {", ".join(TIER_PRESETS)}.')
+    require(len(fields) == 5,
+            f"system.device_tiers: {part!r} is not 'name:flops:down:up:share' (training FLOP/s, "
+            f"download and upload bytes/s, share of the clients), e.g. 'low:1e9:2.5e6:1.25e6:0.3'; "
+            f'or use a preset: {", ".join(TIER_PRESETS)}.')
     try:
       numbers = [float(x) for x in fields[1:]]
     except ValueError:
       raise ConfigError(f'system.device_tiers: {part!r} has a field that is not a number; '
                         "each tier is 'name:flops:down:up:share'.") from None
     tiers.append(Tier(fields[0], *numbers))
-  _need(tiers, 'system.device_tiers names no tier.')
+  require(tiers, 'system.device_tiers names no tier.')
   for t in tiers:
     for what, v in (('speed (FLOP/s)', t.flops), ('download bandwidth', t.down),
                     ('upload bandwidth', t.up)):
-      _need(np.isfinite(v) and v > 0,
-            f'system.device_tiers: tier {t.name!r} has {what} {v:g}; it must be > 0.')
-    _need(0 <= t.share <= 1, f'system.device_tiers: tier {t.name!r} has share {t.share:g}; '
-          'shares are fractions of the clients, in [0, 1].')
+      require(np.isfinite(v) and v > 0,
+              f'system.device_tiers: tier {t.name!r} has {what} {v:g}; it must be > 0.')
+    require(0 <= t.share <= 1, f'system.device_tiers: tier {t.name!r} has share {t.share:g}; '
+            'shares are fractions of the clients, in [0, 1].')
   total = sum(t.share for t in tiers)
-  _need(abs(total - 1) < 1e-6, f'system.device_tiers: the shares sum to {total:g}; make them '
-        'sum to 1.')
+  require(abs(total - 1) < 1e-6, f'system.device_tiers: the shares sum to {total:g}; make them '
+          'sum to 1.')
   return tiers
 
 
 def read_trace(path: str, num_clients: int) -> np.ndarray:
   """The availability trace [N, T] of P(online), from a .npy or a .csv (a row per client)."""
-  _need(os.path.isfile(path), f'system.availability_trace: no file {path!r}. Give a .npy or '
-        '.csv file with a row per client and a column per round (docs/configuration.md).')
+  require(os.path.isfile(path), f'system.availability_trace: no file {path!r}. Give a .npy or '
+          '.csv file with a row per client and a column per round (docs/configuration.md).')
   try:
     trace = (np.load(path) if path.endswith('.npy')
              else np.loadtxt(path, delimiter=',', ndmin=2))
@@ -142,19 +142,19 @@ def read_trace(path: str, num_clients: int) -> np.ndarray:
   trace = np.asarray(trace, np.float64)
   if trace.ndim == 1 and num_clients == 1:
     trace = trace[None]
-  _need(trace.ndim == 2 and trace.shape[0] == num_clients and trace.shape[1] >= 1,
-        f'system.availability_trace: {path!r} has shape {trace.shape}; it needs one row per '
-        f'client and a column per round: [{num_clients}, T].')
-  _need(np.isfinite(trace).all() and (trace >= 0).all() and (trace <= 1).all(),
-        f'system.availability_trace: {path!r} holds values outside [0, 1]; each is a client\'s '
-        'probability of being online in a round (0 or 1 for a recorded trace).')
+  require(trace.ndim == 2 and trace.shape[0] == num_clients and trace.shape[1] >= 1,
+          f'system.availability_trace: {path!r} has shape {trace.shape}; it needs one row per '
+          f'client and a column per round: [{num_clients}, T].')
+  require(np.isfinite(trace).all() and (trace >= 0).all() and (trace <= 1).all(),
+          f'system.availability_trace: {path!r} holds values outside [0, 1]; each is a client\'s '
+          'probability of being online in a round (0 or 1 for a recorded trace).')
   return trace
 
 
 def read_profile(path: str, num_clients: int) -> np.ndarray:
   """The device profile [N, 3] (FLOP/s, download and upload bytes/s), from a .csv."""
-  _need(os.path.isfile(path), f'system.device_profile: no file {path!r}. Give a .csv with a '
-        'row per client: flops,down,up.')
+  require(os.path.isfile(path), f'system.device_profile: no file {path!r}. Give a .csv with a '
+          'row per client: flops,down,up.')
   try:
     with open(path) as f:
       lines = [l for l in f.read().splitlines() if l.strip()]
@@ -164,57 +164,48 @@ def read_profile(path: str, num_clients: int) -> np.ndarray:
   except ValueError as e:
     raise ConfigError(f'system.device_profile: cannot read {path!r} ({e}); each row is '
                       'flops,down,up.') from None
-  _need(profile.ndim == 2 and profile.shape == (num_clients, 3),
-        f'system.device_profile: {path!r} has shape {profile.shape}; it needs a row per client '
-        f'and three columns (flops,down,up): [{num_clients}, 3].')
-  _need(np.isfinite(profile).all() and (profile > 0).all(),
-        f'system.device_profile: {path!r} has a speed or bandwidth <= 0; each must be > 0.')
+  require(profile.ndim == 2 and profile.shape == (num_clients, 3),
+          f'system.device_profile: {path!r} has shape {profile.shape}; it needs a row per client '
+          f'and three columns (flops,down,up): [{num_clients}, 3].')
+  require(np.isfinite(profile).all() and (profile > 0).all(),
+          f'system.device_profile: {path!r} has a speed or bandwidth <= 0; each must be > 0.')
   return profile
 
 
 def check_config(s: ml_collections.ConfigDict, num_clients: int) -> None:
   """Every field of the section, and the files it names, before any data is loaded."""
   for field in ('availability', 'dropout', 'straggler_rate', 'min_work', 'upload_loss'):
-    _need(0 <= s[field] <= 1, f'system.{field} must be in [0, 1], got {s[field]}; it is a '
-          'probability' + (' (a fraction of the local steps).' if field == 'min_work' else '.'))
-  _need(s.availability > 0 or s.availability_trace,
-        'system.availability=0 leaves no client online: set it in (0, 1].')
-  _need(s.availability_spread >= 0,
-        f'system.availability_spread must be >= 0, got {s.availability_spread}.')
+    require(0 <= s[field] <= 1, f'system.{field} must be in [0, 1], got {s[field]}; it is a '
+            'probability' + (' (a fraction of the local steps).' if field == 'min_work' else '.'))
+  require(s.availability > 0 or s.availability_trace,
+          'system.availability=0 leaves no client online: set it in (0, 1].')
+  require(s.availability_spread >= 0,
+          f'system.availability_spread must be >= 0, got {s.availability_spread}.')
   if s.availability_spread > 0:
     m, sd = s.availability, s.availability_spread
-    _need(0 < m < 1 and sd ** 2 < m * (1 - m),
+    require(0 < m < 1 and sd ** 2 < m * (1 - m),
           f'system.availability_spread={sd} is too wide for mean availability={m}: a Beta of '
           f'that mean has a standard deviation below sqrt(m (1 - m)) = '
           f'{np.sqrt(max(m * (1 - m), 0)):.4g}. Lower the spread, or set it to 0.')
   if s.availability_trace:
-    _need(s.availability == 1 and s.availability_spread == 0,
+    require(s.availability == 1 and s.availability_spread == 0,
           'system.availability_trace replaces system.availability: leave availability at 1 '
           'and availability_spread at 0 with a trace.')
     read_trace(s.availability_trace, num_clients)
-  _one_of('system.tier_assignment', s.tier_assignment, TIER_ASSIGNMENTS)
-  _need(not (s.device_tiers and s.device_profile),
-        'system.device_tiers and system.device_profile both give the devices: set one.')
+  require_one_of('system.tier_assignment', s.tier_assignment, TIER_ASSIGNMENTS)
+  require(not (s.device_tiers and s.device_profile),
+          'system.device_tiers and system.device_profile both give the devices: set one.')
   if s.device_tiers:
     parse_tiers(s.device_tiers)
   if s.device_profile:
     read_profile(s.device_profile, num_clients)
-  _need(s.deadline >= 0, f'system.deadline must be > 0 simulated seconds, or 0 for none; got '
-        f'{s.deadline}.')
-  _need(not s.deadline or has_clock(s),
-        'system.deadline needs a clock: set system.device_tiers (e.g. three_tiers) or '
-        'system.device_profile.')
-  _need(not s.client_seconds or has_clock(s),
-        'system.client_seconds needs a clock: set system.device_tiers or system.device_profile.')
-
-
-def _need(ok, msg) -> None:
-  if not ok:
-    raise ConfigError(msg)
-
-
-def _one_of(field, value, choices) -> None:
-  _need(value in choices, f'Unknown {field} {value!r}; choose one of {sorted(choices)}.')
+  require(s.deadline >= 0, f'system.deadline must be > 0 simulated seconds, or 0 for none; got '
+          f'{s.deadline}.')
+  require(not s.deadline or has_clock(s),
+          'system.deadline needs a clock: set system.device_tiers (e.g. three_tiers) or '
+          'system.device_profile.')
+  require(not s.client_seconds or has_clock(s),
+          'system.client_seconds needs a clock: set system.device_tiers or system.device_profile.')
 
 
 def _is_number(text: str) -> bool:
@@ -301,14 +292,14 @@ class System:
         work=np.where(straggler, f, 1.0).astype(np.float32),
         lost=_rng(seed, STREAM_SYSTEM, t, UPLOAD_LOSS).random(n) < s.upload_loss)
 
-  def inputs(self, seeds, draws: list[RoundDraws], train_flops: np.ndarray) -> SystemInputs:
-    """The round's draws of every seed as a chunk's call takes them ([R, N] arrays);
-    `train_flops` [N]: each client's training FLOPs per processed sample."""
+  def device_inputs(self, seeds, train_flops: np.ndarray) -> SystemInputs:
+    """What a chunk's call takes of the devices, the same every round ([R, N] arrays; the
+    round's draws None): `train_flops` [N], each client's training FLOPs per processed
+    sample."""
     dev = np.stack([self.devices[s] for s in seeds]).astype(np.float32)
     r = len(seeds)
     return SystemInputs(
-        work=np.stack([d.work for d in draws]),
-        lost=np.stack([d.lost for d in draws]),
+        work=None, lost=None,
         train_flops=np.broadcast_to(np.asarray(train_flops, np.float32),
                                     (r, self.num_clients)).copy(),
         speed=dev[..., 0], down=dev[..., 1], up=dev[..., 2],

@@ -94,12 +94,11 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     split_n, split_rows = n, rows
   trains = method.trains(t)
   train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
-  train_args = ({'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_)
-  if inputs.system is None:
-    trainable, loss_sums, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None))(*train_args)
-  else:  # a straggler's share of its steps
-    trainable, loss_sums, stats = jax.vmap(train_one, in_axes=(0, 0, 0, 0, 0, None, 0))(
-        *train_args, inputs.system.work[ids])
+  # With the system section, each client's share of its steps (a straggler's f) too.
+  work = () if inputs.system is None else (inputs.system.work[ids],)
+  in_axes = (0, 0, 0, 0, 0, None) + (0,) * len(work)
+  trainable, loss_sums, stats = jax.vmap(train_one, in_axes=in_axes)(
+      {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_, *work)
   if when == 'after':
     passed = forward(trainable['model'])
   if after_one is not None:  # keyed by round and client, as the training shuffles
@@ -225,6 +224,9 @@ class Simulator:
     self.system = (system.System(config.system, self.num_clients, self.seeds,
                                  self.flops.per_client)
                    if system.enabled(config.system) else None)
+    # What the calls take of the devices, once; each round adds its draws (train_chunks).
+    self._system_devices = None if self.system is None else place.replicate(jax.tree.map(
+        jnp.asarray, self.system.device_inputs(self.seeds, self.flops.per_client)))
     self.initial = parts.Initial(config, self.method, keys, place)
     self.store = make_store(
         config.population_store, place, self.groups, self.num_clients, r,
@@ -330,8 +332,9 @@ class Simulator:
     and `server` are used up."""
     sys_in = None
     if self.system is not None:
-      sys_in = self.placement.replicate(jax.tree.map(jnp.asarray, self.system.inputs(
-          self.seeds, draws, self.flops.per_client)))
+      sys_in = self._system_devices.replace(**self.placement.replicate(
+          {'work': jnp.asarray(np.stack([d.work for d in draws])),
+           'lost': jnp.asarray(np.stack([d.lost for d in draws]))}))
     inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
                          round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys,
                          system=sys_in)
