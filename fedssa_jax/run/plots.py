@@ -48,21 +48,31 @@ def line_styles(labels) -> dict[str, dict]:
   return styles
 
 
-def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
+def plot_accuracy_vs_rounds(setting: Setting, methods, path: str, x_key: str | None = None) -> str:
+  """Mean test accuracy per method (the seeds' mean, their range shaded) against the round, or
+  against the records' `x_key` (its seeds' mean at each evaluated round)."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6.4 + 2.4 * (len(methods) > 8), 4.4))
   styles = line_styles(methods)
   for m, rs in methods.items():
     common, acc = series(rs, 'mean_accuracy')
+    x = common
+    if x_key is not None:
+      _, xs = series(rs, x_key)
+      if xs.shape != acc.shape:
+        continue
+      x = xs.mean(0)
     if not common:
       continue
     acc = acc * 100
-    line, = ax.plot(common, acc.mean(0), label=m, marker='.' if len(common) < 30 else None,
+    line, = ax.plot(x, acc.mean(0), label=m, marker='.' if len(common) < 30 else None,
                     **styles[m])
     if len(rs) > 1:
-      ax.fill_between(common, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
-  ax.set(xlabel='round', ylabel='mean test accuracy (%)', title=setting.label)
-  ax.xaxis.get_major_locator().set_params(integer=True)
+      ax.fill_between(x, acc.min(0), acc.max(0), color=line.get_color(), alpha=0.15)
+  xlabel = {None: 'round', 'cum_sim_seconds': 'simulated seconds'}.get(x_key, x_key)
+  ax.set(xlabel=xlabel, ylabel='mean test accuracy (%)', title=setting.label)
+  if x_key is None:
+    ax.xaxis.get_major_locator().set_params(integer=True)
   ax.grid(alpha=0.3)
   if len(methods) > 8:  # beside the axes, so that no curve is hidden
     ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
@@ -72,25 +82,8 @@ def plot_accuracy_vs_rounds(setting: Setting, methods, path: str) -> str:
 
 
 def plot_accuracy_vs_sim_time(setting: Setting, methods, path: str) -> str:
-  """Mean test accuracy against the system section's simulated seconds (the seeds' mean of
-  both at each evaluated round)."""
-  plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(6.4 + 2.4 * (len(methods) > 8), 4.4))
-  styles = line_styles(methods)
-  for m, rs in methods.items():
-    common, acc = series(rs, 'mean_accuracy')
-    _, sim = series(rs, 'cum_sim_seconds')
-    if not common or sim.shape != acc.shape:
-      continue
-    ax.plot(sim.mean(0), acc.mean(0) * 100, label=m, marker='.' if len(common) < 30 else None,
-            **styles[m])
-  ax.set(xlabel='simulated seconds', ylabel='mean test accuracy (%)', title=setting.label)
-  ax.grid(alpha=0.3)
-  if len(methods) > 8:
-    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
-  else:
-    ax.legend(fontsize=7)
-  return _save(fig, path)
+  """Mean test accuracy against the system section's simulated seconds."""
+  return plot_accuracy_vs_rounds(setting, methods, path, x_key='cum_sim_seconds')
 
 
 def plot_training_curves(setting: Setting, methods, path: str) -> str:
