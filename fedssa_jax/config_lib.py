@@ -27,7 +27,7 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from fedssa_jax import data, methods, models, system
+from fedssa_jax import data, methods, models, privacy, system
 from fedssa_jax.errors import ConfigError, DataError, require, require_one_of
 from fedssa_jax.models import zoo
 
@@ -94,6 +94,9 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   # System heterogeneity (availability, dropout, stragglers, lost uploads, devices and a
   # simulated clock): off by default; fedssa_jax/system.py, docs/configuration.md.
   c.system = system.default_config()
+  # Differential privacy (DP-SGD in local training and its accountant): off by default;
+  # fedssa_jax/privacy.py, docs/configuration.md.
+  c.privacy = privacy.default_config()
   c.engine = _engine_config()
   return c
 
@@ -265,6 +268,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_engine_batching(c)
   _check_method_sections(c)
   system.check_config(c.system, c.num_clients)
+  privacy.check_config(c.privacy, c.method, methods.METHODS[c.method].per_sample_loss)
 
 
 def dataset_facts(c: ml_collections.ConfigDict) -> data.DatasetFacts:

@@ -18,7 +18,7 @@ LAYERS = (
     ('models',),
     ('data',),
     ('methods',),
-    ('system',),
+    ('system', 'privacy'),
     ('config_lib',),
     ('engine',),
     ('run',),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import data, methods, models
+from fedssa_jax import data, methods, models, privacy
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import schedule, training
 from fedssa_jax.engine.placement import Placement
@@ -25,13 +25,21 @@ from fedssa_jax.errors import ConfigError
 from fedssa_jax.types import PyTree
 
 
-def train_config(config, ds: data.Dataset) -> training.TrainConfig:
-  o = config.optimizer
+def train_config(config, ds: data.Dataset, accountant=None,
+                 max_train: int = 0) -> training.TrainConfig:
+  """The local-training settings of `config`; with DP-SGD, `accountant` (privacy.Accountant)
+  gives the noise multiplier (perhaps calibrated), and `max_train`, the longest training split,
+  bounds the Poisson batch."""
+  o, p = config.optimizer, config.privacy
+  dp = None if accountant is None else privacy.DPSGD(
+      clip_norm=float(p.clip_norm), noise_multiplier=accountant.noise_multiplier,
+      max_batch=privacy.max_batch(config.batch_size, max_train, p.pass_size, p.max_batch),
+      pass_size=int(p.pass_size))
   return training.TrainConfig(
       batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
       lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
       adam_b1=o.adam_b1, adam_b2=o.adam_b2, micro_batch=micro_batch(config),
-      augment=config.augment, mean=tuple(ds.mean), std=tuple(ds.std))
+      augment=config.augment, mean=tuple(ds.mean), std=tuple(ds.std), dp=dp)
 
 
 def micro_batch(config) -> int:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import data, methods, system
+from fedssa_jax import data, methods, privacy, system
 from fedssa_jax.engine import costs, evaluation, parts, schedule, training
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
@@ -204,11 +204,17 @@ class Simulator:
     self.k = cohort_size(self.num_clients, config.participation)
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes,
                                                     self.image_shape)
-    self.train_cfg = train_config(config, ds)
     place = self.placement = Placement(config.engine.mesh_devices)
     # Host copies, [R, ...]: each seed's seen classes and training-set sizes; then the devices'.
     self.seen = np.stack([c.seen for c in cds])
     self.train_n = np.stack([c.train_n for c in cds])
+    # DP-SGD's accountant (None: the privacy section off), and the training settings.
+    self.privacy = (privacy.Accountant(
+        config.privacy, np.maximum(self.train_n - self.method.held_out_samples, 0),
+        config.batch_size, config.local_epochs, config.num_rounds)
+                    if privacy.enabled(config.privacy) else None)
+    self.train_cfg = train_config(config, ds, self.privacy,
+                                  max(c.train_idx.shape[1] for c in cds))
     self.seed_data, self.data = parts.device_data(ds, cds, place)
     self.seen_dev = place.replicate(jnp.asarray(self.seen))
     keys = [jax.random.PRNGKey(s) for s in self.seeds]
@@ -217,6 +223,8 @@ class Simulator:
 
     self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place,
                                        self.image_shape)
+    privacy.check_models(config.privacy, {g.family for g in self.groups
+                                          if getattr(g.model, 'train_apply', None)})
     self.group_of, self.slot_of = schedule.group_index(self.groups, self.num_clients)
     self.flops = costs.Flops(config, ds.num_classes, self.image_shape, self.method, self.groups,
                              self.group_of)

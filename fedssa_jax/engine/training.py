@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from fedssa_jax import models, system
+from fedssa_jax import models, privacy, system
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.types import PyTree
@@ -48,6 +48,8 @@ class TrainConfig:
   augment: bool = True
   mean: tuple[float, ...] = (0.485, 0.456, 0.406)
   std: tuple[float, ...] = (0.229, 0.224, 0.225)
+  # DP-SGD (the privacy section's dp_sgd): Poisson batches, per-example clipping and noise.
+  dp: privacy.DPSGD | None = None
 
 
 @struct.dataclass
@@ -167,6 +169,11 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   A model with batch statistics (models.StatefulModel, whose `train_apply` is given) has them in
   its row (models.MODEL_STATE): they are no trainable parameter, and each step trains its whole
   batch in one pass (stateful_batch_grads) and leaves the statistics it updated.
+
+  With DP-SGD (`cfg.dp`, fedssa_jax/privacy.py) each of the S steps draws a Poisson batch of
+  rate min(1, B / n) from its key, and its gradient is the noised mean of the clipped
+  per-example gradients (privacy.noisy_clipped_grads); every step counts in `stats.steps`,
+  the noise being added whether or not the batch holds a sample.
   """
   tx = make_optimizer(cfg)
   b = cfg.batch_size
@@ -183,19 +190,35 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   m = cfg.micro_batch if cfg.micro_batch and per_sample else b
   if b % m:
     raise ValueError(f'engine.micro_batch={m} must divide batch_size={b}.')
+  dp = cfg.dp
+  if dp is not None:
+    if model_state is not None:
+      raise ValueError('DP-SGD needs per-example gradients, which batch statistics prevent.')
+    q = privacy.sampling_rate(b, n)
+    denom = jnp.maximum(jnp.minimum(n, b), 1).astype(jnp.float32)  # q n, the expected batch
+    loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
 
   def grad_step(step, carry, order, aug_key):
     (trainable, model_state), opt_state, acc, stats = carry
-    pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
-    valid = step * b + jnp.arange(b) < n
+    step_key = jax.random.fold_in(aug_key, step)
+    if dp is None:
+      pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
+      valid = step * b + jnp.arange(b) < n
+    else:
+      pos, valid = privacy.poisson_batch(jax.random.fold_in(step_key, privacy.SAMPLE_STREAM), n,
+                                         padded_len, q, dp.max_batch)
     idx = idx_pad[pos]
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
-    step_key = jax.random.fold_in(aug_key, step)
     views = tuple(
         augment.augment_batch(step_key if v == 0 else jax.random.fold_in(step_key, v), x)
         if cfg.augment else x for v in range(method.num_views))
     y = data.labels[idx]
-    if model_state is None:
+    if dp is not None:
+      loss, correct, acc_update, grads = privacy.noisy_clipped_grads(
+          loss_of, trainable, views, y, valid,
+          jax.random.fold_in(step_key, privacy.NOISE_STREAM), denom, clip_norm=dp.clip_norm,
+          noise_multiplier=dp.noise_multiplier, pass_size=dp.pass_size)
+    elif model_state is None:
       loss, correct, acc_update, grads = batch_grads(method, apply_fn, ctx, trainable, views,
                                                      y, valid, micro_batch=m)
     else:
@@ -209,7 +232,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
     acc = jax.tree_util.tree_map(jnp.add, acc, acc_update)
     count = valid.sum()
     stats = TrainStats(correct=stats.correct + correct, loss_sum=stats.loss_sum + loss * count,
-                       samples=stats.samples + count, steps=stats.steps + (count > 0))
+                       samples=stats.samples + count,
+                       steps=stats.steps + (1 if dp is not None else (count > 0)))
     return (new_trainable, model_state), new_opt_state, acc, stats
 
   if work is not None:  # a straggler's bound on the steps of the whole round
@@ -217,7 +241,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
 
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
-    order = epoch_order(k_order, n, padded_len)
+    order = epoch_order(k_order, n, padded_len) if dp is None else None
     epoch_steps = steps if work is None else jnp.clip(bound - e * steps, 0, steps)
     return jax.lax.fori_loop(0, epoch_steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
 

@@ -70,6 +70,10 @@ class Progress:
   elapsed_seconds: float = 0.0  # wall time of the run so far, over all its processes
   best_train_loss: float | None = None  # the lowest round train loss so far (the blow-up guard)
   sim_seconds: float = 0.0  # simulated seconds so far (the system section's clock)
+  # DP-SGD (the privacy section): each client's DP-SGD steps so far, and whether the run ended
+  # before num_rounds because a further round could exceed privacy.target_epsilon.
+  dp_steps: list = dataclasses.field(default_factory=list)
+  budget_reached: bool = False
 
   @classmethod
   def from_checkpoint(cls, saved: dict) -> Progress:
@@ -111,6 +115,11 @@ def make_summary(config, state, progress: Progress) -> dict:
       # With the system section's clock: the simulated seconds of the run.
       **({'cum_sim_seconds': progress.sim_seconds} if history and 'cum_sim_seconds' in history[-1]
          else {}),
+      # With DP-SGD: the run's final epsilon (its largest client's), and whether the privacy
+      # budget ended it before num_rounds.
+      **({'dp_epsilon': history[-1]['dp_epsilon'], 'dp_delta': config.privacy.delta,
+          'privacy_budget_reached': progress.budget_reached}
+         if history and 'dp_epsilon' in history[-1] else {}),
   }
 
 
@@ -189,9 +198,11 @@ class SeedOutputs:
     return summary
 
 
-def record(sim, state, info, ev, sim_seconds: float = 0.0) -> dict:
+def record(sim, state, info, ev, sim_seconds: float = 0.0,
+           epsilons: np.ndarray | None = None) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
-  evaluation `ev`; `sim_seconds`, the simulated seconds so far (the system section's clock)."""
+  evaluation `ev`; `sim_seconds`, the simulated seconds so far (the system section's clock);
+  `epsilons` [N], each client's epsilon so far (DP-SGD, the privacy section)."""
   evaluated = ev.evaluated
   acc = ev.accuracy[evaluated]
   cohort = info.cohort
@@ -222,7 +233,16 @@ def record(sim, state, info, ev, sim_seconds: float = 0.0) -> dict:
       'server_flops': info.server_flops,
       'server_metrics': dict(info.server_metrics),
       **({} if info.system is None else system_fields(sim, info.system, sim_seconds)),
+      **({} if epsilons is None else privacy_fields(epsilons)),
   }
+
+
+def privacy_fields(epsilons: np.ndarray) -> dict:
+  """A record's fields of DP-SGD: the run's epsilon (its largest client's: every client's
+  training data is at least that private) and the mean over the clients that trained."""
+  trained = epsilons[epsilons > 0]
+  return {'dp_epsilon': float(epsilons.max(initial=0.0)),
+          'dp_epsilon_mean': float(trained.mean()) if len(trained) else 0.0}
 
 
 def system_fields(sim, s, sim_seconds: float) -> dict:
@@ -270,6 +290,8 @@ def log_round(config, rounds_done, record, info, round_times, prefix='') -> None
   acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
   s = info.system
   fed = '' if s is None else f', {len(s.received)}/{len(s.sampled)} uploads received'
+  if record and 'dp_epsilon' in record:
+    fed += f', epsilon {record["dp_epsilon"]:.3g}'
   logging.info('%sround %d/%d: %s, train loss %.4f%s, %.2f s/round, ETA %.0f s', prefix,
                rounds_done, config.num_rounds, acc_text, info.train_loss, fed, round_times[-1],
                eta)

@@ -28,7 +28,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedssa_jax import config_lib, data
+from fedssa_jax import config_lib, data, privacy
 from fedssa_jax.engine import distributed, parts, simulator, snapshots
 from fedssa_jax.engine.rows import DamagedRows
 from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
@@ -209,6 +209,11 @@ def _simulator(configs, workdirs, dataset, ckpts):
                            indent=2, default=outputs.jsonable))
   logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
                ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
+  uncovered = sim.privacy is not None and privacy.uncovered_uploads(c0.method)
+  if uncovered:
+    logging.warning('privacy.dp_sgd: epsilon covers the clients\' models, not what %s uploads '
+                    'of the data outside the DP-SGD steps: %s (docs/algorithm.md §11).',
+                    c0.method, uncovered)
   return (sim, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)],
           all(meta is None for meta in latest))
 
@@ -233,6 +238,12 @@ def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
          {'client_device': sim.system.devices[sim.seeds[i]].tolist()}),
       **({} if sim.system is None or not sim.config.system.availability_spread else
          {'client_p_online': sim.system.p_online[sim.seeds[i]].tolist()}),
+      # DP-SGD: its noise multiplier (given or calibrated), each client's Poisson rate and the
+      # rows a batch may hold.
+      **({} if sim.privacy is None else {
+          'dp_noise_multiplier': sim.privacy.noise_multiplier,
+          'dp_sampling_rate': sim.privacy.q[i].tolist(),
+          'dp_max_batch': sim.train_cfg.dp.max_batch}),
   }
 
 
@@ -276,12 +287,17 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
   config = runs[0].config
   for run in runs:
     run.open()
-  while state.round < config.num_rounds:
+  ended = _budget_reached(sim, state.round, runs)  # a resumed run whose budget is spent
+  while state.round < config.num_rounds and not ended:
     t0 = time.time()
     state, infos = sim.run_round(state)
     jax.block_until_ready((state.population, state.server))
     shared = time.time() - t0  # the round's training, shared by the seeds
-    last = state.round == config.num_rounds
+    for run, info in zip(runs, infos):
+      if sim.privacy is not None and run.failed is None:
+        run.progress.dp_steps = _dp_steps(sim, run.progress, info)
+    ended = _budget_reached(sim, state.round, runs)
+    last = state.round == config.num_rounds or ended
     for i, (run, info) in enumerate(zip(runs, infos)):
       if run.failed is None:
         # A seed's round time: the shared training, and its own evaluation.
@@ -310,6 +326,34 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
   for run in runs:
     run.writer.flush()
   return state
+
+
+def _dp_steps(sim: simulator.Simulator, progress: outputs.Progress, info) -> list:
+  """Each client's DP-SGD steps so far, with the round of `info`."""
+  steps = np.array(progress.dp_steps or [0] * sim.num_clients, np.int64)
+  steps[info.cohort] += np.asarray(info.train_steps, np.int64)
+  return steps.tolist()
+
+
+def _budget_reached(sim: simulator.Simulator, rounds_done: int, runs) -> bool:
+  """Whether round `rounds_done` + 1 could take a client past privacy.target_epsilon (DP-SGD
+  with a given noise multiplier): then the run ends after `rounds_done` rounds (each seed's
+  progress notes it)."""
+  if sim.privacy is None or rounds_done >= runs[0].config.num_rounds:
+    return False
+  live = [(i, run) for i, run in enumerate(runs) if run.failed is None]
+  worst = [sim.privacy.next_round_exceeds(i, run.progress.dp_steps or [0] * sim.num_clients,
+                                          sim.cohort(rounds_done, i)) for i, run in live]
+  if all(w is None for w in worst):
+    return False
+  for run in runs:
+    run.progress.budget_reached = True
+  logging.warning(
+      'Privacy budget: round %d could take a client to epsilon %.4g, past privacy.'
+      'target_epsilon=%g; the run ends after round %d of %d.', rounds_done + 1,
+      max(w for w in worst if w is not None), sim.privacy.target, rounds_done,
+      runs[0].config.num_rounds)
+  return True
 
 
 def _evaluate_or_fail(sim, state, i: int, runs, info, t0: float, last: bool) -> None:
@@ -342,7 +386,8 @@ def _evaluate_and_record(sim: simulator.Simulator, state, i: int, run: outputs.S
   record = None
   if state.round % config.eval_every == 0 or last:
     run.last_ev = sim.evaluate(state, previous=run.last_ev, seed_index=i)
-    record = outputs.record(sim, state.replace(costs=state.costs.of(i)), info, run.last_ev,
-                            progress.sim_seconds)
+    record = outputs.record(
+        sim, state.replace(costs=state.costs.of(i)), info, run.last_ev, progress.sim_seconds,
+        None if sim.privacy is None else sim.privacy.epsilons(i, progress.dp_steps))
   now = time.time()
   run.add_record(record, now - t0, now)

@@ -1,0 +1,342 @@
+"""Differential privacy: DP-SGD in every client's local training, and its accountant
+(docs/algorithm.md §11).
+
+The `privacy` config section is off by default (`enabled` is False), and then nothing here runs:
+a run's numbers are what they always were. With `privacy.dp_sgd` on:
+
+1. **Batches by Poisson sampling.** Each of a client's S = E ceil(n_k / B) local steps takes each
+   of its n_k training samples independently with probability q_k = min(1, B / n_k), drawn from
+   the step's key (`poisson_batch`). A batch holds B samples on average; the compiled program
+   holds `max_batch` rows of it, a bound that a batch exceeds with probability below
+   TRUNCATION_TAIL (then the extra samples are left out of that step).
+2. **Per-example clipping and noise.** Each selected sample's gradient, over every model the
+   client trains (its own, and FML's meme, FedMRL's small model, ...), is clipped to the global
+   norm C (`clip_norm`); the clipped gradients are summed, Gaussian noise of standard deviation
+   sigma C (`noise_multiplier` sigma) is added to every coordinate, and the sum is divided by the
+   expected batch size q_k n_k (`noisy_clipped_grads`). The optimizer (momentum, weight decay,
+   its own norm clip) then treats that as the step's gradient: post-processing.
+3. **The accountant** (`Accountant`, Google's `dp_accounting`): a client's S steps of a round
+   are S Poisson-sampled Gaussian mechanisms of rate q_k and noise sigma; its epsilon at `delta`
+   composes every step it ran so far (RDP by default, or PLD). A run's epsilon is the largest
+   over its clients. With `target_epsilon`, noise_multiplier 0 calibrates sigma so that every
+   client ends within the target having trained every round; a given sigma instead ends the run
+   before a round that could take a client past the target.
+
+The guarantee is sample-level, for each client's training data, and covers what is computed
+from the trained models alone (FedSSA's and LG-FedAvg's header rows, FML's meme, FedMRL's
+shared model). What a method computes from the data outside the gradient steps (FD's logits,
+the prototypes of FedProto, FedTGP and FedGH, FedL2G's step after training) is not covered:
+`uncovered_uploads` names it, and the run warns.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedssa_jax.errors import ConfigError, require, require_one_of
+
+ACCOUNTANTS = ('rdp', 'pld')
+# P(a Poisson batch holds more than `max_batch` samples), per step, at the automatic bound.
+TRUNCATION_TAIL = 1e-12
+# A step's key streams (folded into the step's key, beside training.DROPOUT_STREAM = 1 << 16).
+SAMPLE_STREAM, NOISE_STREAM = 1 << 17, 1 << 18
+# The largest noise multiplier calibration may choose.
+MAX_NOISE_MULTIPLIER = 1e3
+
+# What each method uploads that is computed from the training data outside the DP-SGD steps.
+UNCOVERED = {
+    'fd': "its class-mean logits, summed over the training batches' forward passes",
+    'fedproto': "its prototypes, summed over the training batches' forward passes",
+    'fedtgp': 'its prototypes, from a forward pass over the training data',
+    'fedgh': 'its prototypes, from a forward pass over the training data',
+    'fedl2g': 'its guiding rows, from a gradient step on a study batch and the quiz set',
+}
+
+
+def default_config() -> ml_collections.ConfigDict:
+  p = ml_collections.ConfigDict()
+  p.dp_sgd = False            # DP-SGD in local training: Poisson batches, per-example clipping,
+                              # Gaussian noise (docs/configuration.md, "Differential privacy")
+  p.clip_norm = 1.0           # C: each example's gradient clipped to this global norm
+  p.noise_multiplier = 1.0    # sigma: noise of std sigma C on the clipped sum; 0 with
+                              # target_epsilon: calibrated to reach it at num_rounds
+  p.delta = 1e-5              # the delta of every epsilon reported
+  p.target_epsilon = 0.0      # > 0: the budget (calibrates sigma, or ends the run before a
+                              # round that could exceed it)
+  p.accountant = 'rdp'        # dp_accounting's 'rdp' or 'pld' accountant
+  p.max_batch = 0             # rows a Poisson batch may hold (0: automatic, exceeded with
+                              # probability < 1e-12 a step)
+  p.pass_size = 16            # examples whose gradients are held at once (memory, not numbers)
+  return p
+
+
+def enabled(p: ml_collections.ConfigDict) -> bool:
+  return bool(p.dp_sgd)
+
+
+def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: bool) -> None:
+  """Every field of the section, before any data is loaded."""
+  require(p.clip_norm > 0, f'privacy.clip_norm must be > 0, got {p.clip_norm}: it bounds each '
+          "example's gradient norm (1.0 is usual).")
+  require(p.noise_multiplier >= 0, f'privacy.noise_multiplier must be >= 0, got '
+          f'{p.noise_multiplier}: the noise std is noise_multiplier x clip_norm (1.1 is usual; '
+          '0 with privacy.target_epsilon calibrates it).')
+  require(0 < p.delta < 1, f'privacy.delta must be in (0, 1), got {p.delta}; use less than '
+          '1 / (training samples), e.g. 1e-5.')
+  require(p.target_epsilon >= 0, f'privacy.target_epsilon must be > 0, or 0 for no budget; '
+          f'got {p.target_epsilon}.')
+  require_one_of('privacy.accountant', p.accountant, ACCOUNTANTS)
+  require(p.max_batch >= 0, f'privacy.max_batch must be >= 0 (0: automatic), got {p.max_batch}.')
+  require(p.pass_size >= 1, f'privacy.pass_size must be >= 1, got {p.pass_size}.')
+  if not p.dp_sgd:
+    return
+  require(p.noise_multiplier > 0 or p.target_epsilon > 0,
+          'privacy.noise_multiplier=0 adds no noise, so no epsilon is finite: set it (1.1 is '
+          'usual), or set privacy.target_epsilon to calibrate it.')
+  require(per_sample_loss,
+          f'privacy.dp_sgd needs a loss that is a mean of per-example terms, to clip each '
+          f"example's gradient; {method}'s couples the samples of a batch (FedKD: 1/Q with Q the "
+          "batch's mean CE; FedClassAvg: contrastive pairs). Choose another method, or turn "
+          'privacy.dp_sgd off.')
+
+
+def check_models(p: ml_collections.ConfigDict, families_with_state) -> None:
+  """DP-SGD clips per example, which a model with batch statistics or dropout (zoo families)
+  does not allow: its examples' gradients depend on each other (or on a per-batch key)."""
+  if p.dp_sgd and families_with_state:
+    raise ConfigError(
+        'privacy.dp_sgd needs per-example gradients, which models with batch norm or dropout '
+        f'do not give: {", ".join(sorted(families_with_state))}. Use families without them '
+        '(the five CNNs: model.families cnn1..cnn5), or turn privacy.dp_sgd off.')
+
+
+def uncovered_uploads(method: str) -> str | None:
+  """What `method` uploads that DP-SGD does not cover (None: every upload is covered)."""
+  return UNCOVERED.get(method)
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch and the gradient (device side, inside training.local_train)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DPSGD:
+  """DP-SGD's static settings, as training.TrainConfig holds them (hashable)."""
+  clip_norm: float
+  noise_multiplier: float
+  max_batch: int   # rows of a step's Poisson batch
+  pass_size: int   # examples per pass of per-example gradients; divides max_batch
+
+
+def max_batch(batch_size: int, max_train: int, pass_size: int, given: int = 0) -> int:
+  """The rows of a Poisson batch of expected size `batch_size`: `given`, or the smallest count
+  that a batch exceeds with probability below TRUNCATION_TAIL (Poisson's tail, which bounds the
+  binomial's of the same mean), at most the longest training split, rounded up to whole passes."""
+  from scipy import stats  # dp_accounting's dependency
+  rows = given or int(stats.poisson.isf(TRUNCATION_TAIL, batch_size)) + 1
+  rows = max(1, min(rows, max_train))
+  return -(-rows // pass_size) * pass_size
+
+
+def sampling_rate(batch_size, n):
+  """q = min(1, B / n) in float32, as the step draws with it (host and device alike)."""
+  if isinstance(n, jax.Array):
+    return jnp.minimum(jnp.float32(1), jnp.float32(batch_size) / n.astype(jnp.float32))
+  n = np.asarray(n)
+  return np.minimum(np.float32(1), np.float32(batch_size) / np.maximum(n, 1).astype(np.float32))
+
+
+def poisson_batch(key, n, padded_len: int, q, rows: int):
+  """A step's Poisson batch: each of the positions 0..n-1 taken with probability q. Returns
+  (positions [rows], valid [rows]): the taken positions first (a uniform subset of them if more
+  than `rows` were taken), then padding."""
+  u = jax.random.uniform(key, (padded_len,))
+  taken = (u < q) & (jnp.arange(padded_len) < n)
+  order = jnp.argsort(jnp.where(taken, u, 2.0))
+  if rows > padded_len:
+    order = jnp.pad(order, (0, rows - padded_len))
+  return order[:rows], jnp.arange(rows) < taken.sum()
+
+
+def noisy_clipped_grads(loss_of: Callable, trainable, views, y, valid, key, denom, *,
+                        clip_norm: float, noise_multiplier: float, pass_size: int):
+  """DP-SGD's gradient of a batch: each valid example's gradient of `loss_of` (called on a batch
+  of one), over the whole `trainable` tree, clipped to the global norm `clip_norm`; their sum
+  plus N(0, (noise_multiplier clip_norm)^2) noise from `key` on every coordinate, divided by
+  `denom`. Returns (the batch-mean loss, #correct, the accumulator's sum, the gradient), like
+  training.batch_grads. Only passes of `pass_size` rows that hold a valid example run (the
+  valid rows come first)."""
+  m = pass_size
+  if y.shape[0] % m:
+    raise ValueError(f'pass_size {m} must divide the batch rows {y.shape[0]}.')
+
+  def one(t, ex_views, ex_y, ex_valid):
+    return loss_of(t, tuple(v[None] for v in ex_views), ex_y[None], ex_valid[None])
+  per_example = jax.vmap(jax.value_and_grad(one, has_aux=True), in_axes=(None, 0, 0, 0))
+
+  def one_pass(j, sums):
+    part = lambda a: jax.lax.dynamic_slice_in_dim(a, j * m, m)
+    v = part(valid)
+    (loss, (correct, acc)), grads = per_example(trainable, tuple(map(part, views)), part(y), v)
+    scale = jnp.where(v, clip_factor(grads, clip_norm), 0.0)
+    loss_sum, correct_sum, acc_sum, grad_sum = sums
+    return (loss_sum + jnp.where(v, loss, 0.0).sum(), correct_sum + correct.sum(),
+            jax.tree.map(lambda s, a: s + a.sum(axis=0), acc_sum, acc),
+            jax.tree.map(lambda s, g: s + jnp.tensordot(scale, g, axes=1), grad_sum, grads))
+
+  # The accumulator's zeros, shaped as one example's.
+  acc_shape = jax.eval_shape(
+      lambda: one(trainable, tuple(v[0] for v in views), y[0], valid[0])[1][1])
+  zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shape),
+           jax.tree.map(jnp.zeros_like, trainable))
+  count = valid.sum()
+  loss_sum, correct, acc, grad_sum = jax.lax.fori_loop(0, (count + m - 1) // m, one_pass, zeros)
+  return (loss_sum / jnp.maximum(count, 1), correct, acc,
+          add_noise(grad_sum, key, noise_multiplier * clip_norm if noise_multiplier else 0.0,
+                    denom))
+
+
+def clip_factor(grads, clip_norm: float):
+  """Per example (the leaves' leading axis): min(1, clip_norm / its global gradient norm)."""
+  if math.isinf(clip_norm):
+    return jnp.ones(jax.tree.leaves(grads)[0].shape[0], jnp.float32)
+  sq = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in jax.tree.leaves(grads))
+  return clip_norm / jnp.maximum(jnp.sqrt(sq), clip_norm)
+
+
+def add_noise(grad_sum, key, std: float, denom):
+  """(grad_sum + N(0, std^2) on every coordinate) / denom; each leaf's noise from its own key
+  (fold_in(key, leaf index))."""
+  leaves, tree = jax.tree.flatten(grad_sum)
+  if std:
+    leaves = [g + std * jax.random.normal(jax.random.fold_in(key, i), g.shape, g.dtype)
+              for i, g in enumerate(leaves)]
+  return jax.tree.unflatten(tree, [g / denom for g in leaves])
+
+
+# ----------------------------------------------------------------------------------------------
+# The accountant (host side)
+# ----------------------------------------------------------------------------------------------
+def dp_sgd_event(q: float, noise_multiplier: float, steps: int):
+  """`steps` DP-SGD steps of Poisson rate q and noise sigma, as a dp_accounting event."""
+  import dp_accounting
+  return dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(float(q), dp_accounting.GaussianDpEvent(
+          float(noise_multiplier))), int(steps))
+
+
+def new_accountant(kind: str):
+  from dp_accounting.pld import pld_privacy_accountant
+  from dp_accounting.rdp import rdp_privacy_accountant
+  return (rdp_privacy_accountant.RdpAccountant() if kind == 'rdp'
+          else pld_privacy_accountant.PLDAccountant())
+
+
+class _NoConvergenceNotes(logging.Filter):
+  def filter(self, record):
+    return 'failed to converge' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet():
+  """dp_accounting's RDP accountant logs a warning for every Renyi order it leaves out (where
+  its series does not converge, at small orders and large rates); those orders only loosen the
+  bound, so the console leaves them out."""
+  absl_logger, note = logging.getLogger('absl'), _NoConvergenceNotes()
+  absl_logger.addFilter(note)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(note)
+
+
+@functools.lru_cache(maxsize=4096)
+def epsilon(kind: str, q: float, noise_multiplier: float, steps: int, delta: float) -> float:
+  """epsilon at `delta` of `steps` DP-SGD steps (dp_sgd_event) by `kind`'s accountant."""
+  if steps <= 0:
+    return 0.0
+  acct = new_accountant(kind)
+  with _quiet():
+    acct.compose(dp_sgd_event(q, noise_multiplier, steps))
+    return float(acct.get_epsilon(delta))
+
+
+def calibrate(kind: str, schedules, target_epsilon: float, delta: float) -> float:
+  """The smallest noise multiplier with which every (q, steps) of `schedules` ends within
+  `target_epsilon` at `delta` (dp_accounting's calibration); ConfigError where none up to
+  MAX_NOISE_MULTIPLIER does."""
+  import dp_accounting
+  sigma = 0.0
+  for q, steps in sorted(set(schedules)):
+    try:
+      with _quiet():
+        s = dp_accounting.calibrate_dp_mechanism(
+            functools.partial(new_accountant, kind),
+            functools.partial(lambda q, steps, sig: dp_sgd_event(q, sig, steps), q, steps),
+            target_epsilon, delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0), tol=1e-4)
+    except (ValueError, RuntimeError) as e:
+      raise ConfigError(f'privacy.target_epsilon={target_epsilon} cannot be met: no noise '
+                        f'multiplier was found for {steps} steps at sampling rate {q:.4g} ({e}). '
+                        'Raise the target, or lower num_rounds or local_epochs.') from None
+    sigma = max(sigma, float(s))
+  require(sigma <= MAX_NOISE_MULTIPLIER,
+          f'privacy.target_epsilon={target_epsilon} needs a noise multiplier of {sigma:.4g}, '
+          f'above {MAX_NOISE_MULTIPLIER:g}: raise the target, or lower num_rounds or '
+          'local_epochs.')
+  return sigma
+
+
+class Accountant:
+  """A run's DP-SGD accounting, for each of its seeds (packed seeds share the compiled program,
+  so one noise multiplier): each client's sampling rate and steps in a round, the noise
+  multiplier (given or calibrated), and epsilon from the steps each client ran."""
+
+  def __init__(self, p: ml_collections.ConfigDict, train_n: np.ndarray, batch_size: int,
+               local_epochs: int, num_rounds: int):
+    """`train_n` [R, N]: each seed's clients' trainable samples (the n_k of their rates)."""
+    self.kind, self.delta, self.target = p.accountant, float(p.delta), float(p.target_epsilon)
+    n = np.atleast_2d(np.asarray(train_n))
+    self.q = sampling_rate(batch_size, n).astype(np.float64)
+    self.round_steps = local_epochs * ((n + batch_size - 1) // batch_size)
+    if p.noise_multiplier > 0:
+      self.noise_multiplier = float(p.noise_multiplier)
+      if self.target:
+        first = max(self.epsilons(i, s).max(initial=0.0)
+                    for i, s in enumerate(self.round_steps))
+        require(first <= self.target,
+                f'privacy.target_epsilon={self.target:g} cannot be met: one round of DP-SGD '
+                f'already spends epsilon {first:.4g} at noise_multiplier='
+                f'{self.noise_multiplier:g}. Raise the noise multiplier or the target, or set '
+                'privacy.noise_multiplier=0 to calibrate it.')
+    else:  # every client training every round ends within the target
+      self.noise_multiplier = calibrate(
+          self.kind, [(float(q), int(s) * num_rounds)
+                      for q, s in zip(self.q.ravel(), self.round_steps.ravel()) if s],
+          self.target, self.delta)
+
+  def client_epsilon(self, i: int, k: int, steps: int) -> float:
+    """Seed i's client k's epsilon after `steps` DP-SGD steps."""
+    return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta)
+
+  def epsilons(self, i: int, steps) -> np.ndarray:
+    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps."""
+    return np.array([self.client_epsilon(i, k, s) for k, s in enumerate(steps)])
+
+  def next_round_exceeds(self, i: int, steps, next_cohort) -> float | None:
+    """With a target: the largest epsilon a client of seed i's `next_cohort` would reach by
+    running all its steps of a round after `steps` [N], where that is above the target; else
+    None."""
+    if not self.target:
+      return None
+    worst = max((self.client_epsilon(i, k, steps[k] + self.round_steps[i, k])
+                 for k in next_cohort), default=0.0)
+    return worst if worst > self.target else None

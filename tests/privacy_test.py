@@ -1,0 +1,358 @@
+"""Differential privacy (fedssa_jax/privacy.py): DP-SGD in local training and its accountant.
+
+Fast: the config's checks; the Poisson batch (positions, rates); per-example clipping and the
+noised mean against a plain loop over examples, with the noise from the same keys; the noise's
+empirical std; zero noise and no clipping as plain SGD's gradient; the accountant against
+dp_accounting's own events and the published DP-SGD figures; calibration; the budget's check.
+Slow: DP-SGD's local training, vmapped over clients, against a plain per-client loop; a run
+whose records carry epsilon, that a budget ends early and that resumes exactly; a model with
+batch norm refused.
+"""
+import json
+import math
+import os
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from fedssa_jax import config_lib, data, models, privacy
+from fedssa_jax.data import augment
+from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine import training
+from fedssa_jax.errors import ConfigError
+from fedssa_jax.methods import standalone
+from fedssa_jax.run import train
+
+
+def section(**fields):
+  p = privacy.default_config()
+  p.update(dict(dp_sgd=True, **fields))
+  return p
+
+
+def test_the_section_is_off_by_default():
+  c = config_lib.base_config('cifar10')
+  assert not privacy.enabled(c.privacy)
+  privacy.check_config(c.privacy, 'fedkd', False)  # off: nothing to refuse
+
+
+@pytest.mark.parametrize('fields, method, per_sample, says', [
+    (dict(clip_norm=0.0), 'fedssa', True, 'privacy.clip_norm must be > 0'),
+    (dict(noise_multiplier=-1.0), 'fedssa', True, 'privacy.noise_multiplier must be >= 0'),
+    (dict(delta=0.0), 'fedssa', True, 'privacy.delta must be in (0, 1)'),
+    (dict(delta=1.0), 'fedssa', True, 'privacy.delta must be in (0, 1)'),
+    (dict(target_epsilon=-1.0), 'fedssa', True, 'privacy.target_epsilon must be > 0'),
+    (dict(accountant='moments'), 'fedssa', True, 'Unknown privacy.accountant'),
+    (dict(noise_multiplier=0.0), 'fedssa', True, 'no epsilon is finite'),
+    ({}, 'fedkd', False, "fedkd's couples the samples"),
+    ({}, 'fedclassavg', False, "fedclassavg's couples the samples"),
+])
+def test_bad_input_is_a_config_error_naming_the_fix(fields, method, per_sample, says):
+  with pytest.raises(ConfigError) as e:
+    privacy.check_config(section(**fields), method, per_sample)
+  assert says in str(e.value)
+
+
+def test_validate_checks_the_section():
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.privacy.dp_sgd, c.method = True, 'fedclassavg'
+  with pytest.raises(ConfigError, match='couples the samples'):
+    config_lib.validate(c)
+  c.method, c.privacy.clip_norm = 'fedssa', 0.0
+  with pytest.raises(ConfigError, match='clip_norm'):
+    config_lib.validate(c)
+
+
+def test_a_model_with_batch_statistics_is_refused():
+  privacy.check_models(section(), set())
+  privacy.check_models(privacy.default_config(), {'resnet18'})  # off: allowed
+  with pytest.raises(ConfigError, match='batch norm or dropout.*resnet18'):
+    privacy.check_models(section(), {'resnet18'})
+
+
+# --- The batch and the gradient -------------------------------------------------------------
+def test_a_poisson_batch_takes_each_valid_position_at_rate_q():
+  n, padded, q, rows = 30, 40, 0.2, 24
+  draw = jax.jit(jax.vmap(lambda k: privacy.poisson_batch(k, n, padded, q, rows)))
+  pos, valid = map(np.asarray, draw(jax.random.split(jax.random.PRNGKey(0), 4000)))
+  taken = np.zeros((4000, padded), int)
+  for i in range(4000):
+    chosen = pos[i][valid[i]]
+    assert len(set(chosen)) == len(chosen) and (chosen < n).all()
+    assert valid[i][:valid[i].sum()].all()  # the taken rows come first
+    taken[i, chosen] = 1
+  rate = taken[:, :n].mean(axis=0)
+  assert abs(rate.mean() - q) < 0.005 and np.abs(rate - q).max() < 0.04
+  assert taken[:, n:].sum() == 0
+  # The batch size is Binomial(n, q): mean n q, variance n q (1 - q).
+  sizes = valid.sum(axis=1)
+  assert abs(sizes.mean() - n * q) < 0.1 and abs(sizes.var() - n * q * (1 - q)) < 0.3
+
+
+def test_the_automatic_batch_bound_is_poissons_tail_in_whole_passes():
+  from scipy import stats
+  for b in (10, 50, 512):
+    rows = privacy.max_batch(b, 10_000, 16)
+    assert rows % 16 == 0 and stats.poisson.sf(rows, b) < privacy.TRUNCATION_TAIL
+    assert stats.poisson.sf(rows - 16, b) >= privacy.TRUNCATION_TAIL
+  assert privacy.max_batch(512, 100, 16) == 112  # at most the longest split
+  assert privacy.max_batch(10, 10_000, 16, given=20) == 32
+
+
+def linear_problem(b=12, d=6, c=4, seed=0):
+  """A linear softmax classifier and a batch whose first 9 rows are valid."""
+  rng = np.random.default_rng(seed)
+  trainable = {'model': {'w': jnp.asarray(rng.normal(size=(d, c)), jnp.float32)},
+               'aux': {'b': jnp.asarray(rng.normal(size=(c,)), jnp.float32)}}
+  x = jnp.asarray(rng.normal(size=(b, d)) * 3, jnp.float32)
+  y = jnp.asarray(rng.integers(0, c, b), jnp.int32)
+  valid = jnp.arange(b) < 9
+
+  def loss_of(t, views, y, valid):
+    logits = views[0] @ t['model']['w'] + t['aux']['b']
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    loss = jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(valid.sum(), 1)
+    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+    return loss, (correct, {'seen': (jax.nn.one_hot(y, c) * valid[:, None]).sum(axis=0)})
+  return trainable, (x,), y, valid, loss_of
+
+
+def test_clipped_noised_mean_equals_a_plain_loop_over_examples():
+  trainable, views, y, valid, loss_of = linear_problem()
+  clip, sigma, denom, key = 8.0, 1.3, 10.0, jax.random.PRNGKey(3)
+  loss, correct, acc, grads = privacy.noisy_clipped_grads(
+      loss_of, trainable, views, y, valid, key, denom, clip_norm=clip, noise_multiplier=sigma,
+      pass_size=4)
+  total = jax.tree.map(np.zeros_like, trainable)
+  norms, losses = [], []
+  for i in range(int(valid.sum())):  # by hand: each example's gradient, clipped
+    (l, _), g = jax.value_and_grad(loss_of, has_aux=True)(
+        trainable, (views[0][i:i + 1],), y[i:i + 1], jnp.ones(1, bool))
+    norm = math.sqrt(sum(float(np.sum(np.square(v))) for v in jax.tree.leaves(g)))
+    norms.append(norm)
+    losses.append(float(l))
+    total = jax.tree.map(lambda s, v: s + np.asarray(v) * min(1.0, clip / norm), total, g)
+  assert min(norms) < clip < max(norms)  # some examples clipped, some not
+  leaves, tree = jax.tree.flatten(total)
+  noise = [np.asarray(jax.random.normal(jax.random.fold_in(key, i), v.shape)) * sigma * clip
+           for i, v in enumerate(leaves)]
+  want = jax.tree.unflatten(tree, [(v + z) / denom for v, z in zip(leaves, noise)])
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-5)
+  assert int(correct) == int(loss_of(trainable, views, y, valid)[1][0])
+  np.testing.assert_array_equal(acc['seen'], loss_of(trainable, views, y, valid)[1][1]['seen'])
+
+
+def test_zero_noise_and_no_clipping_give_plain_sgds_gradient():
+  trainable, views, y, valid, loss_of = linear_problem()
+  _, _, _, grads = privacy.noisy_clipped_grads(
+      loss_of, trainable, views, y, valid, jax.random.PRNGKey(0), valid.sum().astype(
+          jnp.float32), clip_norm=math.inf, noise_multiplier=0.0, pass_size=4)
+  want = jax.grad(lambda t: loss_of(t, views, y, valid)[0])(trainable)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_noise_has_std_sigma_times_c():
+  sigma, clip = 1.1, 0.5
+  zeros = {'a': jnp.zeros((200, 300)), 'b': jnp.zeros((50_000,))}
+  noised = privacy.add_noise(zeros, jax.random.PRNGKey(7), sigma * clip, 1.0)
+  for leaf in jax.tree.leaves(noised):
+    assert abs(float(jnp.std(leaf)) / (sigma * clip) - 1) < 0.02
+    assert abs(float(jnp.mean(leaf))) < 0.02
+  # Each leaf has its own noise.
+  assert not np.allclose(np.asarray(noised['a']).ravel()[:1000], noised['b'][:1000])
+
+
+# --- The accountant ---------------------------------------------------------------------------
+def test_the_published_dp_sgd_setting_gives_the_known_epsilons():
+  """q = 256/60000, sigma = 1.1, 60 epochs, delta = 1e-5: epsilon 2.60 (RDP) and 2.38 (PLD)
+  with dp_accounting 0.6."""
+  q = 256 / 60000
+  steps = int(60 / q)
+  assert privacy.epsilon('rdp', q, 1.1, steps, 1e-5) == pytest.approx(2.60, abs=0.005)
+  assert privacy.epsilon('pld', q, 1.1, steps, 1e-5) == pytest.approx(2.38, abs=0.005)
+
+
+def accountant(train_n, **fields):
+  p = section(**fields)
+  return privacy.Accountant(p, np.asarray([train_n]), batch_size=10, local_epochs=2,
+                            num_rounds=5)
+
+
+def test_the_accountants_epsilon_is_the_librarys_for_the_same_events_and_grows():
+  a = accountant([100, 40, 7, 0], noise_multiplier=1.1)
+  np.testing.assert_array_equal(a.round_steps, [[20, 8, 2, 0]])
+  np.testing.assert_allclose(a.q, [[0.1, 0.25, 1.0, 1.0]], rtol=1e-7)
+  steps = [20, 8, 2, 0]
+  eps = a.epsilons(0, steps)
+  for k in range(3):
+    lib = rdp_privacy_accountant.RdpAccountant()
+    for _ in range(steps[k]):  # step by step, as the library composes any events
+      lib.compose(dp_accounting.PoissonSampledDpEvent(
+          float(np.float32(10) / np.float32([100, 40, 7][k]) if k < 2 else 1.0),
+          dp_accounting.GaussianDpEvent(1.1)))
+    assert eps[k] == pytest.approx(lib.get_epsilon(1e-5), rel=1e-9)
+  assert eps[3] == 0.0  # never trained
+  later = a.epsilons(0, [40, 16, 4, 0])
+  assert (later[:3] > eps[:3]).all()
+
+
+def test_calibration_meets_the_target_over_the_whole_schedule():
+  a = accountant([100, 40], noise_multiplier=0.0, target_epsilon=3.0)
+  full = [int(s) * 5 for s in a.round_steps[0]]
+  eps = a.epsilons(0, full)
+  assert eps.max() <= 3.0 and eps.max() == pytest.approx(3.0, abs=0.01)
+  with pytest.raises(ConfigError, match='cannot be met'):
+    accountant([100, 40], noise_multiplier=0.5, target_epsilon=0.01)
+
+
+def test_a_round_that_could_exceed_the_target_is_named_before_it_runs():
+  a = accountant([100, 40], noise_multiplier=3.0, target_epsilon=2.0)
+  assert a.next_round_exceeds(0, [0, 0], [0, 1]) is None
+  per_round = a.round_steps[0]
+  rounds_within = max(r for r in range(1, 200)
+                      if a.epsilons(0, per_round * r).max() <= 2.0)
+  steps = per_round * rounds_within
+  worst = a.next_round_exceeds(0, steps, [0, 1])
+  assert worst is not None and worst > 2.0
+  assert a.next_round_exceeds(0, steps, []) is None  # nobody trains next round
+  assert accountant([100], noise_multiplier=1.0).next_round_exceeds(0, [10**6], [0]) is None
+
+
+# --- Local training ---------------------------------------------------------------------------
+SIZES = [13, 0, 6]  # a client with two Poisson steps a round, an empty one, one with q = 1
+
+
+def dp_setup(ds, cfg):
+  cd = data.partition(ds, 3, 'dirichlet', dirichlet_gamma=5.0, dirichlet_min_train=1, seed=0)
+  idx = np.zeros((3, max(SIZES)), np.int32)
+  for c, n in enumerate(SIZES):
+    idx[c, :n] = cd.train_idx[c, :n]
+  dd = DeviceData(jnp.asarray(ds.images), jnp.asarray(ds.labels), jnp.asarray(idx),
+                  jnp.asarray(SIZES), jnp.asarray(idx), jnp.asarray(SIZES))
+  config = config_lib.base_config('cifar10')
+  model = models.make_model('cnn5', 10, 'im2col', feature_dim=config.model.feature_dim)
+  params = jax.vmap(lambda k: models.init_params(model, k))(
+      jax.random.split(jax.random.PRNGKey(0), 3))
+  keys = jax.random.split(jax.random.PRNGKey(1), 3)
+  method = standalone.Standalone(config, 3, 10)
+
+  def local(params, key, idx, n, dd):
+    trainable, _, stats = training.local_train({'model': params}, None, key, idx, n, dd,
+                                               apply_fn=model.apply, cfg=cfg, method=method)
+    return trainable['model'], stats
+  return dd, model, params, keys, local
+
+
+def plain_dp_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
+  """DP-SGD written out for one client: per step, each position taken with probability
+  min(1, B / n) (the step's uniform draws), each taken example's CE gradient clipped to C,
+  their sum plus noise from the step's keys, over min(n, B); then torch-style SGD."""
+  images = np.asarray(augment.normalize(ds.images, cfg.mean, cfg.std))
+  b, dp = cfg.batch_size, cfg.dp
+  padded = -(-len(idx_row) // b) * b
+  q = min(1.0, np.float32(b) / np.float32(n))
+  grad_one = jax.jit(jax.grad(lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      apply_fn({'params': p}, x[None])[0], y[None]).mean()))
+  buf = jax.tree.map(np.zeros_like, params)
+  steps = 0
+  for e in range(cfg.local_epochs):
+    _, k_aug = jax.random.split(jax.random.fold_in(key, e))
+    for s in range(-(-n // b)):
+      steps += 1
+      step_key = jax.random.fold_in(k_aug, s)
+      u = np.asarray(jax.random.uniform(jax.random.fold_in(step_key, privacy.SAMPLE_STREAM),
+                                        (padded,)))
+      taken = np.flatnonzero((u < q) & (np.arange(padded) < n))
+      total = jax.tree.map(np.zeros_like, params)
+      for pos in taken:
+        g = grad_one(params, images[idx_row[pos]], ds.labels[idx_row[pos]])
+        norm = math.sqrt(sum(float(np.sum(np.square(v))) for v in jax.tree.leaves(g)))
+        total = jax.tree.map(lambda t, v: t + np.asarray(v) * min(1.0, dp.clip_norm / norm),
+                             total, g)
+      leaves, tree = jax.tree.flatten(total)
+      noise_key = jax.random.fold_in(step_key, privacy.NOISE_STREAM)
+      g = jax.tree.unflatten(tree, [
+          (v + dp.noise_multiplier * dp.clip_norm * np.asarray(
+              jax.random.normal(jax.random.fold_in(noise_key, i), v.shape))) / min(n, b)
+          for i, v in enumerate(leaves)])
+      d = jax.tree.map(lambda gi, p: gi + cfg.weight_decay * p, g, params)
+      buf = jax.tree.map(lambda m, di: cfg.momentum * m + di, buf, d)
+      params = jax.tree.map(lambda p, m: p - cfg.lr * m, params, buf)
+  return params, steps
+
+
+@pytest.mark.slow  # local training compiled, vmapped, and a plain loop
+def test_dp_sgd_local_training_vmapped_equals_a_plain_loop(small_ds):
+  dp = privacy.DPSGD(clip_norm=0.5, noise_multiplier=0.8, max_batch=16, pass_size=8)
+  cfg = training.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
+                             clip_norm=0.0, weight_decay=1e-2, mean=small_ds.mean,
+                             std=small_ds.std, dp=dp)
+  dd, model, params, keys, local = dp_setup(small_ds, cfg)
+  got, stats = jax.jit(jax.vmap(local, in_axes=(0, 0, 0, 0, None)))(
+      params, keys, dd.train_idx, dd.train_n, dd)
+  np.testing.assert_array_equal(stats.steps, [4, 0, 2])  # every step counts, E ceil(n / B)
+  for c in (0, 2):
+    p_c = jax.tree.map(lambda x: x[c], params)
+    want, steps = plain_dp_sgd(p_c, keys[c], np.asarray(dd.train_idx[c]), SIZES[c],
+                               small_ds, model.apply, cfg)
+    assert steps == int(stats.steps[c])
+    for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[c], got)), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5)
+  assert stats.samples[2] == 2 * SIZES[2]  # q = 1: every sample, every step
+  # The empty client is unchanged.
+  for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[1], got)),
+                  jax.tree.leaves(jax.tree.map(lambda x: x[1], params))):
+    np.testing.assert_array_equal(a, b)
+
+
+# --- Runs -------------------------------------------------------------------------------------
+def tiny(**overrides):
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.model.families = ('cnn5',)
+  c.num_clients, c.participation, c.num_rounds = 5, 0.4, 3
+  c.privacy.dp_sgd, c.privacy.noise_multiplier, c.privacy.clip_norm = True, 1.1, 1.0
+  c.update_from_flattened_dict(overrides)
+  return c
+
+
+def records(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(l) for l in f]
+
+
+@pytest.mark.slow  # whole runs, compiled
+def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, small_ds):
+  whole = str(tmp_path / 'whole')
+  summary = train.train_and_evaluate(tiny(), whole, dataset=small_ds)
+  recs = records(whole)
+  eps = [r['dp_epsilon'] for r in recs]
+  assert len(eps) == 3 and 0 < eps[0] <= eps[1] <= eps[2]
+  assert summary['dp_epsilon'] == eps[-1] and not summary['privacy_budget_reached']
+  with open(os.path.join(whole, 'config.json')) as f:
+    derived = json.load(f)['derived']
+  assert derived['dp_noise_multiplier'] == 1.1 and derived['dp_max_batch'] % 16 == 0
+
+  # Stopped after round 1 and resumed: the same records.
+  split = str(tmp_path / 'split')
+  train.train_and_evaluate(tiny(num_rounds=1), split, dataset=small_ds)
+  train.train_and_evaluate(tiny(), split, dataset=small_ds)
+  for a, b in zip(records(split), recs):
+    for k in ('dp_epsilon', 'mean_accuracy', 'train_loss', 'participants'):
+      assert a[k] == b[k], k
+
+  # A budget between round 1's epsilon and round 3's ends the run before a round could pass it.
+  target = (eps[0] + eps[-1]) / 2
+  budget = str(tmp_path / 'budget')
+  summary = train.train_and_evaluate(tiny(**{'privacy.target_epsilon': target}), budget,
+                                     dataset=small_ds)
+  assert summary['privacy_budget_reached'] and summary['rounds'] < 3
+  assert summary['dp_epsilon'] <= target
+  assert os.path.exists(os.path.join(budget, 'summary.json'))
