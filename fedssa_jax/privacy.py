@@ -110,13 +110,13 @@ def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: boo
 
 
 def check_models(p: ml_collections.ConfigDict, families_with_state) -> None:
-  """DP-SGD clips per example, which a model with batch statistics or dropout (zoo families)
-  does not allow: its examples' gradients depend on each other (or on a per-batch key)."""
+  """DP-SGD clips per example, which a model with batch statistics (the zoo's ResNets,
+  GoogLeNet and MobileNetV2) does not allow: its examples' gradients depend on each other."""
   if p.dp_sgd and families_with_state:
     raise ConfigError(
-        'privacy.dp_sgd needs per-example gradients, which models with batch norm or dropout '
-        f'do not give: {", ".join(sorted(families_with_state))}. Use families without them '
-        '(the five CNNs: model.families cnn1..cnn5), or turn privacy.dp_sgd off.')
+        'privacy.dp_sgd needs per-example gradients, which models with batch norm do not give: '
+        f'{", ".join(sorted(families_with_state))}. Use families without it (the five CNNs '
+        'cnn1..cnn5, or fedavgcnn), or turn privacy.dp_sgd off.')
 
 
 def uncovered_uploads(method: str) -> str | None:

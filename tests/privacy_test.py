@@ -5,8 +5,8 @@ noised mean against a plain loop over examples, with the noise from the same key
 empirical std; zero noise and no clipping as plain SGD's gradient; the accountant against
 dp_accounting's own events and the published DP-SGD figures; calibration; the budget's check.
 Slow: DP-SGD's local training, vmapped over clients, against a plain per-client loop; a run
-whose records carry epsilon, that a budget ends early and that resumes exactly; a model with
-batch norm refused.
+whose records carry epsilon, that a budget ends early and that resumes exactly; a simulator of
+models with batch norm refused.
 """
 import json
 import math
@@ -71,7 +71,7 @@ def test_validate_checks_the_section():
 def test_a_model_with_batch_statistics_is_refused():
   privacy.check_models(section(), set())
   privacy.check_models(privacy.default_config(), {'resnet18'})  # off: allowed
-  with pytest.raises(ConfigError, match='batch norm or dropout.*resnet18'):
+  with pytest.raises(ConfigError, match='batch norm do not give: resnet18'):
     privacy.check_models(section(), {'resnet18'})
 
 
@@ -311,6 +311,14 @@ def test_dp_sgd_local_training_vmapped_equals_a_plain_loop(small_ds):
   for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[1], got)),
                   jax.tree.leaves(jax.tree.map(lambda x: x[1], params))):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow  # a simulator's models built
+def test_a_simulator_of_models_with_batch_norm_is_refused(small_ds):
+  from conftest import make_small_sim
+  with pytest.raises(ConfigError, match='batch norm do not give: resnet4'):
+    make_small_sim(small_ds, 'fedssa', **{'privacy.dp_sgd': True,
+                                          'model.families': ('resnet4', 'fedavgcnn')})
 
 
 # --- Runs -------------------------------------------------------------------------------------

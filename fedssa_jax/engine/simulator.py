@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import data, methods, privacy, system
+from fedssa_jax import data, methods, models, privacy, system
 from fedssa_jax.engine import costs, evaluation, parts, schedule, training
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
@@ -223,8 +223,10 @@ class Simulator:
 
     self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place,
                                        self.image_shape)
-    privacy.check_models(config.privacy, {g.family for g in self.groups
-                                          if getattr(g.model, 'train_apply', None)})
+    if self.privacy is not None:  # DP-SGD clips per example: no batch statistics
+      privacy.check_models(config.privacy, {g.family for g in self.groups if models.split_state(
+          jax.eval_shape(lambda k, g=g: models.init_params(g.model, k, self.image_shape),
+                         jax.random.PRNGKey(0)))[1] is not None})
     self.group_of, self.slot_of = schedule.group_index(self.groups, self.num_clients)
     self.flops = costs.Flops(config, ds.num_classes, self.image_shape, self.method, self.groups,
                              self.group_of)
