@@ -346,7 +346,7 @@ def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, 
   assert summary['dp_epsilon'] == eps[-1] and not summary['privacy_budget_reached']
   with open(os.path.join(whole, 'config.json')) as f:
     derived = json.load(f)['derived']
-  assert derived['dp_noise_multiplier'] == 1.1 and derived['dp_max_batch'] % 16 == 0
+  assert derived['dp_noise_multiplier'] == 1.1 and derived['dp_max_batch'] > 16
 
   # Stopped after round 1 and resumed: the same records.
   split = str(tmp_path / 'split')

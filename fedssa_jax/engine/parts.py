@@ -31,10 +31,13 @@ def train_config(config, ds: data.Dataset, accountant=None,
   gives the noise multiplier (perhaps calibrated), and `max_train`, the longest training split,
   bounds the Poisson batch."""
   o, p = config.optimizer, config.privacy
-  dp = None if accountant is None else privacy.DPSGD(
-      clip_norm=float(p.clip_norm), noise_multiplier=accountant.noise_multiplier,
-      max_batch=privacy.max_batch(config.batch_size, max_train, p.pass_size, p.max_batch),
-      pass_size=int(p.pass_size))
+  dp = None
+  if accountant is not None:
+    pass_size = privacy.pass_size_for(int(p.pass_size), jax.default_backend())
+    dp = privacy.DPSGD(
+        clip_norm=float(p.clip_norm), noise_multiplier=accountant.noise_multiplier,
+        max_batch=privacy.max_batch(config.batch_size, max_train, pass_size, p.max_batch),
+        pass_size=pass_size)
   return training.TrainConfig(
       batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
       lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
