@@ -36,7 +36,9 @@ _SHORT = {'partition.classes_per_client': 'k', 'partition.dirichlet_gamma': 'gam
           'num_rounds': 'R', 'local_epochs': 'E', 'batch_size': 'B', 'eval_every': 'ev',
           'optimizer.lr': 'lr', 'fedssa.scope': 'scope_', 'fedssa.initial_header': 'ih_',
           'system.upload_loss': 'loss', 'system.straggler_rate': 'strag',
-          'system.min_work': 'minwork', 'system.dropout': 'drop', 'system.deadline': 'deadline'}
+          'system.min_work': 'minwork', 'system.dropout': 'drop', 'system.deadline': 'deadline',
+          'privacy.dp_sgd': 'dp_', 'privacy.noise_multiplier': 'sigma',
+          'privacy.target_epsilon': 'eps'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,10 +243,28 @@ def system_devices():
               [{**SYSTEM_SCHEDULE, 'system__deadline': DEVICES_DEADLINE}])
 
 
+# Under differential privacy: the methods of docs/results.md's privacy-utility table, and the
+# budgets epsilon (delta 1e-5) each is calibrated to over the 20 rounds.
+PRIVACY_METHODS = ('fedssa', 'standalone', 'fd', 'fedproto', 'fedgh')
+PRIVACY_EPSILONS = (1.0, 4.0, 8.0)
+
+
+def privacy():
+  """DP-SGD at hetero,n10, E = 1, 20 rounds: each method without DP-SGD (epsilon infinite: the
+  `system` sweep's ideal runs, which share their names) and with the noise calibrated to each
+  epsilon of PRIVACY_EPSILONS at delta 1e-5, seed 0; method by method, so that a sweep cut
+  short holds whole rows of the table."""
+  budgets = [{}] + [{'privacy__dp_sgd': True, 'privacy__noise_multiplier': 0.0,
+                     'privacy__target_epsilon': e} for e in PRIVACY_EPSILONS]
+  return [r for m in PRIVACY_METHODS
+          for r in grid(['cifar10'], ['hetero,n10'], (m,), (0,),
+                        [{**SYSTEM_SCHEDULE, **b} for b in budgets])]
+
+
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
     appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny,
-    system, system_devices)}
+    system, system_devices, privacy)}
 
 
 def get_sweep(name: str) -> list[Run]:

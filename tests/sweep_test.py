@@ -22,7 +22,8 @@ sweeps = sweep.load_sweeps()
     ('comm_compute', 2 * 8 * 3), ('fig5', 2), ('fig6_7', (5 + 6 + 2 * 5) * 2 * 3),
     ('appendix_participation', 2 * 5 * 2 * 3), ('appendix_ablation', 2 * 2 * 3 * 3),
     ('appendix_mu0', 2 * 7 * 3), ('appendix_t_stable', 2 * 7 * 3), ('small', 6),
-    ('partial', 8 * 3 + 2 + 3), ('partial_homo', 8 * 3 + 2 + 3), ('tiny', 3)])
+    ('partial', 8 * 3 + 2 + 3), ('partial_homo', 8 * 3 + 2 + 3), ('tiny', 3),
+    ('system', 12 * 4 * 3), ('system_devices', 8), ('privacy', 5 * 4)])
 def test_every_sweep_expands_to_unique_names_and_valid_configs(name, count):
   from fedssa_jax import config_lib
   runs = sweeps.get_sweep(name)
@@ -44,6 +45,9 @@ def test_shared_runs_have_the_same_names():
   table2 = {r.name for r in sweeps.get_sweep('table2')}
   assert {r.name for r in sweeps.get_sweep('comm_compute')} <= table2
   assert {r.name for r in sweeps.get_sweep('fig8')} == table2
+  # The privacy sweep's runs without DP-SGD are the system sweep's ideal ones.
+  ideal = {r.name for r in sweeps.get_sweep('privacy') if 'dp_' not in r.name}
+  assert len(ideal) == 5 and ideal <= {r.name for r in sweeps.get_sweep('system')}
 
 
 def test_unknown_sweep_lists_the_known_ones():
