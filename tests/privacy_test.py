@@ -323,6 +323,26 @@ def test_a_simulator_of_models_with_batch_norm_is_refused(small_ds):
                                           'model.families': ('resnet4', 'fedavgcnn')})
 
 
+@pytest.mark.slow  # simulators compiled and run
+@pytest.mark.parametrize('method', ['fml', 'fd'])  # a jointly trained meme; logits summed
+def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(small_ds, method):
+  """Every method that DP-SGD applies to ran two such rounds by hand (docs: the closing note);
+  these two keep the paths that differ from plain CE: an aux model's gradient clipped with the
+  client's own, and an accumulator summed over single examples."""
+  from conftest import make_small_sim, params_of, rounds
+  sim = make_small_sim(small_ds, method, **{'privacy.dp_sgd': True})
+  start = sim.init_state()
+  before = {k: params_of(sim, start.population.params, k) for k in range(5)}
+  for state, info in rounds(sim, 2, sim.init_state()):
+    n = sim.train_n[0][info.cohort]
+    np.testing.assert_array_equal(info.train_steps, -(-n // 16))  # E ceil(n / B), E = 1
+    assert np.isfinite(info.train_loss)
+  moved = [k for k in info.cohort
+           if not np.allclose(jax.tree.leaves(params_of(sim, state.population.params, k))[0],
+                              jax.tree.leaves(before[k])[0])]
+  assert moved == list(info.cohort)
+
+
 # --- Runs -------------------------------------------------------------------------------------
 def tiny(**overrides):
   c = config_lib.build('cifar10', 'hetero,tiny')
