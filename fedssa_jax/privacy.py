@@ -337,8 +337,13 @@ class Accountant:
     return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta)
 
   def epsilons(self, i: int, steps) -> np.ndarray:
-    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps."""
-    return np.array([self.client_epsilon(i, k, s) for k, s in enumerate(steps)])
+    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps: one accounting per distinct
+    (rate, steps), however many clients share it."""
+    pairs, which = np.unique(np.stack([self.q[i], np.asarray(steps, np.float64)], axis=1),
+                             axis=0, return_inverse=True)
+    eps = [epsilon(self.kind, float(q), self.noise_multiplier, int(s), self.delta)
+           for q, s in pairs]
+    return np.asarray(eps)[which.reshape(-1)]
 
   def next_round_exceeds(self, i: int, steps, next_cohort) -> float | None:
     """With a target: the largest epsilon a client of seed i's `next_cohort` would reach by

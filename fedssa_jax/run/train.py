@@ -339,7 +339,7 @@ def _budget_reached(sim: simulator.Simulator, rounds_done: int, runs) -> bool:
   """Whether round `rounds_done` + 1 could take a client past privacy.target_epsilon (DP-SGD
   with a given noise multiplier): then the run ends after `rounds_done` rounds (each seed's
   progress notes it)."""
-  if sim.privacy is None or rounds_done >= runs[0].config.num_rounds:
+  if sim.privacy is None or not sim.privacy.target or rounds_done >= runs[0].config.num_rounds:
     return False
   live = [(i, run) for i, run in enumerate(runs) if run.failed is None]
   worst = [sim.privacy.next_round_exceeds(i, run.progress.dp_steps or [0] * sim.num_clients,
