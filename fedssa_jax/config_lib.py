@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -268,7 +269,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_engine_batching(c)
   _check_method_sections(c)
   system.check_config(c.system, c.num_clients)
-  privacy.check_config(c.privacy, c.method, methods.METHODS[c.method].per_sample_loss)
+  cls = methods.METHODS[c.method]
+  privacy.check_config(c.privacy, c.method, cls.per_sample_loss,
+                       functools.partial(cls.upload_refusal, c))
 
 
 def dataset_facts(c: ml_collections.ConfigDict) -> data.DatasetFacts:

@@ -1,5 +1,5 @@
-"""Differential privacy: DP-SGD in every client's local training, and its accountant
-(docs/algorithm.md §11).
+"""Differential privacy: DP-SGD in every client's local training, client-level DP on the
+uploads, and their accountants (docs/algorithm.md §11).
 
 The `privacy` config section is off by default (`enabled` is False), and then nothing here runs:
 a run's numbers are what they always were. With `privacy.dp_sgd` on:
@@ -27,6 +27,21 @@ from the trained models alone (FedSSA's and LG-FedAvg's header rows, FML's meme,
 shared model). What a method computes from the data outside the gradient steps (FD's logits,
 the prototypes of FedProto, FedTGP and FedGH, FedL2G's step after training) is not covered:
 `uncovered_uploads` names it, and the run warns.
+
+With `privacy.upload` on, each client's upload is protected as a whole (client-level DP):
+
+4. **Clip and noise the upload.** The payload's fields that carry what the client computed from
+   its data (`Method.private_upload`: header rows, prototypes, logits, a model), less a value the
+   server already knows (`Method.upload_reference`: the global model the client downloaded; else
+   zero), are clipped jointly to the global norm C_u (`upload_clip`) (`privatize_upload`). In
+   `upload_mode` 'local' the client adds N(0, (z C_u)^2) to every coordinate before it sends;
+   in 'central' the server adds it once to the round's sum of the clipped uploads, and divides
+   by a count that reveals nothing of who took part (the method's `central_noise`).
+5. **Their accountant** (`UploadAccountant`): replacing one client's data moves its clipped
+   upload by at most 2 C_u, so each release is a Gaussian mechanism of noise multiplier z / 2.
+   Local: a client's epsilon composes the uploads it sent. Central: each round is that mechanism
+   on a cohort of K of the N clients drawn without replacement (RDP, replace-one neighbours);
+   the population's epsilon composes the rounds.
 """
 from __future__ import annotations
 
@@ -43,8 +58,14 @@ import ml_collections
 import numpy as np
 
 from fedssa_jax.errors import ConfigError, require, require_one_of
+from fedssa_jax.methods import aggregation
 
 ACCOUNTANTS = ('rdp', 'pld')
+UPLOAD_MODES = ('local', 'central')
+# The run's key stream of the upload noise, beside engine/schedule.py's streams 0-8 and
+# system.py's 9-10: client k's noise of round t from fold_in(fold_in(fold_in(root key,
+# STREAM_UPLOAD), t), k); the server's (central) from fold_in(its round key, STREAM_UPLOAD).
+STREAM_UPLOAD = 11
 # P(a Poisson batch holds more than `max_batch` samples), per step, at the automatic bound.
 TRUNCATION_TAIL = 1e-12
 # A step's key streams (folded into the step's key, beside training.DROPOUT_STREAM = 1 << 16).
@@ -77,15 +98,33 @@ def default_config() -> ml_collections.ConfigDict:
                               # probability < 1e-12 a step)
   p.pass_size = 0             # examples whose gradients are computed at once (speed and
                               # memory, not the numbers): 0, automatic (pass_size_for)
+  p.upload = False            # client-level DP: each client's upload clipped and noised
+                              # (docs/configuration.md, "Differential privacy")
+  p.upload_mode = 'local'     # 'local': each client noises its own upload; 'central': the
+                              # server noises the sum of the clipped uploads
+  p.upload_clip = 1.0         # C_u: the global norm each upload (less what the server already
+                              # knows: the downloaded global model) is clipped to
+  p.upload_noise_multiplier = 1.0  # z: noise std z C_u; 0 with upload_target_epsilon:
+                                   # calibrated to reach it at num_rounds
+  p.upload_target_epsilon = 0.0    # > 0 with upload_noise_multiplier 0: calibrates z
   return p
 
 
 def enabled(p: ml_collections.ConfigDict) -> bool:
+  """Whether DP-SGD is on."""
   return bool(p.dp_sgd)
 
 
-def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: bool) -> None:
-  """Every field of the section, before any data is loaded."""
+def upload_enabled(p: ml_collections.ConfigDict) -> bool:
+  """Whether client-level DP on the uploads is on."""
+  return bool(p.upload)
+
+
+def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: bool,
+                 upload_refusal: Callable[[str], str | None] = lambda mode: None) -> None:
+  """Every field of the section, before any data is loaded. `upload_refusal(mode)`: the
+  method's Method.upload_refusal(config, mode)."""
+  check_upload(p, method, upload_refusal)
   require(p.clip_norm > 0, f'privacy.clip_norm must be > 0, got {p.clip_norm}: it bounds each '
           "example's gradient norm (1.0 is usual).")
   require(p.noise_multiplier >= 0, f'privacy.noise_multiplier must be >= 0, got '
@@ -109,6 +148,35 @@ def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: boo
           f"example's gradient; {method}'s couples the samples of a batch (FedKD: 1/Q with Q the "
           "batch's mean CE; FedClassAvg: contrastive pairs). Choose another method, or turn "
           'privacy.dp_sgd off.')
+
+
+def check_upload(p: ml_collections.ConfigDict, method: str,
+                 refusal_of: Callable[[str], str | None]) -> None:
+  """The upload fields; with `upload` on, that the method can take it in the mode asked
+  (`refusal_of(mode)` says why not, or None)."""
+  require_one_of('privacy.upload_mode', p.upload_mode, UPLOAD_MODES)
+  require(p.upload_clip > 0, f'privacy.upload_clip must be > 0, got {p.upload_clip}: it bounds '
+          "each client's upload norm (less the global model it downloaded).")
+  require(p.upload_noise_multiplier >= 0, 'privacy.upload_noise_multiplier must be >= 0, got '
+          f'{p.upload_noise_multiplier}: the noise std is upload_noise_multiplier x upload_clip '
+          '(0 with privacy.upload_target_epsilon calibrates it).')
+  require(p.upload_target_epsilon >= 0, 'privacy.upload_target_epsilon must be > 0, or 0 for '
+          f'no budget; got {p.upload_target_epsilon}.')
+  if not p.upload:
+    return
+  require(p.upload_noise_multiplier > 0 or p.upload_target_epsilon > 0,
+          'privacy.upload_noise_multiplier=0 adds no noise, so no epsilon is finite: set it, or '
+          'set privacy.upload_target_epsilon to calibrate it.')
+  require(not (p.upload_noise_multiplier > 0 and p.upload_target_epsilon > 0),
+          'privacy.upload_target_epsilon calibrates the noise: set '
+          'privacy.upload_noise_multiplier=0 with it, or drop the target.')
+  refusal = refusal_of(p.upload_mode)
+  if refusal is not None:
+    other = [m for m in UPLOAD_MODES if m != p.upload_mode and refusal_of(m) is None]
+    fix = (f"Use privacy.upload_mode='{other[0]}', or turn privacy.upload off."
+           if other else 'Turn privacy.upload off.')
+    raise ConfigError(f'privacy.upload ({p.upload_mode}) does not apply to {method}: its '
+                      f'{refusal}. {fix}')
 
 
 def check_models(p: ml_collections.ConfigDict, families_with_state) -> None:
@@ -225,11 +293,46 @@ def clip_factor(grads, clip_norm: float):
 def add_noise(grad_sum, key, std: float, denom):
   """(grad_sum + N(0, std^2) on every coordinate) / denom; each leaf's noise from its own key
   (fold_in(key, leaf index))."""
-  leaves, tree = jax.tree.flatten(grad_sum)
-  if std:
-    leaves = [g + std * jax.random.normal(jax.random.fold_in(key, i), g.shape, g.dtype)
-              for i, g in enumerate(leaves)]
-  return jax.tree.unflatten(tree, [g / denom for g in leaves])
+  return jax.tree.map(lambda g: g / denom, aggregation.add_gaussian(grad_sum, key, std))
+
+
+# ----------------------------------------------------------------------------------------------
+# Client-level DP on the uploads (device side, inside the round's call)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class UploadDP:
+  """Client-level DP's static settings, as the round's call holds them (hashable)."""
+  fields: tuple[str, ...]  # the payload's private fields (Method.private_upload)
+  clip_norm: float         # C_u
+  std: float               # the noise each client adds: z C_u (local), 0 (central)
+
+
+def upload_keys(root_key, round_index, client_ids):
+  """Each client's key of its upload noise in round `round_index` (STREAM_UPLOAD)."""
+  round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_UPLOAD), round_index)
+  return jax.vmap(lambda c: jax.random.fold_in(round_key, c))(client_ids)
+
+
+SERVER_UPLOAD_ID = 1 << 30  # the server's place beside the client ids in the upload stream
+
+
+def server_upload_key(root_key, round_index):
+  """The server's key of its central noise in round `round_index` (STREAM_UPLOAD)."""
+  return upload_keys(root_key, round_index, jnp.array([SERVER_UPLOAD_ID]))[0]
+
+
+def privatize_upload(payload, reference, key, *, fields: tuple[str, ...], clip_norm: float,
+                     std: float):
+  """One client's upload under client-level DP: its `fields`, less `reference` (a dict of them,
+  or None: zero), clipped jointly to the global norm `clip_norm`, plus N(0, std^2) on every
+  coordinate (each leaf's from fold_in(key, leaf index); std 0: none), plus `reference` again.
+  The payload's other fields pass as they are."""
+  values = {f: getattr(payload, f) for f in fields}
+  ref = jax.tree.map(jnp.zeros_like, values) if reference is None else reference
+  delta = jax.tree.map(jnp.subtract, values, ref)
+  scale = clip_factor(jax.tree.map(lambda d: d[None], delta), clip_norm)[0]
+  noised = add_noise(jax.tree.map(lambda d: d * scale, delta), key, std, 1.0)
+  return payload.replace(**jax.tree.map(jnp.add, ref, noised))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,3 +457,88 @@ class Accountant:
     worst = max((self.client_epsilon(i, k, steps[k] + self.round_steps[i, k])
                  for k in next_cohort), default=0.0)
     return worst if worst > self.target else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The uploads' accountant (host side)
+# ----------------------------------------------------------------------------------------------
+def upload_event(noise_multiplier: float, releases: int, num_clients: int = 0, cohort: int = 0):
+  """`releases` releases of uploads clipped to C_u with noise std z C_u (`noise_multiplier` z),
+  as a dp_accounting event. Replacing one client's data moves its clipped upload by up to
+  2 C_u, so each is a Gaussian mechanism of noise multiplier z / 2; in central mode (`cohort`
+  > 0) it runs on a cohort of `cohort` of the `num_clients` clients drawn without replacement."""
+  import dp_accounting
+  event = dp_accounting.GaussianDpEvent(float(noise_multiplier) / 2)
+  if 0 < cohort < num_clients:
+    event = dp_accounting.SampledWithoutReplacementDpEvent(int(num_clients), int(cohort), event)
+  return dp_accounting.SelfComposedDpEvent(event, int(releases))
+
+
+def _upload_accountant(kind: str, sampled: bool):
+  if not sampled:
+    return new_accountant(kind)
+  from dp_accounting import privacy_accountant
+  from dp_accounting.rdp import rdp_privacy_accountant
+  return rdp_privacy_accountant.RdpAccountant(
+      neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+
+
+@functools.lru_cache(maxsize=4096)
+def upload_epsilon(kind: str, noise_multiplier: float, releases: int, delta: float,
+                   num_clients: int = 0, cohort: int = 0) -> float:
+  """epsilon at `delta` of `releases` upload releases (upload_event) by `kind`'s accountant."""
+  if releases <= 0:
+    return 0.0
+  acct = _upload_accountant(kind, 0 < cohort < num_clients)
+  with _quiet():
+    acct.compose(upload_event(noise_multiplier, releases, num_clients, cohort))
+    return float(acct.get_epsilon(delta))
+
+
+class UploadAccountant:
+  """A run's client-level accounting: the noise multiplier z (given or calibrated) and the
+  noise std, and epsilon from the releases so far. Local: each client's own uploads sent.
+  Central: the rounds, each a release of the population's sum (one epsilon for every client)."""
+
+  def __init__(self, p: ml_collections.ConfigDict, num_clients: int, cohort: int,
+               num_rounds: int):
+    self.kind, self.delta = p.accountant, float(p.delta)
+    self.central = p.upload_mode == 'central'
+    self.num_clients, self.cohort = int(num_clients), int(cohort) if self.central else 0
+    self.target = float(p.upload_target_epsilon)
+    require(not (self.kind == 'pld' and 0 < self.cohort < self.num_clients),
+            "privacy.upload_mode='central' with a cohort smaller than the population composes "
+            "a sampling without replacement, which the PLD accountant does not take: use "
+            "privacy.accountant='rdp'.")
+    if p.upload_noise_multiplier > 0:
+      self.noise_multiplier = float(p.upload_noise_multiplier)
+    else:
+      self.noise_multiplier = self._calibrate(num_rounds)
+    self.std = self.noise_multiplier * float(p.upload_clip)
+
+  def _calibrate(self, num_rounds: int) -> float:
+    """The smallest z with which `num_rounds` releases stay within the target."""
+    import dp_accounting
+    try:
+      with _quiet():
+        z = dp_accounting.calibrate_dp_mechanism(
+            lambda: _upload_accountant(self.kind, 0 < self.cohort < self.num_clients),
+            lambda z: upload_event(z, num_rounds, self.num_clients, self.cohort),
+            self.target, self.delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0), tol=1e-4)
+    except (ValueError, RuntimeError) as e:
+      raise ConfigError(f'privacy.upload_target_epsilon={self.target} cannot be met: no noise '
+                        f'multiplier was found for {num_rounds} rounds ({e}). Raise the target, '
+                        'or lower num_rounds.') from None
+    require(z <= MAX_NOISE_MULTIPLIER,
+            f'privacy.upload_target_epsilon={self.target} needs a noise multiplier of {z:.4g}, '
+            f'above {MAX_NOISE_MULTIPLIER:g}: raise the target, or lower num_rounds.')
+    return float(z)
+
+  def epsilons(self, releases) -> np.ndarray:
+    """Each client's epsilon after `releases` [N] (local: the uploads each sent; central: the
+    rounds run, the same for all)."""
+    releases = np.asarray(releases, np.int64)
+    counts, which = np.unique(releases, return_inverse=True)
+    eps = [upload_epsilon(self.kind, self.noise_multiplier, int(r), self.delta,
+                          self.num_clients, self.cohort) for r in counts]
+    return np.asarray(eps)[which.reshape(-1)]

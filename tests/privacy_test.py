@@ -1,4 +1,5 @@
-"""Differential privacy (fedssa_jax/privacy.py): DP-SGD in local training and its accountant.
+"""Differential privacy (fedssa_jax/privacy.py): DP-SGD in local training, client-level DP on
+the uploads, and their accountants.
 
 Fast: the config's checks; the Poisson batch (positions, rates); per-example clipping and the
 noised mean against a plain loop over examples, with the noise from the same keys; the noise's
@@ -7,6 +8,10 @@ dp_accounting's own events and the published DP-SGD figures; calibration; the bu
 Slow: DP-SGD's local training, vmapped over clients, against a plain per-client loop; a run
 whose records carry epsilon, that a budget ends early and that resumes exactly; a simulator of
 models with batch norm refused.
+Uploads: the config's checks and each method's refusals; a privatized upload by hand; the
+accountant against dp_accounting's events; calibration; FedSSA's server table and (central)
+global rows after a round, against a round without DP by hand; a run's upload epsilon and its
+resume (in the run test above).
 """
 import json
 import math
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import struct
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedssa_jax import config_lib, data, models, privacy
@@ -349,6 +355,8 @@ def tiny(**overrides):
   c.model.families = ('cnn5',)
   c.num_clients, c.participation, c.num_rounds = 5, 0.4, 3
   c.privacy.dp_sgd, c.privacy.noise_multiplier, c.privacy.clip_norm = True, 1.1, 1.0
+  # and client-level DP on FedSSA's header rows, accounted beside DP-SGD
+  c.privacy.upload, c.privacy.upload_noise_multiplier, c.privacy.upload_clip = True, 2.0, 5.0
   c.update_from_flattened_dict(overrides)
   return c
 
@@ -369,13 +377,22 @@ def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, 
   with open(os.path.join(whole, 'config.json')) as f:
     derived = json.load(f)['derived']
   assert derived['dp_noise_multiplier'] == 1.1 and derived['dp_max_batch'] > 16
+  # The uploads' epsilon: the largest client's, from the uploads it sent (local mode).
+  sent = np.zeros(5, int)
+  for r in recs:
+    sent[r['participants']] += 1
+    assert r['dp_upload_epsilon'] == pytest.approx(
+        privacy.upload_epsilon('rdp', 2.0, int(sent.max()), 1e-5), rel=1e-12)
+  assert summary['dp_upload_epsilon'] == recs[-1]['dp_upload_epsilon']
+  assert derived['dp_upload_noise_multiplier'] == 2.0
 
   # Stopped after round 1 and resumed: the same records.
   split = str(tmp_path / 'split')
   train.train_and_evaluate(tiny(num_rounds=1), split, dataset=small_ds)
   train.train_and_evaluate(tiny(), split, dataset=small_ds)
   for a, b in zip(records(split), recs):
-    for k in ('dp_epsilon', 'mean_accuracy', 'train_loss', 'participants'):
+    for k in ('dp_epsilon', 'dp_upload_epsilon', 'mean_accuracy', 'train_loss',
+              'participants'):
       assert a[k] == b[k], k
 
   # A budget between round 1's epsilon and round 3's ends the run before a round could pass it.
@@ -386,3 +403,163 @@ def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, 
   assert summary['privacy_budget_reached'] and summary['rounds'] < 3
   assert summary['dp_epsilon'] <= target
   assert os.path.exists(os.path.join(budget, 'summary.json'))
+
+
+# --- Client-level DP on the uploads -----------------------------------------------------------
+def upload_section(**fields):
+  p = privacy.default_config()
+  p.update(dict(upload=True, **fields))
+  return p
+
+
+def refusal_of(method, **overrides):
+  c = config_lib.base_config('cifar10')
+  c.method = method
+  c.update_from_flattened_dict(overrides)
+  from fedssa_jax import methods
+  return lambda mode: methods.METHODS[method].upload_refusal(c, mode)
+
+
+@pytest.mark.parametrize('fields, method, overrides, says', [
+    (dict(upload_clip=0.0), 'fedssa', {}, 'privacy.upload_clip must be > 0'),
+    (dict(upload_noise_multiplier=-1.0), 'fedssa', {}, 'upload_noise_multiplier must be >= 0'),
+    (dict(upload_noise_multiplier=0.0), 'fedssa', {}, 'no epsilon is finite'),
+    (dict(upload_target_epsilon=4.0), 'fedssa', {}, 'set privacy.upload_noise_multiplier=0'),
+    (dict(upload_mode='both'), 'fedssa', {}, 'Unknown privacy.upload_mode'),
+    ({}, 'standalone', {}, 'clients send nothing to protect. Turn privacy.upload off'),
+    ({}, 'fedkd', {}, "truncated SVD of the update, which noise on it would make dense (central "
+                      "noise leaves the clipped uploads low-rank). Use privacy.upload_mode="
+                      "'central'"),
+    (dict(upload_mode='central'), 'fedproto', {}, "keeps each upload apart, not one sum of them "
+                                                  "that noise could cover. Use "
+                                                  "privacy.upload_mode='local'"),
+    (dict(upload_mode='central'), 'fedssa', {}, "set fedssa.scope='participants' for it"),
+    (dict(upload_mode='central'), 'lg_fedavg', {},
+     "set lg_fedavg.weighting='uniform' for it"),
+    (dict(upload_mode='central'), 'fedmrl', {}, "set fedmrl.aggregation='uniform' for it"),
+])
+def test_bad_upload_input_is_a_config_error_naming_the_fix(fields, method, overrides, says):
+  with pytest.raises(ConfigError) as e:
+    privacy.check_config(upload_section(**fields), method, True,
+                         refusal_of(method, **overrides))
+  assert says in str(e.value)
+
+
+@pytest.mark.parametrize('method, overrides, mode', [
+    ('fedssa', {'fedssa.scope': 'participants'}, 'central'), ('fml', {}, 'central'),
+    ('fml', {}, 'local'), ('lg_fedavg', {'lg_fedavg.weighting': 'uniform'}, 'central'),
+    ('fedkd', {}, 'central'), ('fd', {}, 'local'), ('fedgh', {}, 'local'),
+])
+def test_what_each_method_accepts(method, overrides, mode):
+  privacy.check_config(upload_section(upload_mode=mode), method, True,
+                       refusal_of(method, **overrides))
+
+
+@struct.dataclass
+class Payload:
+  count: jax.Array  # metadata: sent as it is
+  rows: jax.Array
+  model: dict
+
+
+def test_a_privatized_upload_is_the_clipped_delta_plus_noise_by_hand():
+  rng = np.random.default_rng(0)
+  payload = Payload(count=jnp.asarray([3.0, 0.0]), rows=jnp.asarray(rng.normal(size=(2, 3))),
+                    model={'b': jnp.asarray(rng.normal(size=4)),
+                           'w': jnp.asarray(rng.normal(size=(2, 2)))})
+  reference = {'rows': jnp.asarray(rng.normal(size=(2, 3))),
+               'model': {'b': jnp.zeros(4), 'w': jnp.ones((2, 2))}}
+  key = jax.random.PRNGKey(7)
+  out = privacy.privatize_upload(payload, reference, key, fields=('model', 'rows'),
+                                 clip_norm=0.5, std=0.3)
+  # By hand: the delta over both fields, its global norm, the clip, then the noise of each leaf
+  # in the order of the fields' tree ({'model': {'b', 'w'}, 'rows'}).
+  deltas = [np.asarray(payload.model['b']), np.asarray(payload.model['w']) - 1.0,
+            np.asarray(payload.rows) - np.asarray(reference['rows'])]
+  norm = math.sqrt(sum(float((d ** 2).sum()) for d in deltas))
+  assert norm > 0.5  # the clip binds
+  noise = [0.3 * np.asarray(jax.random.normal(jax.random.fold_in(key, i), d.shape))
+           for i, d in enumerate(deltas)]
+  want = [d * 0.5 / norm + n for d, n in zip(deltas, noise)]
+  np.testing.assert_allclose(out.model['b'], want[0], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out.model['w'], 1.0 + want[1], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out.rows, np.asarray(reference['rows']) + want[2], rtol=1e-6,
+                             atol=1e-6)
+  np.testing.assert_array_equal(out.count, payload.count)
+  # No noise and no clip: the upload as it was.
+  same = privacy.privatize_upload(payload, reference, key, fields=('model', 'rows'),
+                                  clip_norm=math.inf, std=0.0)
+  for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(payload)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_upload_accountants_epsilon_is_the_librarys_for_the_same_mechanism():
+  local = privacy.UploadAccountant(upload_section(upload_noise_multiplier=4.0), 10, 3, 20)
+  eps = local.epsilons([0, 1, 5, 5])
+  assert eps[0] == 0.0 and eps[2] == eps[3] and 0 < eps[1] < eps[2]
+  lib = rdp_privacy_accountant.RdpAccountant()
+  for _ in range(5):  # each release: a Gaussian mechanism of sensitivity 2 C, std 4 C
+    lib.compose(dp_accounting.GaussianDpEvent(2.0))
+  assert eps[2] == pytest.approx(lib.get_epsilon(1e-5), rel=1e-9)
+  central = privacy.UploadAccountant(
+      upload_section(upload_mode='central', upload_noise_multiplier=4.0), 10, 3, 20)
+  lib = rdp_privacy_accountant.RdpAccountant(
+      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  for _ in range(5):  # a cohort of 3 of 10, drawn without replacement, each round
+    lib.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        10, 3, dp_accounting.GaussianDpEvent(2.0)))
+  assert central.epsilons([5] * 10)[0] == pytest.approx(lib.get_epsilon(1e-5), rel=1e-9)
+  assert central.epsilons([5] * 10)[0] < eps[2]  # the cohort's sampling amplifies
+  with pytest.raises(ConfigError, match="does not take: use privacy.accountant='rdp'"):
+    privacy.UploadAccountant(upload_section(upload_mode='central', accountant='pld'), 10, 3, 20)
+
+
+def test_upload_calibration_meets_the_target_at_num_rounds():
+  for mode in privacy.UPLOAD_MODES:
+    a = privacy.UploadAccountant(upload_section(
+        upload_mode=mode, upload_noise_multiplier=0.0, upload_target_epsilon=4.0), 10, 3, 20)
+    eps = a.epsilons([20])[0]
+    assert eps <= 4.0 and eps == pytest.approx(4.0, abs=0.01)
+    assert a.std == a.noise_multiplier * 1.0
+
+
+@pytest.mark.slow  # two simulators compiled and run
+@pytest.mark.parametrize('mode', privacy.UPLOAD_MODES)
+def test_fedssas_server_gets_the_privatized_rows_of_a_plain_round(small_ds, mode):
+  """A round of FedSSA under client-level DP, against the same round without it, by hand: the
+  server's table holds each participant's rows around the global rows it fused, clipped (and,
+  in local mode, noised with its own key); in central mode the global rows are the noised sum
+  over the count fixed in advance."""
+  from conftest import make_small_sim, rounds
+  from fedssa_jax.engine import snapshots
+  clip, z = 0.5, 0.7
+  common = {'fedssa.scope': 'participants'}
+  plain = make_small_sim(small_ds, 'fedssa', **common)
+  start = snapshots.seed_state(plain.store, plain.init_state()).server
+  (state, info), = rounds(plain, 1)
+  table = np.asarray(snapshots.seed_state(plain.store, state).server.table)
+  sim = make_small_sim(small_ds, 'fedssa', **common, **{
+      'privacy.upload': True, 'privacy.upload_mode': mode, 'privacy.upload_clip': clip,
+      'privacy.upload_noise_multiplier': z})
+  (state, dp_info), = rounds(sim, 1)
+  server = snapshots.seed_state(sim.store, state).server
+  np.testing.assert_array_equal(dp_info.cohort, info.cohort)
+  seen, g0 = sim.seen[0], np.asarray(start.global_rows)
+  want = {}
+  for k in info.cohort:
+    reference = np.where((seen[k] & np.asarray(start.avail))[:, None], g0, 0.0)
+    delta = table[k] - reference
+    scale = min(1.0, clip / np.linalg.norm(delta))
+    noise = 0.0
+    if mode == 'local':
+      key = jax.random.fold_in(privacy.upload_keys(sim.root_keys[0], 0, jnp.array([k]))[0], 0)
+      noise = z * clip * np.asarray(jax.random.normal(key, delta.shape))
+    want[k] = reference + delta * scale + noise
+    np.testing.assert_allclose(np.asarray(server.table[k]), want[k], rtol=1e-5, atol=1e-5)
+  if mode == 'central':
+    noise = z * clip * np.asarray(jax.random.normal(
+        privacy.server_upload_key(sim.root_keys[0], 0), g0.shape))
+    total = sum(np.where(seen[k][:, None], want[k], 0.0) for k in info.cohort)
+    expected = 2 / 5 * seen.sum(axis=0)  # q = K / N, times the owners of each class
+    np.testing.assert_allclose(np.asarray(server.global_rows),
+                               (total + noise) / expected[:, None], rtol=1e-5, atol=1e-5)

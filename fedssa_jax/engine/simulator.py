@@ -59,7 +59,8 @@ LOCAL_SPECS = (SHARDED, SHARDED, REPLICATED,
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
                 train_one: Callable, pass_one: Callable | None = None,
                 pass_flops_per_sample: float = 0.0, after_one: Callable | None = None,
-                step_flops_per_sample: float = 0.0):
+                step_flops_per_sample: float = 0.0,
+                upload_dp: privacy.UploadDP | None = None):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   training.local_train for the family's model; `pass_one`, training.forward_pass_sums for its
@@ -69,7 +70,8 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   `method.after_training_steps` CE training steps of `step_flops_per_sample` FLOPs per study
   and quiz sample. Without them (the default), nothing of them is traced; nor of the held-out
   split (`method.held_out_samples`) at 0, nor of the training switch (`method.trains`) at its
-  default."""
+  default. `upload_dp` (client-level DP, the privacy section's upload): each upload's private
+  fields clipped, and noised in local mode (privacy.privatize_upload)."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
@@ -110,6 +112,13 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   acc = methods.Accumulated(loss=loss_sums, forward_pass=passed, after_training=after)
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
       trainable, acc, down.ctx, state, view)
+  payload = up.payload
+  if upload_dp is not None:
+    reference = jax.vmap(method.upload_reference, in_axes=(None, 0, view_axes))(
+        server, down, view)
+    payload = jax.vmap(functools.partial(
+        privacy.privatize_upload, fields=upload_dp.fields, clip_norm=upload_dp.clip_norm,
+        std=upload_dp.std))(payload, reference, privacy.upload_keys(inputs.root_key, t, ids))
   extra_flops = down.flops + up.flops
   if after_one is not None:  # the step: CE training steps' FLOPs per study and quiz sample
     per_study, per_quiz = method.after_training_steps
@@ -119,7 +128,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     extra_flops = extra_flops + pass_flops_per_sample * n.astype(jnp.float32)
   stats = ClientStats(train=stats, down_floats=down.floats, up_floats=up.floats,
                       extra_flops=extra_flops)
-  return up.params, up.state, up.payload, stats
+  return up.params, up.state, payload, stats
 
 
 def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
@@ -156,13 +165,14 @@ def arrivals(sys_in: system.SystemInputs, ids, active, stats: ClientStats):
 
 def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
              flops: costs.Flops, placement: Placement, max_train: int,
-             eval_batch_size: int) -> Callable:
+             eval_batch_size: int, upload_dp: privacy.UploadDP | None = None) -> Callable:
   """`train_chunk` for group `g`'s model, one seed's (the store vmaps it over the seeds), with
-  the method's forward pass and step after training where it asks for them. `max_train`: the
-  longest training index row."""
+  the method's forward pass and step after training where it asks for them, and client-level
+  DP on the uploads with `upload_dp`. `max_train`: the longest training index row."""
   train_one = functools.partial(training.local_train, apply_fn=g.model.apply, cfg=train_cfg,
                                 method=method, train_apply=getattr(g.model, 'train_apply', None))
-  local = functools.partial(local_round, method=method, train_one=train_one)
+  local = functools.partial(local_round, method=method, train_one=train_one,
+                            upload_dp=upload_dp)
   if method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
     raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
                      f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
@@ -242,11 +252,22 @@ class Simulator:
         config.population_store, place, self.groups, self.num_clients, r,
         self.initial.group, self.initial.client_state,
         directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
+    # Client-level DP on the uploads: its accountant (None: off), and what the calls take.
+    self.upload_privacy = (privacy.UploadAccountant(config.privacy, self.num_clients, self.k,
+                                                    config.num_rounds)
+                           if privacy.upload_enabled(config.privacy) else None)
+    upload_dp, central_std = None, 0.0
+    if self.upload_privacy is not None:
+      upload_dp = privacy.UploadDP(
+          fields=tuple(self.method.private_upload), clip_norm=float(config.privacy.upload_clip),
+          std=0.0 if self.upload_privacy.central else self.upload_privacy.std)
+      central_std = self.upload_privacy.std if self.upload_privacy.central else 0.0
     self._train_calls = [self.store.train_call(g, chunk_fn(
         g, self.method, self.train_cfg, self.flops, place, self.data.train_idx.shape[-1],
-        config.eval_batch_size)) for g in self.groups]
+        config.eval_batch_size, upload_dp)) for g in self.groups]
     self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
-        functools.partial(aggregate_seed, self.method, keep_when_empty=self.system is not None),
+        functools.partial(aggregate_seed, self.method, keep_when_empty=self.system is not None,
+                          central_std=central_std),
         r, (0, 0, None, 0))(*a), sharded=False), donate_argnums=0)
     self.evaluator = evaluation.Evaluator(
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
@@ -422,15 +443,20 @@ def _mark(participants, ids, received):
 
 
 def aggregate_seed(method: methods.Method, server, participants, round_index, root_key, *,
-                   keep_when_empty: bool = False) -> methods.Aggregated:
+                   keep_when_empty: bool = False, central_std: float = 0.0) -> methods.Aggregated:
   """One seed's server rule, with its key of the round (STREAM_AGGREGATE). `keep_when_empty`
   (the system section on, where a round may receive nothing): a round without a received
-  upload leaves the server state as it was, and costs the server nothing."""
+  upload leaves the server state as it was, and costs the server nothing. `central_std`
+  (central client-level DP): the noise the method adds first to the round's sum of uploads."""
+  original = server
+  if central_std:
+    server = method.central_noise(server, privacy.server_upload_key(root_key, round_index),
+                                  central_std)
   key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
   agg = method.server_aggregate(server, participants, round_index, key)
   if not keep_when_empty:
     return agg
   any_ = participants.any()
   return agg._replace(server=jax.tree.map(lambda new, old: jnp.where(any_, new, old),
-                                          agg.server, server),
+                                          agg.server, original),
                       flops=jnp.where(any_, agg.flops, 0.0))

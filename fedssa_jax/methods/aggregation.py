@@ -71,11 +71,29 @@ class Inbox:
     return self.replace(sum=jax.tree_util.tree_map(jnp.add, self.sum, chunk_sum),
                         weight=self.weight + chunk_weight)
 
+  def noised(self, key, std: float) -> Inbox:
+    """The inbox with N(0, std^2) noise from `key` on every coordinate of its sum (central
+    client-level DP; privacy.add_noise). Its weight, a count of the uploads that arrived, says
+    nothing of who sent them."""
+    return self.replace(sum=add_gaussian(self.sum, key, std))
+
   def mean(self):
     """(the (weighted) mean of the round's uploads, whether any arrived)."""
     total = self.weight
     mean = jax.tree_util.tree_map(lambda s: s / jnp.where(total > 0, total, 1.0), self.sum)
     return mean, total > 0
+
+
+def add_gaussian(tree, key, std: float):
+  """`tree` plus N(0, std^2) noise on every coordinate, each leaf's from fold_in(key, leaf
+  index) (std 0: `tree` itself): DP-SGD's noise on a gradient sum, and central client-level
+  DP's on a sum of uploads."""
+  if not std:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [
+      g + std * jax.random.normal(jax.random.fold_in(key, i), g.shape, g.dtype)
+      for i, g in enumerate(leaves)])
 
 
 def store_rows(table, client_ids, rows, active):

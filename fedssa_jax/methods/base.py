@@ -247,6 +247,11 @@ class Method:
   eval_reads_server: bool = False
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
   headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
+  # Client-level DP on the uploads (privacy.upload; docs/algorithm.md §11): the names of the
+  # payload's fields that carry what the client computed from its data, which the engine clips
+  # jointly (less `upload_reference`) and noises; the payload's other fields (class counts,
+  # weights, which rows are sent) go as they are. () (the default): nothing to protect.
+  private_upload: tuple[str, ...] = ()
 
   def __init__(self, config, num_clients: int, num_classes: int,
                image_shape: Sequence[int] | None = None):
@@ -330,6 +335,33 @@ class Method:
     receives, and the floats and FLOPs of the upload. `acc` holds what the round accumulated
     (the loss's sums, the forward pass's, the step after training's output)."""
     return Upload(trainable['model'], state)
+
+  def upload_reference(self, server, down: Download, client: ClientView):
+    """What the client's `private_upload` fields are clipped and noised around: a dict of
+    them holding values the server already knows (the global model the client downloaded), so
+    that the clip bounds what training changed; None (the default): zero, the values themselves
+    are clipped."""
+    del server, down, client
+    return None
+
+  @classmethod
+  def upload_refusal(cls, config, mode: str) -> str | None:
+    """Why the method cannot take client-level DP on its uploads in `mode`
+    (privacy.upload_mode), a clause that follows the method's name ("fml's ..."); None where it
+    can. 'central' needs a server that noises one sum of the clipped uploads: a method that has
+    one overrides `central_noise` and this."""
+    del config
+    if not cls.private_upload:
+      return 'clients send nothing to protect'
+    if mode == 'central':
+      return 'server keeps each upload apart, not one sum of them that noise could cover'
+    return None
+
+  def central_noise(self, server, key: jax.Array, std: float):
+    """Central client-level DP: the server state with N(0, std^2) noise from `key` added to the
+    round's sum of the clipped uploads, before `server_aggregate`, whose mean then divides by a
+    count that reveals nothing of who took part."""
+    raise NotImplementedError(f'{type(self).__name__} does not noise its uploads centrally.')
 
   def eval_params(self, params, server, client_id):
     """The parameters a client is evaluated with (its current personalised model). An override

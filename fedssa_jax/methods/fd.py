@@ -68,6 +68,7 @@ class FD(base.Method):
   name = 'fd'
   config_section = 'fd'
   per_sample_loss = True  # CE plus a per-sample distillation term
+  private_upload = ('logits',)  # its class-mean logits (`has`, the classes it holds, is sent)
 
   @classmethod
   def default_config(cls):

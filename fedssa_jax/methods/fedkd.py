@@ -146,6 +146,7 @@ class FedKD(base.Method):
   name = 'fedkd'
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
   config_section = 'fedkd'
+  private_upload = ('update',)  # the compressed update, already a difference from theta_g
 
   @classmethod
   def default_config(cls):
@@ -216,6 +217,16 @@ class FedKD(base.Method):
     recon, floats, svd, _ = compress_update(delta, self.threshold(client.round))
     return base.Upload(trainable['model'], FedKDState(w_h=trainable['w_h']),
                        payload=FedKDUpload(update=recon), floats=floats, flops=svd)
+
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    if mode == 'local':
+      return ('upload is a truncated SVD of the update, which noise on it would make dense '
+              '(central noise leaves the clipped uploads low-rank)')
+    return None
+
+  def central_noise(self, server, key, std):
+    return server.replace(inbox=server.inbox.noised(key, std))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(payloads.update, active))

@@ -63,6 +63,7 @@ class FedMRL(base.Method):
   name = 'fedmrl'
   config_section = 'fedmrl'
   per_sample_loss = True  # two CE terms, each a mean over the batch's samples
+  private_upload = ('value',)  # the trained shared model, around the downloaded one
   eval_metrics = ('shared_accuracy',)
   # eval_forward: J_k from the client state, G_g from the server; eval_extra: G_g's header.
   eval_reads_state = eval_reads_server = True
@@ -158,6 +159,19 @@ class FedMRL(base.Method):
                        floats=jnp.int32(self.shared_floats))
 
   # --- server side -----------------------------------------------------------------------------
+  def upload_reference(self, server, down, client):
+    return {'value': down.aux['shared']}  # the downloaded global shared model
+
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    if mode == 'central' and config.fedmrl.aggregation == 'samples':
+      return ("shared model's mean weights each upload by its n_k, which noise on one sum does "
+              "not cover (set fedmrl.aggregation='uniform' for it)")
+    return None
+
+  def central_noise(self, server, key, std):
+    return server.replace(inbox=server.inbox.noised(key, std))
+
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(
         payloads.value, active, payloads.weight if self.weighted else None))

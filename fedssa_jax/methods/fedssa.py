@@ -15,8 +15,14 @@ model.feature_dim, 500 in the paper).
 - Aggregate per class: theta^s = unweighted mean of U_k^s over contributing owners of s
   (`all_owners`: every owner that has uploaded at least once; `participants`: this round's).
   A class with no contributor keeps its previous global row (theta^0 until an owner uploads).
+- Under central client-level DP (privacy.upload_mode='central', scope 'participants'): theta^s =
+  (the sum of the round's clipped rows of s + noise) / (q |owners of s|), q = K / N the
+  participation: a count fixed in advance, so that the mean reveals nothing of who took part;
+  every class with an owner gets a row each round.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +73,14 @@ class FedSSAServer:
   uploaded: jax.Array     # [N] has the client ever uploaded?
   global_rows: jax.Array  # [S, d + 1] theta^s
   avail: jax.Array        # [S] does theta^s exist yet?
+  noise: jax.Array | None = None  # [S, d + 1] central DP: the round's noise on the row sums
 
 
 class FedSSA(base.Method):
   name = 'fedssa'
   config_section = 'fedssa'
   per_sample_loss = True  # plain cross-entropy
+  private_upload = ('rows',)  # the seen rows, around the global rows they were fused with
 
   @classmethod
   def default_config(cls):
@@ -105,6 +113,10 @@ class FedSSA(base.Method):
     self.mu0, self.t_stable = float(c.mu0), int(c.t_stable)
     self.fusion, self.scope = c.fusion, c.scope
     self.initial_header = bool(c.initial_header)
+    p = config.get('privacy')
+    self.central = p is not None and bool(p.upload) and p.upload_mode == 'central'
+    # q = K / N, the share of the clients a round samples (engine/schedule.cohort_size's K).
+    self.participation = max(1, math.floor(config.participation * num_clients)) / num_clients
 
   def init_server(self, key, seen):
     n, s = seen.shape
@@ -116,7 +128,8 @@ class FedSSA(base.Method):
     return FedSSAServer(
         seen=jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
         table=jnp.zeros((n, s, row), jnp.float32), uploaded=jnp.zeros((n,), bool),
-        global_rows=global_rows, avail=avail)
+        global_rows=global_rows, avail=avail,
+        noise=jnp.zeros((s, row), jnp.float32) if self.central else None)
 
   def download(self, params, state, server, client):
     mu = mu_schedule(client.round, self.mu0, self.t_stable)
@@ -134,6 +147,22 @@ class FedSSA(base.Method):
     return base.Upload(params, state, payload=FedSSAUpload(rows=rows),
                        floats=self.header_row * client.seen.sum())
 
+  def upload_reference(self, server, down, client):
+    # The global rows the seen rows were fused with (known to the server); zero elsewhere.
+    fused = client.seen & server.avail
+    return {'rows': jnp.where(fused[:, None], server.global_rows, 0.0)}
+
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    if mode == 'central' and config.fedssa.scope != 'participants':
+      return ("class means re-use every owner's latest rows, so one round's noise would not "
+              "cover the rows kept from earlier rounds (set fedssa.scope='participants' for "
+              "it)")
+    return None
+
+  def central_noise(self, server, key, std):
+    return server.replace(noise=std * jax.random.normal(key, server.global_rows.shape))
+
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(
         table=aggregation.store_rows(server.table, client_ids, payloads.rows, active),
@@ -142,5 +171,13 @@ class FedSSA(base.Method):
   def server_aggregate(self, server, participants, round_index, key):
     owners = server.uploaded if self.scope == 'all_owners' else participants
     contrib = server.seen & owners[:, None]
+    if self.central:  # noised sums over a count fixed in advance (the module docstring)
+      total, _ = aggregation.masked_sum(server.table, contrib)
+      expected = self.participation * server.seen.sum(axis=0)
+      has = expected > 0
+      g = jnp.where(has[:, None], (total + server.noise) / jnp.where(has, expected, 1.0)[:, None],
+                    server.global_rows)
+      return base.Aggregated(server.replace(global_rows=g, avail=server.avail | has,
+                                            noise=jnp.zeros_like(server.noise)))
     g, avail = aggregate_headers(server.table, contrib, server.global_rows, server.avail)
     return base.Aggregated(server.replace(global_rows=g, avail=avail))

@@ -57,6 +57,7 @@ class FML(base.Method):
   name = 'fml'
   config_section = 'fml'
   per_sample_loss = True  # CE and KL terms, each a mean over the batch's samples
+  private_upload = ('meme',)  # the trained meme, around the downloaded global meme
 
   @classmethod
   def default_config(cls):
@@ -112,6 +113,16 @@ class FML(base.Method):
   def upload(self, trainable, acc, ctx, state, client):
     return base.Upload(trainable['model'], state, payload=FMLUpload(meme=trainable['meme']),
                        floats=jnp.int32(self.meme_floats))
+
+  def upload_reference(self, server, down, client):
+    return {'meme': down.aux['meme']}
+
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    return None  # local, or central: its inbox sums the memes
+
+  def central_noise(self, server, key, std):
+    return server.replace(inbox=server.inbox.noised(key, std))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(payloads.meme, active))

@@ -26,6 +26,7 @@ class SharedHeader(base.Method):
   """The whole-header exchange: download H_g over the header, upload it, weighted mean."""
   config_section = 'lg_fedavg'  # the config block holding `weighting`
   per_sample_loss = True  # plain cross-entropy (FedClassAvg, with SupCon, sets False)
+  private_upload = ('value',)  # the trained header, around the downloaded H_g
 
   @classmethod
   def default_config(cls):
@@ -58,6 +59,19 @@ class SharedHeader(base.Method):
     weight = jnp.asarray(client.num_samples if self.weighting == 'samples' else 1, jnp.float32)
     payload = base.WeightedUpload(value=models.header_rows(params), weight=weight)
     return base.Upload(params, state, payload, floats=jnp.int32(self.header_floats))
+
+  def upload_reference(self, server, down, client):
+    return {'value': models.header_rows(down.params)}  # H_g, as downloaded
+
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    if mode == 'central' and config[cls.config_section].weighting != 'uniform':
+      return (f"header mean weights each upload by its n_k, which noise on one sum does not "
+              f"cover (set {cls.config_section}.weighting='uniform' for it)")
+    return None
+
+  def central_noise(self, server, key, std):
+    return server.replace(inbox=server.inbox.noised(key, std))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(payloads.value, active, payloads.weight))

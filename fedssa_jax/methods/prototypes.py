@@ -84,6 +84,7 @@ class PrototypeUploads:
   mixin before base.Method; the method sets `proto_source` and `local_epochs`."""
   proto_source: str
   local_epochs: int
+  private_upload = ('protos',)  # the prototypes (their class counts n are sent as they are)
 
   def init_acc(self):
     if self.proto_source != 'train_pass':

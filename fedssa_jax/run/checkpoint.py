@@ -129,11 +129,13 @@ def check_resumable(saved_meta: dict, config: ml_collections.ConfigDict, where: 
   added = {k for k in differ if k in before and now.get(k) == before[k]}
   refused = [f'{k}: checkpoint {show(saved, k)}, now {show(now, k)}' for k in differ
              if k not in MUTABLE_ON_RESUME and k not in added]
-  if (now.get('privacy.dp_sgd') and not now.get('privacy.noise_multiplier')
-      and saved.get('num_rounds') != now['num_rounds']):
-    refused.append(f'num_rounds: checkpoint {saved.get("num_rounds")!r}, now '
-                   f'{now["num_rounds"]!r} (privacy.target_epsilon calibrated the noise '
-                   'multiplier to the checkpoint\'s num_rounds)')
+  for on, sigma, target in (('dp_sgd', 'noise_multiplier', 'target_epsilon'),
+                            ('upload', 'upload_noise_multiplier', 'upload_target_epsilon')):
+    if (now.get(f'privacy.{on}') and not now.get(f'privacy.{sigma}')
+        and saved.get('num_rounds') != now['num_rounds']):
+      refused.append(f'num_rounds: checkpoint {saved.get("num_rounds")!r}, now '
+                     f'{now["num_rounds"]!r} (privacy.{target} calibrated the noise '
+                     'multiplier to the checkpoint\'s num_rounds)')
   if refused:
     raise ConfigError(
         f'Cannot resume the run in {where}: its config differs in fields that change the '

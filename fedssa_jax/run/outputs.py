@@ -74,6 +74,9 @@ class Progress:
   # before num_rounds because a further round could exceed privacy.target_epsilon.
   dp_steps: list = dataclasses.field(default_factory=list)
   budget_reached: bool = False
+  # Client-level DP on the uploads: each client's uploads sent so far (local mode), or the
+  # rounds run, the same for every client (central mode).
+  upload_releases: list = dataclasses.field(default_factory=list)
 
   @classmethod
   def from_checkpoint(cls, saved: dict) -> Progress:
@@ -120,6 +123,10 @@ def make_summary(config, state, progress: Progress) -> dict:
       **({'dp_epsilon': history[-1]['dp_epsilon'], 'dp_delta': config.privacy.delta,
           'privacy_budget_reached': progress.budget_reached}
          if history and 'dp_epsilon' in history[-1] else {}),
+      # With client-level DP on the uploads: the run's final epsilon (its largest client's).
+      **({'dp_upload_epsilon': history[-1]['dp_upload_epsilon'],
+          'dp_delta': config.privacy.delta}
+         if history and 'dp_upload_epsilon' in history[-1] else {}),
   }
 
 
@@ -199,10 +206,12 @@ class SeedOutputs:
 
 
 def record(sim, state, info, ev, sim_seconds: float = 0.0,
-           epsilons: np.ndarray | None = None) -> dict:
+           epsilons: np.ndarray | None = None,
+           upload_epsilons: np.ndarray | None = None) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
   evaluation `ev`; `sim_seconds`, the simulated seconds so far (the system section's clock);
-  `epsilons` [N], each client's epsilon so far (DP-SGD, the privacy section)."""
+  `epsilons` [N], each client's epsilon so far (DP-SGD, the privacy section), and
+  `upload_epsilons` [N], of client-level DP on the uploads."""
   evaluated = ev.evaluated
   acc = ev.accuracy[evaluated]
   cohort = info.cohort
@@ -234,15 +243,17 @@ def record(sim, state, info, ev, sim_seconds: float = 0.0,
       'server_metrics': dict(info.server_metrics),
       **({} if info.system is None else system_fields(sim, info.system, sim_seconds)),
       **({} if epsilons is None else privacy_fields(epsilons)),
+      **({} if upload_epsilons is None else privacy_fields(upload_epsilons, 'dp_upload_epsilon')),
   }
 
 
-def privacy_fields(epsilons: np.ndarray) -> dict:
-  """A record's fields of DP-SGD: the run's epsilon (its largest client's: every client's
-  training data is at least that private) and the mean over the clients that trained."""
-  trained = epsilons[epsilons > 0]
-  return {'dp_epsilon': float(epsilons.max(initial=0.0)),
-          'dp_epsilon_mean': float(trained.mean()) if len(trained) else 0.0}
+def privacy_fields(epsilons: np.ndarray, name: str = 'dp_epsilon') -> dict:
+  """A record's fields of DP-SGD (or, with `name`, of the uploads): the run's epsilon (its
+  largest client's: every client's data is at least that private) and the mean over the clients
+  that spent any."""
+  spent = epsilons[epsilons > 0]
+  return {name: float(epsilons.max(initial=0.0)),
+          f'{name}_mean': float(spent.mean()) if len(spent) else 0.0}
 
 
 def system_fields(sim, s, sim_seconds: float) -> dict:
@@ -292,6 +303,8 @@ def log_round(config, rounds_done, record, info, round_times, prefix='') -> None
   fed = '' if s is None else f', {len(s.received)}/{len(s.sampled)} uploads received'
   if record and 'dp_epsilon' in record:
     fed += f', epsilon {record["dp_epsilon"]:.3g}'
+  if record and 'dp_upload_epsilon' in record:
+    fed += f', upload epsilon {record["dp_upload_epsilon"]:.3g}'
   logging.info('%sround %d/%d: %s, train loss %.4f%s, %.2f s/round, ETA %.0f s', prefix,
                rounds_done, config.num_rounds, acc_text, info.train_loss, fed, round_times[-1],
                eta)

@@ -244,6 +244,9 @@ def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
           'dp_noise_multiplier': sim.privacy.noise_multiplier,
           'dp_sampling_rate': sim.privacy.q[i].tolist(),
           'dp_max_batch': sim.train_cfg.dp.max_batch}),
+      # Client-level DP on the uploads: its noise multiplier (given or calibrated).
+      **({} if sim.upload_privacy is None else {
+          'dp_upload_noise_multiplier': sim.upload_privacy.noise_multiplier}),
   }
 
 
@@ -296,6 +299,8 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
     for run, info in zip(runs, infos):
       if sim.privacy is not None and run.failed is None:
         run.progress.dp_steps = _dp_steps(sim, run.progress, info)
+      if sim.upload_privacy is not None and run.failed is None:
+        run.progress.upload_releases = _upload_releases(sim, run.progress, info)
     ended = _budget_reached(sim, state.round, runs)
     last = state.round == config.num_rounds or ended
     for i, (run, info) in enumerate(zip(runs, infos)):
@@ -333,6 +338,18 @@ def _dp_steps(sim: simulator.Simulator, progress: outputs.Progress, info) -> lis
   steps = np.array(progress.dp_steps or [0] * sim.num_clients, np.int64)
   steps[info.cohort] += np.asarray(info.train_steps, np.int64)
   return steps.tolist()
+
+
+def _upload_releases(sim: simulator.Simulator, progress: outputs.Progress, info) -> list:
+  """Each client's releases of client-level DP so far, with the round of `info`: the uploads it
+  sent (local mode; every trained client sends, whether or not the upload arrives), or the
+  rounds (central mode: each round releases the noised sum once)."""
+  releases = np.array(progress.upload_releases or [0] * sim.num_clients, np.int64)
+  if sim.upload_privacy.central:
+    releases += 1
+  else:
+    releases[info.cohort] += 1
+  return releases.tolist()
 
 
 def _budget_reached(sim: simulator.Simulator, rounds_done: int, runs) -> bool:
@@ -388,6 +405,8 @@ def _evaluate_and_record(sim: simulator.Simulator, state, i: int, run: outputs.S
     run.last_ev = sim.evaluate(state, previous=run.last_ev, seed_index=i)
     record = outputs.record(
         sim, state.replace(costs=state.costs.of(i)), info, run.last_ev, progress.sim_seconds,
-        None if sim.privacy is None else sim.privacy.epsilons(i, progress.dp_steps))
+        None if sim.privacy is None else sim.privacy.epsilons(i, progress.dp_steps),
+        None if sim.upload_privacy is None else
+        sim.upload_privacy.epsilons(progress.upload_releases))
   now = time.time()
   run.add_record(record, now - t0, now)
