@@ -326,13 +326,14 @@ def privatize_upload(payload, reference, key, *, fields: tuple[str, ...], clip_n
   """One client's upload under client-level DP: its `fields`, less `reference` (a dict of them,
   or None: zero), clipped jointly to the global norm `clip_norm`, plus N(0, std^2) on every
   coordinate (each leaf's from fold_in(key, leaf index); std 0: none), plus `reference` again.
-  The payload's other fields pass as they are."""
+  The payload's other fields pass as they are. Returns (the payload, the norm before the clip)."""
   values = {f: getattr(payload, f) for f in fields}
   ref = jax.tree.map(jnp.zeros_like, values) if reference is None else reference
   delta = jax.tree.map(jnp.subtract, values, ref)
-  scale = clip_factor(jax.tree.map(lambda d: d[None], delta), clip_norm)[0]
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(delta)))
+  scale = 1.0 if math.isinf(clip_norm) else clip_norm / jnp.maximum(norm, clip_norm)
   noised = add_noise(jax.tree.map(lambda d: d * scale, delta), key, std, 1.0)
-  return payload.replace(**jax.tree.map(jnp.add, ref, noised))
+  return payload.replace(**jax.tree.map(jnp.add, ref, noised)), norm
 
 
 # ----------------------------------------------------------------------------------------------

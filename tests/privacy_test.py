@@ -384,6 +384,7 @@ def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, 
     assert r['dp_upload_epsilon'] == pytest.approx(
         privacy.upload_epsilon('rdp', 2.0, int(sent.max()), 1e-5), rel=1e-12)
   assert summary['dp_upload_epsilon'] == recs[-1]['dp_upload_epsilon']
+  assert all(0 <= r['dp_upload_clipped'] <= 1 and r['dp_upload_norm_median'] > 0 for r in recs)
   assert derived['dp_upload_noise_multiplier'] == 2.0
 
   # Stopped after round 1 and resumed: the same records.
@@ -470,14 +471,14 @@ def test_a_privatized_upload_is_the_clipped_delta_plus_noise_by_hand():
   reference = {'rows': jnp.asarray(rng.normal(size=(2, 3))),
                'model': {'b': jnp.zeros(4), 'w': jnp.ones((2, 2))}}
   key = jax.random.PRNGKey(7)
-  out = privacy.privatize_upload(payload, reference, key, fields=('model', 'rows'),
-                                 clip_norm=0.5, std=0.3)
+  out, pre_clip = privacy.privatize_upload(payload, reference, key, fields=('model', 'rows'),
+                                           clip_norm=0.5, std=0.3)
   # By hand: the delta over both fields, its global norm, the clip, then the noise of each leaf
   # in the order of the fields' tree ({'model': {'b', 'w'}, 'rows'}).
   deltas = [np.asarray(payload.model['b']), np.asarray(payload.model['w']) - 1.0,
             np.asarray(payload.rows) - np.asarray(reference['rows'])]
   norm = math.sqrt(sum(float((d ** 2).sum()) for d in deltas))
-  assert norm > 0.5  # the clip binds
+  assert norm > 0.5 and float(pre_clip) == pytest.approx(norm, rel=1e-6)  # the clip binds
   noise = [0.3 * np.asarray(jax.random.normal(jax.random.fold_in(key, i), d.shape))
            for i, d in enumerate(deltas)]
   want = [d * 0.5 / norm + n for d, n in zip(deltas, noise)]
@@ -487,8 +488,8 @@ def test_a_privatized_upload_is_the_clipped_delta_plus_noise_by_hand():
                              atol=1e-6)
   np.testing.assert_array_equal(out.count, payload.count)
   # No noise and no clip: the upload as it was.
-  same = privacy.privatize_upload(payload, reference, key, fields=('model', 'rows'),
-                                  clip_norm=math.inf, std=0.0)
+  same, _ = privacy.privatize_upload(payload, reference, key, fields=('model', 'rows'),
+                                     clip_norm=math.inf, std=0.0)
   for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(payload)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
@@ -545,7 +546,7 @@ def test_fedssas_server_gets_the_privatized_rows_of_a_plain_round(small_ds, mode
   server = snapshots.seed_state(sim.store, state).server
   np.testing.assert_array_equal(dp_info.cohort, info.cohort)
   seen, g0 = sim.seen[0], np.asarray(start.global_rows)
-  want = {}
+  want, norms = {}, {}
   for k in info.cohort:
     reference = np.where((seen[k] & np.asarray(start.avail))[:, None], g0, 0.0)
     delta = table[k] - reference
@@ -555,7 +556,9 @@ def test_fedssas_server_gets_the_privatized_rows_of_a_plain_round(small_ds, mode
       key = jax.random.fold_in(privacy.upload_keys(sim.root_keys[0], 0, jnp.array([k]))[0], 0)
       noise = z * clip * np.asarray(jax.random.normal(key, delta.shape))
     want[k] = reference + delta * scale + noise
+    norms[k] = np.linalg.norm(delta)
     np.testing.assert_allclose(np.asarray(server.table[k]), want[k], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dp_info.upload_norms, [norms[k] for k in info.cohort], rtol=1e-5)
   if mode == 'central':
     noise = z * clip * np.asarray(jax.random.normal(
         privacy.server_upload_key(sim.root_keys[0], 0), g0.shape))

@@ -112,11 +112,11 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   acc = methods.Accumulated(loss=loss_sums, forward_pass=passed, after_training=after)
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
       trainable, acc, down.ctx, state, view)
-  payload = up.payload
+  payload, upload_norm = up.payload, None
   if upload_dp is not None:
     reference = jax.vmap(method.upload_reference, in_axes=(None, 0, view_axes))(
         server, down, view)
-    payload = jax.vmap(functools.partial(
+    payload, upload_norm = jax.vmap(functools.partial(
         privacy.privatize_upload, fields=upload_dp.fields, clip_norm=upload_dp.clip_norm,
         std=upload_dp.std))(payload, reference, privacy.upload_keys(inputs.root_key, t, ids))
   extra_flops = down.flops + up.flops
@@ -127,7 +127,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   if when is not None:  # the pass: one forward of each training sample
     extra_flops = extra_flops + pass_flops_per_sample * n.astype(jnp.float32)
   stats = ClientStats(train=stats, down_floats=down.floats, up_floats=up.floats,
-                      extra_flops=extra_flops)
+                      extra_flops=extra_flops, upload_norm=upload_norm)
   return up.params, up.state, payload, stats
 
 
@@ -400,7 +400,9 @@ class Simulator:
         header_norm_max=float(s.norms.max.max(initial=0.0)),  # 0 for a round without clients
         header_norm_mean=float(s.norms.sum.sum() / max(s.norms.count.sum(), 1)),
         server_flops=0.0, server_metrics={},  # the server's: run_round fills them in
-        system=None if self.system is None else self._system_round(cohort, s, *federation))
+        system=None if self.system is None else self._system_round(cohort, s, *federation),
+        upload_norms=(None if s.clients.upload_norm is None
+                      else np.asarray(s.clients.upload_norm, np.float64)))
 
   def _system_round(self, cohort, s: ChunkStats, draws: system.RoundDraws,
                     sampled: np.ndarray, _) -> SystemRound:

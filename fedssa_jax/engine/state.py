@@ -109,6 +109,9 @@ class ClientStats:
   up_floats: jax.Array     # floats sent (methods.Upload.floats)
   extra_flops: jax.Array   # client FLOPs beyond the training steps: the download's, the
                            # upload's, the forward pass's and the step after training's
+  # Client-level DP on the uploads: each upload's norm before the clip (a diagnostic for
+  # choosing privacy.upload_clip; None without it).
+  upload_norm: jax.Array | None = None
 
 
 @struct.dataclass
@@ -162,6 +165,8 @@ class RoundInfo:
   server_flops: float           # FLOPs the server spent this round (methods.Aggregated)
   server_metrics: dict          # the server's scalar diagnostics of the round, by name
   system: SystemRound | None = None  # the federation's draws and clock (system section on)
+  upload_norms: np.ndarray | None = None  # per participant: its upload's norm before the clip
+                                          # (client-level DP on the uploads)
 
 
 @struct.dataclass

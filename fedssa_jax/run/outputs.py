@@ -244,7 +244,17 @@ def record(sim, state, info, ev, sim_seconds: float = 0.0,
       **({} if info.system is None else system_fields(sim, info.system, sim_seconds)),
       **({} if epsilons is None else privacy_fields(epsilons)),
       **({} if upload_epsilons is None else privacy_fields(upload_epsilons, 'dp_upload_epsilon')),
+      **({} if info.upload_norms is None else
+         upload_norm_fields(info.upload_norms, sim.config.privacy.upload_clip)),
   }
+
+
+def upload_norm_fields(norms: np.ndarray, clip: float) -> dict:
+  """A record's diagnostic of the uploads' clip (client-level DP): the median of the round's
+  upload norms before the clip, and the share of them the clip shortened. A simulator's view for
+  choosing privacy.upload_clip, not something the server sees."""
+  return {'dp_upload_norm_median': float(np.median(norms)) if len(norms) else 0.0,
+          'dp_upload_clipped': float((norms > clip).mean()) if len(norms) else 0.0}
 
 
 def privacy_fields(epsilons: np.ndarray, name: str = 'dp_epsilon') -> dict:
