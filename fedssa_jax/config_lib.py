@@ -296,8 +296,9 @@ def _check_names_and_numbers(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(str(e)) from None
   require_one_of('method', c.method, methods.METHODS)
   for field, value in _numbers(c.to_dict()):
-    require(math.isfinite(value), f'{field} is {value}; it must be a finite number. Set '
-            f'--config.{field} to one (its default is {_default(c.dataset, field)}).')
+    if not math.isfinite(value):  # the message builds a default config: only when it fails
+      raise ConfigError(f'{field} is {value}; it must be a finite number. Set --config.{field} '
+                        f'to one (its default is {_default(c.dataset, field)}).')
   require(len(c.model.families) >= 1, 'model.families must name at least one family.')
   names = models.all_family_names()
   for f in c.model.families:

@@ -339,7 +339,7 @@ def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(smal
   sim = make_small_sim(small_ds, method, **{'privacy.dp_sgd': True})
   start = sim.init_state()
   before = {k: params_of(sim, start.population.params, k) for k in range(5)}
-  for state, info in rounds(sim, 2, sim.init_state()):
+  for state, info in rounds(sim, 1, sim.init_state()):
     n = sim.train_n[0][info.cohort]
     np.testing.assert_array_equal(info.train_steps, -(-n // 16))  # E ceil(n / B), E = 1
     assert np.isfinite(info.train_loss)

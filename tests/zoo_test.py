@@ -247,7 +247,11 @@ def test_counts_and_names_match_pytorch(name):
     assert abstract(name, (64, 64, 3))[1]['params']['fc1']['0']['kernel'].shape == (10816, 512)
 
 
-@pytest.mark.parametrize('name', marked(zoo.ZOO_FAMILY_NAMES))
+# ResNet-101 and -152 are ResNet-50's bottleneck blocks, more of them: their layout is checked
+# by their parameter counts and fingerprints against PyTorch's (above), and their forward is
+# left to ResNet-50's (9 s of the suite's budget).
+@pytest.mark.parametrize('name', marked(
+    [n for n in zoo.ZOO_FAMILY_NAMES if n not in ('resnet101', 'resnet152')]))
 def test_forward_matches_pytorch(name):
   """Float64 logits and representation, in eval mode on 32x32 images and in train mode on 64x64
   ones, and the running statistics after the training forward, against PyTorch's under the same
