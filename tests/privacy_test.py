@@ -566,3 +566,57 @@ def test_fedssas_server_gets_the_privatized_rows_of_a_plain_round(small_ds, mode
     expected = 2 / 5 * seen.sum(axis=0)  # q = K / N, times the owners of each class
     np.testing.assert_allclose(np.asarray(server.global_rows),
                                (total + noise) / expected[:, None], rtol=1e-5, atol=1e-5)
+
+
+# Each method's payload fields and reference, on one client without training: the reference is
+# what the server sent (the global model it downloaded), so a client that changed nothing
+# uploads exactly it, and without noise its privatized upload is its upload.
+REFERENCES = {  # method: (its private fields, where its reference comes from in the server)
+    'fml': lambda server: {'meme': server.meme},
+    'lg_fedavg': lambda server: {'value': server.global_header},
+    'fedmrl': lambda server: {'value': server.shared},
+    'fedssa': lambda server: {'rows': jnp.where(server.avail[:, None], server.global_rows, 0.0)},
+}
+
+
+@pytest.mark.parametrize('method', sorted(REFERENCES))
+def test_each_methods_reference_is_what_its_client_downloaded(method):
+  from conftest import client_view
+  from fedssa_jax import methods
+  c = config_lib.base_config('cifar10')
+  cls = methods.METHODS[method]
+  m = cls(c, 3, 4)
+  seen = jnp.ones(4, bool)  # every class: FedSSA's reference covers every row
+  server = m.init_server(jax.random.PRNGKey(0), jnp.ones((3, 4), bool))
+  params = models.init_params(models.make_model('cnn5', 4, 'im2col', feature_dim=m.feature_dim),
+                              jax.random.PRNGKey(1))
+  view = client_view(0, seen, 10)
+  state = m.init_client_state(jax.random.PRNGKey(2))
+  down = m.download(params, state, server, view)
+  reference = m.upload_reference(server, down, view)
+  for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(REFERENCES[method](server))):
+    np.testing.assert_array_equal(a, b)
+  if method == 'fedssa':  # FedSSA's fused rows are not the global ones while mu_t > 0
+    return
+  trainable = {'model': down.params, **down.aux}
+  up = m.upload(trainable, methods.Accumulated(), down.ctx, state, view)
+  for f in m.private_upload:  # nothing trained: the upload is the reference
+    for a, b in zip(jax.tree.leaves(getattr(up.payload, f)), jax.tree.leaves(reference[f])):
+      np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('method', ['fml', 'fedkd', 'lg_fedavg', 'fedmrl'])
+def test_central_noise_lands_on_the_inbox_sum_and_its_mean(method):
+  from fedssa_jax import methods
+  from fedssa_jax.methods import aggregation
+  c = config_lib.base_config('cifar10')
+  m = methods.METHODS[method](c, 3, 4)
+  server = m.init_server(jax.random.PRNGKey(0), jnp.ones((3, 4), bool))
+  key = jax.random.PRNGKey(5)
+  noised = m.central_noise(server, key, 0.25)
+  want = aggregation.add_gaussian(server.inbox.sum, key, 0.25)
+  for a, b, s in zip(jax.tree.leaves(noised.inbox.sum), jax.tree.leaves(want),
+                     jax.tree.leaves(server.inbox.sum)):
+    np.testing.assert_array_equal(a, b)
+    assert np.std(np.asarray(a) - np.asarray(s)) == pytest.approx(0.25, rel=0.2) or a.size < 50
+  assert noised.inbox.weight == server.inbox.weight
