@@ -134,8 +134,17 @@ UNMATCHED = {
             'loss gradients; ours (and the FML paper\'s code) detach them (ours with '
             'fml.detach_targets=False).'],
     'fedkd': ['compression: HtFLlib compresses the mentee\'s parameters (conv kernels as 4-D '
-              'SVDs) and each client takes the averaged reconstruction; ours compresses the '
-              'update (conv kernels as [O, I*25]) and adds it to the global mentee.',
+              'SVDs; clientkd.py:86-87) and the server recovers, averages and truncates them '
+              'again (serverkd.py:89-96), so the mentee loses 1 - T of its energy twice a '
+              'round; ours compresses the update (conv kernels as [O, I*25]) and adds it to '
+              'the global mentee.',
+              'zeroing: HtFLlib\'s truncation (clientkd.py:162-169) starts its rank at 0 and never '
+              'tests the full rank, so a tensor whose smallest singular value holds more than '
+              '1 - T of the energy is rebuilt as zeros (a head [10, 500] at torch\'s uniform '
+              'init holds about 8% in sigma_min^2, so at T = 0.95-0.98 the loop ends at rank 0); '
+              'ours keeps the full rank there.',
+              'W_h: HtFLlib seeds torch with 0 before each client\'s W_h (clientkd.py:13), so '
+              'every client starts with the same one; ours draws each client\'s from its key.',
               'energy schedule: HtFLlib T_t = start + (end - start) t/R; ours (t + 1)/R.'],
     'fedgh': ['HtFLlib\'s global header starts as client 0\'s initial head; ours is drawn '
               'from the server\'s key.',
@@ -149,8 +158,9 @@ UNMATCHED = {
                'key here.'],
     'fedmrl': ['HtFLlib\'s projectors start equal on every client (torch.manual_seed(0) before '
                'each); ours are drawn per client.'],
-    'fedl2g': ['HtFLlib uploads the guiding-vector rows whose gradient is non-zero; ours the '
-               'rows of the classes the client holds.',
+    'fedl2g': ['rows: HtFLlib uploads the guiding-vector rows whose meta-gradient is non-zero; '
+               'ours the rows of the classes in the study batch, which are those rows (the '
+               'same upload).',
                'The study batch is drawn by each side\'s own RNG.'],
 }
 
