@@ -9,8 +9,12 @@ Data, in order of preference: `--jpeg_npz` (the offline CIFAR-10 JPEG archive of
       --config.local_epochs=1 --rounds=3 [--synthetic] [--methods=fedssa,standalone]
 
 `--workdir` is where the disk store keeps its files (`--config.population_store=disk`).
+`--json` writes each method's figures (s/round after the first, images/s, client GFLOP/s, the
+backend and device) to a JSON file, beside the commit (launch/gpu_htfl_bench.sh).
 """
 import io
+import json
+import subprocess
 import time
 
 from absl import app, flags
@@ -29,6 +33,7 @@ flags.DEFINE_string('jpeg_npz', None, 'Path of cifar10_jpeg.npz to read instead 
 flags.DEFINE_list('methods', [], 'Methods to run in turn; default: the config\'s method.')
 flags.DEFINE_integer('eval_every', 1, 'Evaluate all clients every this many rounds.')
 flags.DEFINE_string('workdir', None, 'The run folder of the disk store (population/).')
+flags.DEFINE_string('json', None, 'Write every method\'s figures to this JSON file.')
 
 
 def jpeg_cifar10(path):
@@ -51,13 +56,18 @@ def time_method(c, ds):
   print(f'{c.method}: backend {jax.default_backend()} ({jax.devices()[0].device_kind}), setup '
         f'{time.time() - t0:.1f} s, groups: '
         + ', '.join(f'{g.family} x{g.size} ({g.clients_per_call}/call)' for g in sim.groups))
-  start, steady, ev = time.time(), [], None
+  setup = time.time() - t0
+  start, steady, ev, first = time.time(), [], None, None
+  images = flops = 0.0
   for r in range(1, FLAGS.rounds + 1):
     t0 = time.time()
     state, (info,) = sim.run_round(state)
     jax.block_until_ready(state)
     t1 = time.time()
     steady += [t1 - t0] if r > 1 else []
+    first = t1 - t0 if r == 1 else first
+    if r > 1:
+      images, flops = images + float(info.train_samples.sum()), flops + info.client_flops
     line = (f'{c.method} round {r}: train+server {t1 - t0:.2f} s '
             f'({info.train_samples.sum() / (t1 - t0):.0f} img/s)')
     if r % FLAGS.eval_every == 0 or r == FLAGS.rounds:
@@ -67,6 +77,24 @@ def time_method(c, ds):
   print(f'{c.method}: {FLAGS.rounds} rounds in {time.time() - start:.1f} s including compiles '
         f'and evaluations; train+server {np.mean(steady or [0]):.3f} s/round after round 1',
         flush=True)
+  seconds = float(np.sum(steady)) if steady else 0.0
+  return {'method': c.method, 'families': list(c.model.families),
+          'num_clients': c.num_clients, 'participation': c.participation,
+          'batch_size': c.batch_size, 'local_epochs': c.local_epochs,
+          'backend': jax.default_backend(), 'device': jax.devices()[0].device_kind,
+          'setup_seconds': setup, 'first_round_seconds': first,
+          'steady_seconds_per_round': float(np.mean(steady)) if steady else None,
+          'images_per_second': images / seconds if seconds else None,
+          'client_gflops_per_second': flops / seconds / 1e9 if seconds else None,
+          'mean_accuracy': float(ev.accuracy.mean()) if ev is not None else None}
+
+
+def commit() -> str:
+  try:
+    return subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return 'unknown'
 
 
 def main(_):
@@ -79,11 +107,15 @@ def main(_):
     ds = data.synthetic_cifar(num_classes)
   else:
     ds = data.load_dataset(c.dataset, c.data_dir, c.download)
+  results = []
   for method in FLAGS.methods or [c.method]:
     with c.unlocked():
       c.method = method
     with config_lib.matmul_precision(c):
-      time_method(c, ds)
+      results.append(time_method(c, ds))
+  if FLAGS.json:
+    with open(FLAGS.json, 'w') as f:
+      json.dump({'commit': commit(), 'rounds': FLAGS.rounds, 'runs': results}, f, indent=2)
 
 
 if __name__ == '__main__':
