@@ -38,7 +38,15 @@ learning rate `-lr`, fixed in its code; so our side runs plain SGD as well (mome
 decay 0, no clip except FML's and FedKD's 10, which HtFLlib hard-codes), without augmentation
 (HtFLlib has none), at `--lr` (default 0.05: our default step, 0.005 with momentum 0.9, is
 0.05 in plain SGD terms). Batch 512, E=1, N=10, C=100% and each method's hyperparameters are
-passed to HtFLlib from our config. FedProto is compared on the nearest global prototype, the
+passed to HtFLlib from our config. `--batch_size`, `--num_clients`, `--partition=dirichlet` and
+`--alpha` set another federation on both sides; HtFLlib's own scripts' (system/total.sh) is
+
+  python launch/against_htfllib.py ... --batch_size=10 --num_clients=20 --partition=dirichlet \
+      --alpha=0.1 --lr=0.01 --methods=standalone,fedproto,fedgh --rounds=3
+
+and its files are named with the federation (`_b10_n20_dir0.1_lr0.01`), so each federation's
+runs resume on their own. The round's speed is printed as s/round and as training images a
+second (HtFLlib's loaders drop each client's last partial batch, ours keep it). FedProto is compared on the nearest global prototype, the
 accuracy HtFLlib reports for it (ours: `fedproto.inference=prototype`). Where HtFLlib's code
 does what one of our documented options does, our side takes that option (`HTFLLIB_BEHAVIOUR`:
 FedTGP's pre-training prototypes and prototype accuracy, FedMRL's pooled shared model, uniform
@@ -185,15 +193,37 @@ HTFLLIB_BEHAVIOUR = {
 }
 
 
+# The federation both sides run (`--batch_size`, `--num_clients`, `--partition`, `--alpha`):
+# FedSSA's (batch 512, N = 10, two classes a client) by default; HtFLlib's scripts' is batch 10,
+# N = 20, Dirichlet alpha = 0.1 (system/total.sh).
+FEDERATION = {'batch_size': 512, 'num_clients': 10, 'partition': 'pathological', 'alpha': 0.1}
+PARTITIONS = ('pathological', 'dirichlet')
+
+
+def federation_settings(batch_size: int = 512, num_clients: int = 10,
+                        partition: str = 'pathological', alpha: float = 0.1) -> dict:
+  """{dotted config field: value} of the federation: batch, clients and partition (Dirichlet:
+  concentration `alpha`, HtFLlib's -al of generate_Cifar10.py)."""
+  if partition not in PARTITIONS:
+    raise Failure(f'--partition must be one of {PARTITIONS}, got {partition!r}.')
+  out = {'batch_size': batch_size, 'num_clients': num_clients}
+  if partition == 'dirichlet':
+    out.update({'partition.kind': 'dirichlet', 'partition.dirichlet_gamma': alpha})
+  return out
+
+
 def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
-                 upload_loss: float = 0.0) -> dict:
-  """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`;
-  `upload_loss` > 0: clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10)."""
+                 upload_loss: float = 0.0, num_clients: int = 10,
+                 partition: str = 'pathological', alpha: float = 0.1) -> dict:
+  """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`,
+  in the federation of `batch_size`, `num_clients`, `partition` and `alpha`; `upload_loss` > 0:
+  clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10)."""
   settings = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
               'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
               'optimizer.weight_decay': 0.0,
               'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
-              'checkpoint_every': rounds, 'checkpoint_keep': 1}
+              'checkpoint_every': rounds, 'checkpoint_keep': 1,
+              **federation_settings(batch_size, num_clients, partition, alpha)}
   if upload_loss:
     settings['system.upload_loss'] = upload_loss
   settings.update(HTFLLIB_BEHAVIOUR.get(method, {}))
@@ -208,18 +238,21 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
   return settings
 
 
-def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0) -> list[str]:
+def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
+                  **federation) -> list[str]:
   """our_settings as fedssa_jax.main's --config.* flags."""
-  return [f'--config.{k}={v}' for k, v in our_settings(method, lr, rounds,
-                                                         upload_loss=upload_loss).items()]
+  return [f'--config.{k}={v}' for k, v in our_settings(
+      method, lr, rounds, upload_loss=upload_loss, **federation).items()]
 
 
-def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0):
-  """Our config with `our_settings` applied (what fedssa_jax.main runs)."""
+def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0, **federation):
+  """Our config with `our_settings` applied (what fedssa_jax.main runs); `federation`: the
+  keyword arguments of federation_settings."""
   sys.path.insert(0, REPO)
   from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.build('cifar10', CONFIG.split(':')[1])
-  for key, value in our_settings(method, lr, rounds, upload_loss=upload_loss).items():
+  for key, value in our_settings(method, lr, rounds, upload_loss=upload_loss,
+                                 **federation).items():
     *parents, leaf = key.split('.')
     node = c
     for p in parents:
@@ -545,24 +578,46 @@ def check_htfllib_python(python: str) -> str:
 # Running both sides
 # --------------------------------------------------------------------------------------------
 
+def federation(args) -> dict:
+  """The federation_settings keyword arguments of the command line."""
+  return {k: getattr(args, k) for k in FEDERATION}
+
+
+def partition_suffix(args) -> str:
+  """What the partition's files are named with, beyond the default one's (none)."""
+  return ((f'_n{args.num_clients}' if args.num_clients != FEDERATION['num_clients'] else '')
+          + (f'_dir{args.alpha:g}' if args.partition == 'dirichlet' else ''))
+
+
+def federation_suffix(args) -> str:
+  """What the runs' files are named with, beyond the default federation's (none)."""
+  return ((f'_b{args.batch_size}' if args.batch_size != FEDERATION['batch_size'] else '')
+          + partition_suffix(args) + (f'_lr{args.lr:g}' if args.lr != 0.05 else ''))
+
+
+def dataset_name(args) -> str:
+  """HtFLlib's dataset folder of the federation's partition."""
+  return DATASET + partition_suffix(args)
+
+
 def prepare_data(args, scratch):
   """Our partition of CIFAR-10 written as HtFLlib's files under <scratch>/htfllib (once)."""
   root = os.path.join(scratch, 'htfllib')
-  done = os.path.join(root, 'dataset', DATASET, 'config.json')
+  done = os.path.join(root, 'dataset', dataset_name(args), 'config.json')
   if os.path.isfile(done):
     with open(done) as f:
       return json.load(f)
   sys.path.insert(0, REPO)
-  from fedssa_jax import config_lib, data  # pylint: disable=g-import-not-at-top
-  config = config_lib.build('cifar10', CONFIG.split(':')[1])
+  from fedssa_jax import data  # pylint: disable=g-import-not-at-top
+  config = our_config('standalone', args.lr, args.rounds, **federation(args))
   try:
     ds = data.load_dataset('cifar10', args.data_dir)
   except (data.DataError, FileNotFoundError) as e:
     raise Failure(f'--data_dir={args.data_dir}: {e}') from None
   cd = data.partition_from_config(config, ds)
   print(f'Writing our partition (fingerprint {data.fingerprint(cd)}) as HtFLlib\'s files under '
-        f'{root}/dataset/{DATASET}', flush=True)
-  info = write_partition(ds, cd, root)
+        f'{root}/dataset/{dataset_name(args)}', flush=True)
+  info = write_partition(ds, cd, root, dataset_name(args))
   info['fingerprint'] = data.fingerprint(cd)
   with open(done, 'w') as f:
     json.dump(info, f)
@@ -571,14 +626,14 @@ def prepare_data(args, scratch):
 
 def _suffix(args):
   return (('' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}')
-          + (f'_cdr{args.upload_loss:g}' if args.upload_loss else ''))
+          + (f'_cdr{args.upload_loss:g}' if args.upload_loss else '') + federation_suffix(args))
 
 
 def run_htfllib(args, method, system, scratch):
   log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args)}.log')
-  config = our_config(method, args.lr, args.rounds, args.upload_loss)
+  config = our_config(method, args.lr, args.rounds, args.upload_loss, **federation(args))
   if not os.path.isfile(log_path + '.done'):
-    argv, _ = htfllib_args(config, args.rounds)
+    argv, _ = htfllib_args(config, args.rounds, dataset_name(args))
     runner = os.path.join(scratch, 'run_htfllib.py')
     with open(runner, 'w') as f:
       f.write(RUNNER)
@@ -604,14 +659,14 @@ def run_htfllib(args, method, system, scratch):
 def run_ours(args, method, scratch, seed):
   """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
   name = f'ours_{method}' + (f'_seed{seed}' if seed else '') + (
-      f'_loss{args.upload_loss:g}' if args.upload_loss else '')
+      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + federation_suffix(args)
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
   if not os.path.isfile(metrics):
     cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={CONFIG}',
            f'--config.data_dir={args.data_dir}', f'--config.seed={seed}',
            '--config.partition.seed=0', f'--workdir={workdir}',
-           *our_overrides(method, args.lr, args.rounds, args.upload_loss)]
+           *our_overrides(method, args.lr, args.rounds, args.upload_loss, **federation(args))]
     env = dict(os.environ, JAX_PLATFORMS='cpu')
     env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
     side_by_side._run_logged(cmd, os.path.join(args.out, f'{name}.log'), REPO, env,
@@ -667,14 +722,29 @@ def compare(method, htfl, ours_by_seed, checkpoints=(5, 10, 15, 20)):
           'ours_curves': [[None] + [r['mean_accuracy'] for r in ours] for ours in ours_by_seed]}
 
 
+def images_per_second(res: dict, train_counts, batch_size: int) -> dict:
+  """The training images a round of each side takes (E = 1, every client: HtFLlib's loaders
+  drop each client's last partial batch, ours keep it) over its steady s/round, which holds the
+  round's evaluation on both sides."""
+  n = np.asarray(train_counts, np.int64)
+  theirs, ours = int((n // batch_size * batch_size).sum()), int(n.sum())
+  return {'htfllib_images_per_round': theirs, 'ours_images_per_round': ours,
+          'htfllib_images_per_second': theirs / res['htfllib_seconds_per_round'],
+          'ours_images_per_second': ours / res['ours_seconds_per_round']}
+
+
 def print_table(results):
   print('\nUnweighted mean accuracy over clients (HtFLlib / ours, difference in points); '
         's/round steady')
   for res in results:
     cells = '  '.join(f'r{row["round"]} {row["htfllib"]:.4f}/{row["ours"]:.4f} '
                       f'({100 * row["difference"]:+.1f})' for row in res['rows'])
+    rate = ''
+    if 'ours_images_per_second' in res:
+      rate = (f' ({res["htfllib_images_per_second"]:.0f} vs {res["ours_images_per_second"]:.0f} '
+              'images/s)')
     print(f'  {res["method"]:<11} {cells}  |  {res["htfllib_seconds_per_round"]:.1f} s vs '
-          f'{res["ours_seconds_per_round"]:.1f} s = {res["speedup"]:.1f}x', flush=True)
+          f'{res["ours_seconds_per_round"]:.1f} s = {res["speedup"]:.1f}x{rate}', flush=True)
 
 
 def markdown(results) -> str:
@@ -688,10 +758,13 @@ def markdown(results) -> str:
       out.append(f'| {res["method"]} ({res["algorithm"]}) | {row["round"]} | '
                  f'{row["htfllib"]:.4f} | {row["htfllib_weighted"]:.4f} | {row["ours"]:.4f} | '
                  f'{seeds} | {pct(row["difference"])} |')
-  out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours |', '|---|---|---|---|']
+  out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours | HtFLlib images/s | '
+          'ours images/s |', '|---|---|---|---|---|---|']
   for res in results:
+    rates = ' | '.join(f'{res[k]:.0f}' if k in res else '—' for k in (
+        'htfllib_images_per_second', 'ours_images_per_second'))
     out.append(f'| {res["method"]} | {res["htfllib_seconds_per_round"]:.1f} | '
-               f'{res["ours_seconds_per_round"]:.1f} | {res["speedup"]:.2f}x |')
+               f'{res["ours_seconds_per_round"]:.1f} | {res["speedup"]:.2f}x | {rates} |')
   return '\n'.join(out) + '\n'
 
 
@@ -741,6 +814,15 @@ def main(argv=None):
                  help='a diagnostic: "shuffled" patches HtFLlib\'s training loaders to reshuffle '
                  'every epoch and keep the last partial batch, as ours do (its logs and results '
                  'get the suffix _shuffled)')
+  p.add_argument('--batch_size', type=int, default=FEDERATION['batch_size'],
+                 help='the local batch, both sides (HtFLlib\'s scripts: 10)')
+  p.add_argument('--num_clients', type=int, default=FEDERATION['num_clients'],
+                 help='N, all joining every round (HtFLlib\'s scripts: 20)')
+  p.add_argument('--partition', default=FEDERATION['partition'], choices=PARTITIONS,
+                 help='our partition, written as HtFLlib\'s files: two classes a client '
+                 '(FedSSA\'s) or Dirichlet of concentration --alpha (HtFLlib\'s scripts)')
+  p.add_argument('--alpha', type=float, default=FEDERATION['alpha'],
+                 help='the Dirichlet concentration (HtFLlib\'s scripts: 0.1)')
   p.add_argument('--upload_loss', type=float, default=0.0,
                  help='clients lose their upload with this probability: our '
                  'system.upload_loss, HtFLlib\'s -cdr (results get the suffix _cdr<q>)')
@@ -772,18 +854,19 @@ def main(argv=None):
               'ours_commit': side_by_side._git_head(REPO, code=('fedssa_jax', 'configs')),
               'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
               'torch': torch_version, 'cpus': os.cpu_count(), 'config': CONFIG,
-              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds,
+              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds, **federation(args),
               'htfllib_loader': args.htfllib_loader, 'upload_loss': args.upload_loss}
     print(json.dumps(header, indent=1), flush=True)
     info = prepare_data(args, scratch)
     results = []
     for m in methods:
-      _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds, args.upload_loss),
-                                  args.rounds)
+      _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds, args.upload_loss,
+                                             **federation(args)), args.rounds)
       print(f'\n{m}: not matched:\n  - ' + '\n  - '.join(unmatched), flush=True)
       htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
       ours = [run_ours(args, m, scratch, seed) for seed in seeds]
       res = compare(m, htfl, ours)
+      res.update(images_per_second(res, info['train'], args.batch_size))
       res['unmatched'] = unmatched
       results.append(res)
       print_table([res])

@@ -1,6 +1,7 @@
 """launch/against_htfllib.py's parts that run without torch: the partition written as HtFLlib's
 files (read back as HtFLlib reads them), the reading of HtFLlib's printout, the config mapping
 and the layer-by-layer model check. Runs neither code."""
+import argparse
 import os
 import stat
 
@@ -211,4 +212,33 @@ def test_compare_puts_both_curves_side_by_side():
   assert res['speedup'] == pytest.approx(9 / 7)
   table = ah.markdown([res])
   assert '| fd (FD) | 20 | 0.2000 | 0.2010 | 0.2200 | 0.2100, 0.2300 | +2.0 |' in table
-  assert '| fd | 9.0 | 7.0 | 1.29x |' in table
+  assert '| fd | 9.0 | 7.0 | 1.29x | — | — |' in table
+  # Images a second: HtFLlib's loaders drop each client's partial batch, ours keep it.
+  res.update(ah.images_per_second(res, [25, 7, 10], 10))
+  assert (res['htfllib_images_per_round'], res['ours_images_per_round']) == (30, 42)
+  assert res['htfllib_images_per_second'] == pytest.approx(30 / 9)
+  assert res['ours_images_per_second'] == pytest.approx(42 / 7)
+  assert '| fd | 9.0 | 7.0 | 1.29x | 3 | 6 |' in ah.markdown([res])
+
+
+def test_htfllibs_federation_maps_onto_both_sides():
+  """HtFLlib's scripts' federation (batch 10, 20 clients, Dirichlet 0.1): our config, its
+  flags, and the files' names, which keep the default federation's as they were."""
+  ah = load_script()
+  fed = dict(batch_size=10, num_clients=20, partition='dirichlet', alpha=0.1)
+  c = ah.our_config('fedgh', 0.01, 3, **fed)
+  assert (c.batch_size, c.num_clients, c.participation) == (10, 20, 1.0)
+  assert (c.partition.kind, c.partition.dirichlet_gamma) == ('dirichlet', 0.1)
+  assert c.fedgh.server_batch == 10  # HtFLlib's server reuses the local batch
+  ns = argparse.Namespace  # the command line's arguments
+  args, _ = ah.htfllib_args(c, 3, ah.dataset_name(ns(lr=0.01, **fed)))
+  flags = dict(zip(args[::2], args[1::2]))
+  assert (flags['-nc'], flags['-lbs'], flags['-lr']) == ('20', '10', '0.01')
+  assert flags['-data'] == ah.DATASET + '_n20_dir0.1'
+  assert ah.federation_suffix(ns(lr=0.01, **fed)) == '_b10_n20_dir0.1_lr0.01'
+  assert ah.federation_suffix(ns(lr=0.05, **ah.FEDERATION)) == ''
+  assert ah.dataset_name(ns(lr=0.05, **ah.FEDERATION)) == ah.DATASET
+  from fedssa_jax import config_lib
+  config_lib.validate(c)  # a federation our side can build
+  with pytest.raises(ah.Failure, match='--partition must be one of'):
+    ah.our_config('fedgh', 0.01, 3, partition='iid')
