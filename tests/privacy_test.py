@@ -449,7 +449,7 @@ def test_bad_upload_input_is_a_config_error_naming_the_fix(fields, method, overr
 @pytest.mark.parametrize('method, overrides, mode', [
     ('fedssa', {'fedssa.scope': 'participants'}, 'central'), ('fml', {}, 'central'),
     ('fml', {}, 'local'), ('lg_fedavg', {'lg_fedavg.weighting': 'uniform'}, 'central'),
-    ('fedkd', {}, 'central'), ('fd', {}, 'local'), ('fedgh', {}, 'local'),
+    ('fedkd', {}, 'central'), ('fd', {}, 'local'), ('fd', {}, 'central'), ('fedgh', {}, 'local'),
 ])
 def test_what_each_method_accepts(method, overrides, mode):
   privacy.check_config(upload_section(upload_mode=mode), method, True,
@@ -620,3 +620,31 @@ def test_central_noise_lands_on_the_inbox_sum_and_its_mean(method):
     np.testing.assert_array_equal(a, b)
     assert np.std(np.asarray(a) - np.asarray(s)) == pytest.approx(0.25, rel=0.2) or a.size < 50
   assert noised.inbox.weight == server.inbox.weight
+
+
+def test_fds_central_rule_is_the_noised_sum_over_a_fixed_count_by_hand():
+  """FD under central DP: the server's class sums of the round's clipped logits plus its noise,
+  over q times each class's owners (q = K / N), whoever took part; a client's targets are those."""
+  from fedssa_jax.methods import fd
+  c = config_lib.base_config('cifar10')
+  c.num_clients, c.participation = 4, 0.5  # K = 2 of 4: q = 0.5
+  c.privacy.upload, c.privacy.upload_mode = True, 'central'
+  m = fd.FD(c, 4, 3)
+  seen = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 1, 0]], bool)  # owners 3, 3, 2
+  server = m.init_server(jax.random.PRNGKey(0), jnp.asarray(seen))
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 3)).astype(np.float32)
+  has = seen[[0, 2]]
+  server = m.server_receive(server, jnp.array([0, 2]), fd.FDUpload(
+      logits=jnp.asarray(logits * has[:, :, None]), has=jnp.asarray(has)), jnp.array([True, True]))
+  key = jax.random.PRNGKey(3)
+  server = m.central_noise(server, key, 0.4)
+  agg = m.server_aggregate(server, jnp.array([True, False, True, False]), 0, None).server
+  noise = 0.4 * np.asarray(jax.random.normal(key, (3, 3)))
+  total = (logits * has[:, :, None]).sum(axis=0) + noise
+  np.testing.assert_allclose(np.asarray(agg.sum), total, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(agg.cnt), [1.5, 1.5, 1.0])
+  targets, avail = m.global_logits(agg, 1)
+  np.testing.assert_allclose(np.asarray(targets), total / np.array([1.5, 1.5, 1.0])[:, None],
+                             rtol=1e-6)
+  assert np.asarray(avail).all() and not np.asarray(agg.noise).any()  # the noise is spent

@@ -79,6 +79,7 @@ checkpointed and sharded.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -203,6 +204,17 @@ class Norms:
   max: jax.Array
   sum: jax.Array
   count: jax.Array
+
+def central_share(config, num_clients: int) -> float | None:
+  """Under central client-level DP on the uploads (privacy.upload_mode='central'), q = K / N,
+  the share of the clients a round samples (engine/schedule.cohort_size's K), by which a server
+  that noises a sum divides it with a count fixed in advance (q times the class's owners); None
+  otherwise."""
+  p = config.get('privacy')
+  if p is None or not p.upload or p.upload_mode != 'central':
+    return None
+  return max(1, math.floor(config.participation * num_clients)) / num_clients
+
 
 class Method:
   """Defaults: no exchange and plain cross-entropy (which is Standalone)."""

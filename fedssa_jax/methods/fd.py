@@ -7,7 +7,9 @@ Unlike FedSSA, no parameters leave the client: the exchange is per-class mean *l
     cnt_c = |{j in P_t : c in S_j}|,  G[c] = sum_j L_j[c] / cnt_c,  g[c] = [cnt_c > 0].
   `fd.exclude_own` (the FD paper): client k gets G_k[c] = (sum_j L_j[c] - L_k[c]) / (cnt_c - 1),
   subtracting its own upload only if k was among those participants; a class with
-  cnt_c - 1 = 0 then has no global value (g_k[c] = 0). The server keeps last round's sums and
+  cnt_c - 1 = 0 then has no global value (g_k[c] = 0). Under central client-level DP
+  (privacy.upload_mode='central') the sums carry the round's noise and cnt_c is fixed in
+  advance: q times the owners of c, q = K / N. The server keeps last round's sums and
   counts, and (only when excluding) each participant's upload.
 - Objective: L = mean_i [ CE(z_i, y_i) + lam * g[y_i] * D(z_i, G[y_i]) ] with
   D(z, t) = -sum_c softmax(t)_c log softmax(z)_c, the targets constants. Round 0 has no global,
@@ -62,6 +64,9 @@ class FDServer:
   # Last round's contributions, to subtract a client's own (fd.exclude_own only; else None).
   own: jax.Array | None = None      # [N, C, C]
   own_has: jax.Array | None = None  # [N, C]
+  # Central client-level DP (else None): each class's owners, and the round's noise on the sums.
+  owners: jax.Array | None = None   # [C] float32
+  noise: jax.Array | None = None    # [C, C]
 
 
 class FD(base.Method):
@@ -86,12 +91,16 @@ class FD(base.Method):
     super().__init__(config, num_clients, num_classes, image_shape)
     self.lam = float(config.fd.lam)
     self.exclude_own = bool(config.fd.exclude_own)  # a bool field (the config is type-safe)
+    self.central_q = base.central_share(config, num_clients)  # None: no central DP
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
     own = {}
     if self.exclude_own:
       own = dict(own=jnp.zeros((n, c, c), jnp.float32), own_has=jnp.zeros((n, c), bool))
+    if self.central_q is not None:
+      own.update(owners=jnp.asarray(seen, jnp.float32).sum(axis=0),
+                 noise=jnp.zeros((c, c), jnp.float32))
     return FDServer(uploads=jnp.zeros((n, c, c), jnp.float32),
                     uploads_has=jnp.zeros((n, c), bool), sum=jnp.zeros((c, c), jnp.float32),
                     cnt=jnp.zeros((c,), jnp.float32), **own)
@@ -103,7 +112,8 @@ class FD(base.Method):
       own_has = server.own_has[client_id]
       total = total - jnp.where(own_has[:, None], server.own[client_id], 0.0)
       cnt = cnt - own_has
-    return total / jnp.maximum(cnt, 1.0)[:, None], cnt > 0
+    # cnt is a count (or, under central DP, q times the owners: possibly below 1).
+    return total / jnp.where(cnt > 0, cnt, 1.0)[:, None], cnt > 0
 
   def download(self, params, state, server, client):
     targets, has = self.global_logits(server, client.id)
@@ -125,6 +135,13 @@ class FD(base.Method):
     return base.Upload(trainable['model'], state, FDUpload(logits=logits, has=has),
                        floats=(self.num_classes * has.sum()).astype(jnp.int32))
 
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    return None  # local, or central: its server keeps one sum of the logits per class
+
+  def central_noise(self, server, key, std):
+    return server.replace(noise=std * jax.random.normal(key, server.noise.shape))
+
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(
         uploads=aggregation.store_rows(server.uploads, client_ids, payloads.logits, active),
@@ -134,6 +151,9 @@ class FD(base.Method):
     contrib = server.uploads_has & participants[:, None]  # stale rows of absentees drop out
     # Sums, not means: exclude_own subtracts a client's own upload from them.
     total, cnt = aggregation.masked_sum(server.uploads, contrib)
+    if self.central_q is not None:  # the noised sums, over a count fixed in advance
+      total, cnt = total + server.noise, self.central_q * server.owners
+      server = server.replace(noise=jnp.zeros_like(server.noise))
     server = server.replace(sum=total, cnt=cnt)
     if self.exclude_own:
       server = server.replace(own=jnp.where(contrib[:, :, None], server.uploads, 0.0),

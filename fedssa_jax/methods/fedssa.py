@@ -22,8 +22,6 @@ model.feature_dim, 500 in the paper).
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -113,10 +111,8 @@ class FedSSA(base.Method):
     self.mu0, self.t_stable = float(c.mu0), int(c.t_stable)
     self.fusion, self.scope = c.fusion, c.scope
     self.initial_header = bool(c.initial_header)
-    p = config.get('privacy')
-    self.central = p is not None and bool(p.upload) and p.upload_mode == 'central'
-    # q = K / N, the share of the clients a round samples (engine/schedule.cohort_size's K).
-    self.participation = max(1, math.floor(config.participation * num_clients)) / num_clients
+    self.central_q = base.central_share(config, num_clients)  # None: no central DP
+    self.central = self.central_q is not None
 
   def init_server(self, key, seen):
     n, s = seen.shape
@@ -173,7 +169,7 @@ class FedSSA(base.Method):
     contrib = server.seen & owners[:, None]
     if self.central:  # noised sums over a count fixed in advance (the module docstring)
       total, _ = aggregation.masked_sum(server.table, contrib)
-      expected = self.participation * server.seen.sum(axis=0)
+      expected = self.central_q * server.seen.sum(axis=0)
       has = expected > 0
       g = jnp.where(has[:, None], (total + server.noise) / jnp.where(has, expected, 1.0)[:, None],
                     server.global_rows)
