@@ -431,9 +431,9 @@ def refusal_of(method, **overrides):
     ({}, 'fedkd', {}, "truncated SVD of the update, which noise on it would make dense (central "
                       "noise leaves the clipped uploads low-rank). Use privacy.upload_mode="
                       "'central'"),
-    (dict(upload_mode='central'), 'fedproto', {}, "keeps each upload apart, not one sum of them "
-                                                  "that noise could cover. Use "
-                                                  "privacy.upload_mode='local'"),
+    (dict(upload_mode='central'), 'fedgh', {}, "keeps each upload apart, not one sum of them "
+                                               "that noise could cover. Use "
+                                               "privacy.upload_mode='local'"),
     (dict(upload_mode='central'), 'fedssa', {}, "set fedssa.scope='participants' for it"),
     (dict(upload_mode='central'), 'lg_fedavg', {},
      "set lg_fedavg.weighting='uniform' for it"),
@@ -450,6 +450,7 @@ def test_bad_upload_input_is_a_config_error_naming_the_fix(fields, method, overr
     ('fedssa', {'fedssa.scope': 'participants'}, 'central'), ('fml', {}, 'central'),
     ('fml', {}, 'local'), ('lg_fedavg', {'lg_fedavg.weighting': 'uniform'}, 'central'),
     ('fedkd', {}, 'central'), ('fd', {}, 'local'), ('fd', {}, 'central'), ('fedgh', {}, 'local'),
+    ('fedproto', {}, 'central'),
 ])
 def test_what_each_method_accepts(method, overrides, mode):
   privacy.check_config(upload_section(upload_mode=mode), method, True,
@@ -648,3 +649,27 @@ def test_fds_central_rule_is_the_noised_sum_over_a_fixed_count_by_hand():
   np.testing.assert_allclose(np.asarray(targets), total / np.array([1.5, 1.5, 1.0])[:, None],
                              rtol=1e-6)
   assert np.asarray(avail).all() and not np.asarray(agg.noise).any()  # the noise is spent
+
+
+def test_fedprotos_central_rule_is_the_noised_sum_over_a_fixed_count_by_hand():
+  from fedssa_jax.methods import fedproto, prototypes
+  c = config_lib.base_config('cifar10')
+  c.num_clients, c.participation = 4, 0.5  # q = 0.5
+  c.privacy.upload, c.privacy.upload_mode = True, 'central'
+  m = fedproto.FedProto(c, 4, 3)
+  seen = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 1], [1, 0, 0]], bool)  # owners 3, 2, 2
+  server = m.init_server(jax.random.PRNGKey(0), jnp.asarray(seen))
+  rng = np.random.default_rng(1)
+  protos = rng.normal(size=(2, 3, m.feature_dim)).astype(np.float32) * seen[[0, 2], :, None]
+  server = m.server_receive(server, jnp.array([0, 2]), prototypes.PrototypeUpload(
+      protos=jnp.asarray(protos), n=jnp.asarray(seen[[0, 2]] * 5.0)), jnp.array([True, True]))
+  key = jax.random.PRNGKey(4)
+  server = m.central_noise(server, key, 0.3)
+  agg = m.server_aggregate(server, jnp.array([True, False, True, False]), 0, None).server
+  noise = 0.3 * np.asarray(jax.random.normal(key, (3, m.feature_dim)))
+  want = (protos.sum(axis=0) + noise) / np.array([1.5, 1.0, 1.0])[:, None]
+  np.testing.assert_allclose(np.asarray(agg.protos), want, rtol=1e-5, atol=1e-6)
+  assert np.asarray(agg.avail).all() and not np.asarray(agg.noise).any()
+  with pytest.raises(ConfigError, match="set fedproto.weighting='uniform' for it"):
+    privacy.check_config(upload_section(upload_mode='central'), 'fedproto', True,
+                         refusal_of('fedproto', **{'fedproto.weighting': 'samples'}))

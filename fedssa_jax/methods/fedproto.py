@@ -8,6 +8,9 @@ the d-wide representation r = F_k(x) (d = model.feature_dim, 500 in the paper).
 - Server (V2, no memory): P[c] = mean of p_k[c] over this round's participants holding c,
   unweighted (`fedproto.weighting='uniform'`, both codes) or weighted by n_k[c] ('samples', the
   paper). g[c] = [some participant holds c]; P is recomputed from the round's uploads only.
+  Under central client-level DP (privacy.upload_mode='central', 'uniform' only): P[c] = (the
+  sum of the round's clipped p_k[c] + noise) / (q |owners of c|), q = K / N, and g[c] = [c has
+  an owner].
 - Objective: L = mean_i CE(z_i, y_i) + lam * 1/(B d) * sum_i g[y_i] * ||r_i - P[y_i]||^2, with
   B the number of valid samples (torch MSELoss 'mean'): samples without a global prototype add 0
   but count in B. Round 0 has no prototype, so it is CE only.
@@ -36,6 +39,9 @@ class FedProtoServer:
   uploads_n: jax.Array  # [N, C] their class sample counts (0: not held)
   protos: jax.Array     # [C, D] P, from the last aggregation
   avail: jax.Array      # [C] g
+  # Central client-level DP (else None): each class's owners, and the round's noise on the sums.
+  owners: jax.Array | None = None  # [C] float32
+  noise: jax.Array | None = None   # [C, D]
 
 
 class FedProto(prototypes.PrototypeUploads, base.Method):
@@ -72,13 +78,27 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
     self.lam, self.weighting, self.inference = float(c.lam), c.weighting, c.inference
     self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'
     self.local_epochs = int(config.local_epochs)
+    self.central_q = base.central_share(config, num_clients)  # None: no central DP
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
+    central = {} if self.central_q is None else dict(
+        owners=jnp.asarray(seen, jnp.float32).sum(axis=0),
+        noise=jnp.zeros((c, self.feature_dim), jnp.float32))
     return FedProtoServer(uploads=jnp.zeros((n, c, self.feature_dim), jnp.float32),
                           uploads_n=jnp.zeros((n, c), jnp.float32),
                           protos=jnp.zeros((c, self.feature_dim), jnp.float32),
-                          avail=jnp.zeros((c,), bool))
+                          avail=jnp.zeros((c,), bool), **central)
+
+  @classmethod
+  def upload_refusal(cls, config, mode):
+    if mode == 'central' and config.fedproto.weighting != 'uniform':
+      return ("prototype mean weights each upload by its class counts, which noise on one sum "
+              "does not cover (set fedproto.weighting='uniform' for it)")
+    return None  # local, or central: one sum of the prototypes per class
+
+  def central_noise(self, server, key, std):
+    return server.replace(noise=std * jax.random.normal(key, server.noise.shape))
 
   def download(self, params, state, server, client):
     avail = server.avail
@@ -94,6 +114,13 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
 
   def server_aggregate(self, server, participants, round_index, key):
     held = (server.uploads_n > 0) & participants[:, None]  # stale rows of absentees drop out
+    if self.central_q is not None:  # the noised sums, over a count fixed in advance
+      total, _ = aggregation.masked_sum(server.uploads, held)
+      expected = self.central_q * server.owners
+      avail = expected > 0
+      protos = (total + server.noise) / jnp.where(avail, expected, 1.0)[:, None]
+      return base.Aggregated(server.replace(protos=protos, avail=avail,
+                                            noise=jnp.zeros_like(server.noise)))
     # masked_mean with a [N, C] weight mask: 1 per holder, or its class sample count.
     weights = held * server.uploads_n if self.weighting == 'samples' else held
     protos, avail = aggregation.masked_mean(server.uploads, weights)
