@@ -274,7 +274,8 @@ UPLOAD_CLIPS = {'fedssa': 0.03, 'fd': 4.0, 'fedproto': 12.0, 'fedgh': 25.0}
 
 def privacy_upload():
   """Client-level DP on the uploads at hetero,n10, E = 1, 20 rounds, seed 0: each method of
-  UPLOAD_CLIPS in local mode, and FedSSA in central mode (scope participants), with the noise
+  UPLOAD_CLIPS in local mode, and FedSSA (scope participants), FD and FedProto in central mode
+  (FedGH's server trains on each prototype and takes no central noise), with the noise
   calibrated to each epsilon of PRIVACY_EPSILONS at delta 1e-5 (the runs without DP are the
   `system` sweep's ideal runs, Standalone's the floor: it sends nothing)."""
   def budgets(method, mode):
@@ -282,7 +283,8 @@ def privacy_upload():
     return [{**SYSTEM_SCHEDULE, **extra, 'privacy__upload': True, 'privacy__upload_mode': mode,
              'privacy__upload_clip': UPLOAD_CLIPS[method], 'privacy__upload_noise_multiplier': 0.0,
              'privacy__upload_target_epsilon': e} for e in PRIVACY_EPSILONS]
-  cells = [(m, 'local') for m in UPLOAD_CLIPS] + [('fedssa', 'central')]
+  cells = ([(m, 'local') for m in UPLOAD_CLIPS]
+           + [(m, 'central') for m in ('fedssa', 'fd', 'fedproto')])
   return [r for m, mode in cells
           for r in grid(['cifar10'], ['hetero,n10'], (m,), (0,), budgets(m, mode))]
 
