@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from fedssa_jax.errors import ConfigError, require, require_one_of
 from fedssa_jax.methods import aggregation
@@ -284,10 +285,15 @@ def noisy_clipped_grads(loss_of: Callable, trainable, views, y, valid, key, deno
 
 def clip_factor(grads, clip_norm: float):
   """Per example (the leaves' leading axis): min(1, clip_norm / its global gradient norm)."""
-  if math.isinf(clip_norm):
-    return jnp.ones(jax.tree.leaves(grads)[0].shape[0], jnp.float32)
   sq = sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in jax.tree.leaves(grads))
-  return clip_norm / jnp.maximum(jnp.sqrt(sq), clip_norm)
+  return clip_scale(jnp.sqrt(sq), clip_norm)
+
+
+def clip_scale(norm, clip_norm: float):
+  """min(1, clip_norm / norm), elementwise; 1 where clip_norm is infinite."""
+  if math.isinf(clip_norm):
+    return jnp.ones_like(norm)
+  return clip_norm / jnp.maximum(norm, clip_norm)
 
 
 def add_noise(grad_sum, key, std: float, denom):
@@ -330,8 +336,8 @@ def privatize_upload(payload, reference, key, *, fields: tuple[str, ...], clip_n
   values = {f: getattr(payload, f) for f in fields}
   ref = jax.tree.map(jnp.zeros_like, values) if reference is None else reference
   delta = jax.tree.map(jnp.subtract, values, ref)
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(delta)))
-  scale = 1.0 if math.isinf(clip_norm) else clip_norm / jnp.maximum(norm, clip_norm)
+  norm = optax.global_norm(delta)
+  scale = clip_scale(norm, clip_norm)
   noised = add_noise(jax.tree.map(lambda d: d * scale, delta), key, std, 1.0)
   return payload.replace(**jax.tree.map(jnp.add, ref, noised)), norm
 
@@ -383,29 +389,37 @@ def epsilon(kind: str, q: float, noise_multiplier: float, steps: int, delta: flo
     return float(acct.get_epsilon(delta))
 
 
+def _smallest_noise(new_acct: Callable, event_of: Callable, target: float, delta: float, *,
+                    field: str, events: str, fix: str) -> float:
+  """dp_accounting's calibration: the smallest noise multiplier z with which `event_of(z)`
+  stays within `target` at `delta`; a ConfigError that names the config `field`, the `events`
+  and the `fix` where none up to MAX_NOISE_MULTIPLIER does."""
+  import dp_accounting
+  try:
+    with _quiet():
+      z = dp_accounting.calibrate_dp_mechanism(
+          new_acct, event_of, target, delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0),
+          tol=1e-4)
+  except (ValueError, RuntimeError) as e:
+    raise ConfigError(f'{field}={target} cannot be met: no noise multiplier was found for '
+                      f'{events} ({e}). {fix[0].upper()}{fix[1:]}') from None
+  require(z <= MAX_NOISE_MULTIPLIER,
+          f'{field}={target} needs a noise multiplier of {z:.4g}, above '
+          f'{MAX_NOISE_MULTIPLIER:g}: {fix}')
+  return float(z)
+
+
 def calibrate(kind: str, schedules, target_epsilon: float, delta: float) -> float:
   """The smallest noise multiplier with which every (q, steps) of `schedules` ends within
   `target_epsilon` at `delta` (dp_accounting's calibration); ConfigError where none up to
   MAX_NOISE_MULTIPLIER does."""
-  import dp_accounting
-  sigma = 0.0
-  for q, steps in sorted(set(schedules)):
-    try:
-      with _quiet():
-        s = dp_accounting.calibrate_dp_mechanism(
-            functools.partial(new_accountant, kind),
-            functools.partial(lambda q, steps, sig: dp_sgd_event(q, sig, steps), q, steps),
-            target_epsilon, delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0), tol=1e-4)
-    except (ValueError, RuntimeError) as e:
-      raise ConfigError(f'privacy.target_epsilon={target_epsilon} cannot be met: no noise '
-                        f'multiplier was found for {steps} steps at sampling rate {q:.4g} ({e}). '
-                        'Raise the target, or lower num_rounds or local_epochs.') from None
-    sigma = max(sigma, float(s))
-  require(sigma <= MAX_NOISE_MULTIPLIER,
-          f'privacy.target_epsilon={target_epsilon} needs a noise multiplier of {sigma:.4g}, '
-          f'above {MAX_NOISE_MULTIPLIER:g}: raise the target, or lower num_rounds or '
-          'local_epochs.')
-  return sigma
+  return max(_smallest_noise(
+      functools.partial(new_accountant, kind),
+      functools.partial(lambda q, steps, sig: dp_sgd_event(q, sig, steps), q, steps),
+      target_epsilon, delta, field='privacy.target_epsilon',
+      events=f'{steps} steps at sampling rate {q:.4g}',
+      fix='raise the target, or lower num_rounds or local_epochs.')
+      for q, steps in sorted(set(schedules)))
 
 
 class Accountant:
@@ -519,21 +533,12 @@ class UploadAccountant:
 
   def _calibrate(self, num_rounds: int) -> float:
     """The smallest z with which `num_rounds` releases stay within the target."""
-    import dp_accounting
-    try:
-      with _quiet():
-        z = dp_accounting.calibrate_dp_mechanism(
-            lambda: _upload_accountant(self.kind, 0 < self.cohort < self.num_clients),
-            lambda z: upload_event(z, num_rounds, self.num_clients, self.cohort),
-            self.target, self.delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0), tol=1e-4)
-    except (ValueError, RuntimeError) as e:
-      raise ConfigError(f'privacy.upload_target_epsilon={self.target} cannot be met: no noise '
-                        f'multiplier was found for {num_rounds} rounds ({e}). Raise the target, '
-                        'or lower num_rounds.') from None
-    require(z <= MAX_NOISE_MULTIPLIER,
-            f'privacy.upload_target_epsilon={self.target} needs a noise multiplier of {z:.4g}, '
-            f'above {MAX_NOISE_MULTIPLIER:g}: raise the target, or lower num_rounds.')
-    return float(z)
+    sampled = 0 < self.cohort < self.num_clients
+    return _smallest_noise(
+        lambda: _upload_accountant(self.kind, sampled),
+        lambda z: upload_event(z, num_rounds, self.num_clients, self.cohort),
+        self.target, self.delta, field='privacy.upload_target_epsilon',
+        events=f'{num_rounds} rounds', fix='raise the target, or lower num_rounds.')
 
   def epsilons(self, releases) -> np.ndarray:
     """Each client's epsilon after `releases` [N] (local: the uploads each sent; central: the

@@ -264,6 +264,11 @@ class Method:
   # jointly (less `upload_reference`) and noises; the payload's other fields (class counts,
   # weights, which rows are sent) go as they are. () (the default): nothing to protect.
   private_upload: tuple[str, ...] = ()
+  # Where central client-level DP noises the round's sum of the clipped uploads
+  # (`central_noise`): 'inbox', the server's `aggregation.Inbox`, noised in place; 'noise', a
+  # server field of the sum's shape that `server_aggregate` adds to its own sum; None (the
+  # default): the server keeps no one sum, and central mode is refused.
+  central_noise_into: str | None = None
 
   def __init__(self, config, num_clients: int, num_classes: int,
                image_shape: Sequence[int] | None = None):
@@ -360,19 +365,23 @@ class Method:
   def upload_refusal(cls, config, mode: str) -> str | None:
     """Why the method cannot take client-level DP on its uploads in `mode`
     (privacy.upload_mode), a clause that follows the method's name ("fml's ..."); None where it
-    can. 'central' needs a server that noises one sum of the clipped uploads: a method that has
-    one overrides `central_noise` and this."""
+    can. 'central' needs a server that noises one sum of the clipped uploads
+    (`central_noise_into`); an override adds the method's own conditions and ends with this."""
     del config
     if not cls.private_upload:
       return 'clients send nothing to protect'
-    if mode == 'central':
+    if mode == 'central' and cls.central_noise_into is None:
       return 'server keeps each upload apart, not one sum of them that noise could cover'
     return None
 
   def central_noise(self, server, key: jax.Array, std: float):
     """Central client-level DP: the server state with N(0, std^2) noise from `key` added to the
     round's sum of the clipped uploads, before `server_aggregate`, whose mean then divides by a
-    count that reveals nothing of who took part."""
+    count that reveals nothing of who took part. Where the noise goes is `central_noise_into`."""
+    if self.central_noise_into == 'inbox':
+      return server.replace(inbox=server.inbox.noised(key, std))
+    if self.central_noise_into == 'noise':
+      return server.replace(noise=std * jax.random.normal(key, server.noise.shape))
     raise NotImplementedError(f'{type(self).__name__} does not noise its uploads centrally.')
 
   def eval_params(self, params, server, client_id):

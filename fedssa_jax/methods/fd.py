@@ -74,6 +74,7 @@ class FD(base.Method):
   config_section = 'fd'
   per_sample_loss = True  # CE plus a per-sample distillation term
   private_upload = ('logits',)  # its class-mean logits (`has`, the classes it holds, is sent)
+  central_noise_into = 'noise'
 
   @classmethod
   def default_config(cls):
@@ -134,13 +135,6 @@ class FD(base.Method):
     logits, has = base.class_means(acc.loss, client.seen)
     return base.Upload(trainable['model'], state, FDUpload(logits=logits, has=has),
                        floats=(self.num_classes * has.sum()).astype(jnp.int32))
-
-  @classmethod
-  def upload_refusal(cls, config, mode):
-    return None  # local, or central: its server keeps one sum of the logits per class
-
-  def central_noise(self, server, key, std):
-    return server.replace(noise=std * jax.random.normal(key, server.noise.shape))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(

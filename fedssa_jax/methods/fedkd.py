@@ -147,6 +147,7 @@ class FedKD(base.Method):
   per_sample_loss = False  # 1/Q with Q the batch's mean CE
   config_section = 'fedkd'
   private_upload = ('update',)  # the compressed update, already a difference from theta_g
+  central_noise_into = 'inbox'
 
   @classmethod
   def default_config(cls):
@@ -223,10 +224,7 @@ class FedKD(base.Method):
     if mode == 'local':
       return ('upload is a truncated SVD of the update, which noise on it would make dense '
               '(central noise leaves the clipped uploads low-rank)')
-    return None
-
-  def central_noise(self, server, key, std):
-    return server.replace(inbox=server.inbox.noised(key, std))
+    return super().upload_refusal(config, mode)
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(payloads.update, active))

@@ -64,6 +64,7 @@ class FedMRL(base.Method):
   config_section = 'fedmrl'
   per_sample_loss = True  # two CE terms, each a mean over the batch's samples
   private_upload = ('value',)  # the trained shared model, around the downloaded one
+  central_noise_into = 'inbox'
   eval_metrics = ('shared_accuracy',)
   # eval_forward: J_k from the client state, G_g from the server; eval_extra: G_g's header.
   eval_reads_state = eval_reads_server = True
@@ -167,10 +168,7 @@ class FedMRL(base.Method):
     if mode == 'central' and config.fedmrl.aggregation == 'samples':
       return ("shared model's mean weights each upload by its n_k, which noise on one sum does "
               "not cover (set fedmrl.aggregation='uniform' for it)")
-    return None
-
-  def central_noise(self, server, key, std):
-    return server.replace(inbox=server.inbox.noised(key, std))
+    return super().upload_refusal(config, mode)
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(

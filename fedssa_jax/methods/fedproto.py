@@ -47,6 +47,7 @@ class FedProtoServer:
 class FedProto(prototypes.PrototypeUploads, base.Method):
   name = 'fedproto'
   proto_source = 'train_pass'  # the prototypes are the training passes' class means
+  central_noise_into = 'noise'
   config_section = 'fedproto'
   per_sample_loss = True  # CE plus a per-sample prototype term
   eval_metrics = ('prototype_accuracy',)
@@ -95,10 +96,7 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
     if mode == 'central' and config.fedproto.weighting != 'uniform':
       return ("prototype mean weights each upload by its class counts, which noise on one sum "
               "does not cover (set fedproto.weighting='uniform' for it)")
-    return None  # local, or central: one sum of the prototypes per class
-
-  def central_noise(self, server, key, std):
-    return server.replace(noise=std * jax.random.normal(key, server.noise.shape))
+    return super().upload_refusal(config, mode)
 
   def download(self, params, state, server, client):
     avail = server.avail

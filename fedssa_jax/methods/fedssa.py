@@ -79,6 +79,7 @@ class FedSSA(base.Method):
   config_section = 'fedssa'
   per_sample_loss = True  # plain cross-entropy
   private_upload = ('rows',)  # the seen rows, around the global rows they were fused with
+  central_noise_into = 'noise'
 
   @classmethod
   def default_config(cls):
@@ -112,7 +113,6 @@ class FedSSA(base.Method):
     self.fusion, self.scope = c.fusion, c.scope
     self.initial_header = bool(c.initial_header)
     self.central_q = base.central_share(config, num_clients)  # None: no central DP
-    self.central = self.central_q is not None
 
   def init_server(self, key, seen):
     n, s = seen.shape
@@ -125,7 +125,7 @@ class FedSSA(base.Method):
         seen=jnp.array(seen, bool, copy=True),  # own buffer: the server state is donated
         table=jnp.zeros((n, s, row), jnp.float32), uploaded=jnp.zeros((n,), bool),
         global_rows=global_rows, avail=avail,
-        noise=jnp.zeros((s, row), jnp.float32) if self.central else None)
+        noise=jnp.zeros((s, row), jnp.float32) if self.central_q is not None else None)
 
   def download(self, params, state, server, client):
     mu = mu_schedule(client.round, self.mu0, self.t_stable)
@@ -154,10 +154,7 @@ class FedSSA(base.Method):
       return ("class means re-use every owner's latest rows, so one round's noise would not "
               "cover the rows kept from earlier rounds (set fedssa.scope='participants' for "
               "it)")
-    return None
-
-  def central_noise(self, server, key, std):
-    return server.replace(noise=std * jax.random.normal(key, server.global_rows.shape))
+    return super().upload_refusal(config, mode)
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(
@@ -167,7 +164,7 @@ class FedSSA(base.Method):
   def server_aggregate(self, server, participants, round_index, key):
     owners = server.uploaded if self.scope == 'all_owners' else participants
     contrib = server.seen & owners[:, None]
-    if self.central:  # noised sums over a count fixed in advance (the module docstring)
+    if self.central_q is not None:  # noised sums over a count fixed in advance (module docstring)
       total, _ = aggregation.masked_sum(server.table, contrib)
       expected = self.central_q * server.seen.sum(axis=0)
       has = expected > 0

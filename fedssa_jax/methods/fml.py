@@ -58,6 +58,7 @@ class FML(base.Method):
   config_section = 'fml'
   per_sample_loss = True  # CE and KL terms, each a mean over the batch's samples
   private_upload = ('meme',)  # the trained meme, around the downloaded global meme
+  central_noise_into = 'inbox'
 
   @classmethod
   def default_config(cls):
@@ -116,13 +117,6 @@ class FML(base.Method):
 
   def upload_reference(self, server, down, client):
     return {'meme': down.aux['meme']}
-
-  @classmethod
-  def upload_refusal(cls, config, mode):
-    return None  # local, or central: its inbox sums the memes
-
-  def central_noise(self, server, key, std):
-    return server.replace(inbox=server.inbox.noised(key, std))
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(payloads.meme, active))

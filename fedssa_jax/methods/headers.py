@@ -27,6 +27,7 @@ class SharedHeader(base.Method):
   config_section = 'lg_fedavg'  # the config block holding `weighting`
   per_sample_loss = True  # plain cross-entropy (FedClassAvg, with SupCon, sets False)
   private_upload = ('value',)  # the trained header, around the downloaded H_g
+  central_noise_into = 'inbox'
 
   @classmethod
   def default_config(cls):
@@ -68,10 +69,7 @@ class SharedHeader(base.Method):
     if mode == 'central' and config[cls.config_section].weighting != 'uniform':
       return (f"header mean weights each upload by its n_k, which noise on one sum does not "
               f"cover (set {cls.config_section}.weighting='uniform' for it)")
-    return None
-
-  def central_noise(self, server, key, std):
-    return server.replace(inbox=server.inbox.noised(key, std))
+    return super().upload_refusal(config, mode)
 
   def server_receive(self, server, client_ids, payloads, active):
     return server.replace(inbox=server.inbox.add(payloads.value, active, payloads.weight))
