@@ -45,8 +45,12 @@ passed to HtFLlib from our config. `--batch_size`, `--num_clients`, `--partition
       --alpha=0.1 --lr=0.01 --methods=standalone,fedproto,fedgh --rounds=3
 
 and its files are named with the federation (`_b10_n20_dir0.1_lr0.01`), so each federation's
-runs resume on their own. The round's speed is printed as s/round and as training images a
-second (HtFLlib's loaders drop each client's last partial batch, ours keep it). FedProto is compared on the nearest global prototype, the
+runs resume on their own. `--model_group=htfe2` trains HtFLlib's own HtFE-img-2 (FedAvgCNN and
+torchvision's ResNet-18, feature_dim 512) there and `:htfe2` here instead of the five CNNs
+(files get `_htfe2`). The round's speed is printed as s/round, as training images a second
+(HtFLlib's loaders drop each client's last partial batch, ours keep it) and as client GFLOP/s
+(our records' training FLOPs a round, HtFLlib's in proportion to its images, over each side's
+whole round) beside the float32 matmul roofline, measured at the end of the same run. FedProto is compared on the nearest global prototype, the
 accuracy HtFLlib reports for it (ours: `fedproto.inference=prototype`). Where HtFLlib's code
 does what one of our documented options does, our side takes that option (`HTFLLIB_BEHAVIOUR`:
 FedTGP's pre-training prototypes and prototype accuracy, FedMRL's pooled shared model, uniform
@@ -196,16 +200,24 @@ HTFLLIB_BEHAVIOUR = {
 # The federation both sides run (`--batch_size`, `--num_clients`, `--partition`, `--alpha`):
 # FedSSA's (batch 512, N = 10, two classes a client) by default; HtFLlib's scripts' is batch 10,
 # N = 20, Dirichlet alpha = 0.1 (system/total.sh).
-FEDERATION = {'batch_size': 512, 'num_clients': 10, 'partition': 'pathological', 'alpha': 0.1}
+FEDERATION = {'batch_size': 512, 'num_clients': 10, 'partition': 'pathological', 'alpha': 0.1,
+              'model_group': 'cnn'}
 PARTITIONS = ('pathological', 'dirichlet')
+# The models (`--model_group`): ours, a config variant, or '' for the default; HtFLlib's, its
+# -m model family, or None for the FedSSA paper's five CNNs, which the runner registers.
+MODEL_GROUPS = {'cnn': ('', None), 'htfe2': ('htfe2', 'HtFE-img-2')}
 
 
 def federation_settings(batch_size: int = 512, num_clients: int = 10,
-                        partition: str = 'pathological', alpha: float = 0.1) -> dict:
+                        partition: str = 'pathological', alpha: float = 0.1,
+                        model_group: str = 'cnn') -> dict:
   """{dotted config field: value} of the federation: batch, clients and partition (Dirichlet:
-  concentration `alpha`, HtFLlib's -al of generate_Cifar10.py)."""
+  concentration `alpha`, HtFLlib's -al of generate_Cifar10.py). The `model_group` is a config
+  variant (`config_arg`), checked here."""
   if partition not in PARTITIONS:
     raise Failure(f'--partition must be one of {PARTITIONS}, got {partition!r}.')
+  if model_group not in MODEL_GROUPS:
+    raise Failure(f'--model_group must be one of {tuple(MODEL_GROUPS)}, got {model_group!r}.')
   out = {'batch_size': batch_size, 'num_clients': num_clients}
   if partition == 'dirichlet':
     out.update({'partition.kind': 'dirichlet', 'partition.dirichlet_gamma': alpha})
@@ -214,7 +226,8 @@ def federation_settings(batch_size: int = 512, num_clients: int = 10,
 
 def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
                  upload_loss: float = 0.0, num_clients: int = 10,
-                 partition: str = 'pathological', alpha: float = 0.1) -> dict:
+                 partition: str = 'pathological', alpha: float = 0.1,
+                 model_group: str = 'cnn') -> dict:
   """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`,
   in the federation of `batch_size`, `num_clients`, `partition` and `alpha`; `upload_loss` > 0:
   clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10)."""
@@ -223,7 +236,7 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
               'optimizer.weight_decay': 0.0,
               'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
               'checkpoint_every': rounds, 'checkpoint_keep': 1,
-              **federation_settings(batch_size, num_clients, partition, alpha)}
+              **federation_settings(batch_size, num_clients, partition, alpha, model_group)}
   if upload_loss:
     settings['system.upload_loss'] = upload_loss
   settings.update(HTFLLIB_BEHAVIOUR.get(method, {}))
@@ -245,12 +258,19 @@ def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
       method, lr, rounds, upload_loss=upload_loss, **federation).items()]
 
 
+def config_arg(model_group: str = 'cnn') -> str:
+  """fedssa_jax.main's --config for the models of `model_group`."""
+  variant = MODEL_GROUPS[model_group][0] if model_group in MODEL_GROUPS else model_group
+  return CONFIG + (f',{variant}' if variant else '')
+
+
 def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0, **federation):
   """Our config with `our_settings` applied (what fedssa_jax.main runs); `federation`: the
   keyword arguments of federation_settings."""
   sys.path.insert(0, REPO)
   from fedssa_jax import config_lib  # pylint: disable=g-import-not-at-top
-  c = config_lib.build('cifar10', CONFIG.split(':')[1])
+  federation_settings(**federation)  # a Failure for a bad group before the config is built
+  c = config_lib.build('cifar10', config_arg(federation.get('model_group', 'cnn')).split(':')[1])
   for key, value in our_settings(method, lr, rounds, upload_loss=upload_loss,
                                  **federation).items():
     *parents, leaf = key.split('.')
@@ -261,6 +281,17 @@ def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0, **
   return c
 
 
+CNN_FAMILIES = ('cnn1', 'cnn2', 'cnn3', 'cnn4', 'cnn5')
+
+
+def model_group_of(config) -> str:
+  """The `MODEL_GROUPS` key whose models `config` trains ('cnn' for anything but a group's)."""
+  from fedssa_jax.models import zoo  # pylint: disable=g-import-not-at-top
+  families = tuple(config.model.families)
+  return next((g for g, (variant, _) in MODEL_GROUPS.items()
+               if variant and zoo.GROUPS[variant] == families), 'cnn')
+
+
 def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str], list[str]]:
   """HtFLlib's main.py arguments for our `config` (its method included), and the differences
   that remain (UNMATCHED's, plus any of `config` that HtFLlib cannot express)."""
@@ -269,7 +300,10 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
     raise Failure(f'method {method!r} has no HtFLlib counterpart here; choose from '
                   f'{", ".join(SHARED_METHODS)}.')
   o = config.optimizer
-  args = ['-data', dataset, '-ncl', '10', '-m', 'HtFE-img-2', '-algo', ALGORITHMS[method],
+  group = model_group_of(config)
+  # For the five CNNs any family name does: the runner replaces its models.
+  args = ['-data', dataset, '-ncl', '10', '-m', MODEL_GROUPS[group][1] or 'HtFE-img-2',
+          '-algo', ALGORITHMS[method],
           '-nc', str(config.num_clients), '-jr', str(config.participation),
           '-lbs', str(config.batch_size), '-lr', str(o.lr), '-ls', str(config.local_epochs),
           '-gr', str(rounds), '-fd', str(config.model.feature_dim), '-eg', '1', '-t', '1',
@@ -320,7 +354,7 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
                      f'{HTFLLIB_CLIP.get(method) or "none"}.')
   if config.augment:
     unmatched.append('augmentation: ours flip, erasing and crop; HtFLlib none.')
-  if tuple(config.model.families) != ('cnn1', 'cnn2', 'cnn3', 'cnn4', 'cnn5'):
+  if group == 'cnn' and tuple(config.model.families) != CNN_FAMILIES:
     unmatched.append(f'models: ours {tuple(config.model.families)}; HtFLlib CNN-1..5.')
   if method == 'lg_fedavg' and config.lg_fedavg.weighting != 'samples':
     unmatched.append('LG-FedAvg header mean: ours uniform; HtFLlib sample-weighted.')
@@ -517,21 +551,22 @@ def _init(self, args, times):
   _server_init(self, args, times)
 
 
-serverbase.Server.__init__ = _init
-
-
 class _Args:
   num_classes, feature_dim, models, global_model = 10, 500, MODELS, MODELS[-1]
 
 
-for k, (family, _, _) in enumerate(FAMILIES):
-  model = htfl_models.BaseHeadSplit(_Args(), k)
-  sizes = {}
-  for pname, p in model.named_parameters():
-    layer = pname.rsplit('.', 1)[0]
-    sizes[layer] = sizes.get(layer, 0) + p.numel()
-  print(f'against_htfllib runner: {family} layers '
-        + ' '.join(f'{k}={v}' for k, v in sizes.items()), flush=True)
+if os.environ.get('AGAINST_HTFLLIB_MODELS') == 'htfllib':  # its own -m model family
+  print('against_htfllib runner: HtFLlib\'s own models', flush=True)
+else:  # the five CNNs
+  serverbase.Server.__init__ = _init
+  for k, (family, _, _) in enumerate(FAMILIES):
+    model = htfl_models.BaseHeadSplit(_Args(), k)
+    sizes = {}
+    for pname, p in model.named_parameters():
+      layer = pname.rsplit('.', 1)[0]
+      sizes[layer] = sizes.get(layer, 0) + p.numel()
+    print(f'against_htfllib runner: {family} layers '
+          + ' '.join(f'{k}={v}' for k, v in sizes.items()), flush=True)
 if os.environ.get('AGAINST_HTFLLIB_LOADER') == 'shuffled':  # a diagnostic (--htfllib_loader)
   import flcore.clients.clientbase as clientbase
   from torch.utils.data import DataLoader
@@ -592,7 +627,8 @@ def partition_suffix(args) -> str:
 def federation_suffix(args) -> str:
   """What the runs' files are named with, beyond the default federation's (none)."""
   return ((f'_b{args.batch_size}' if args.batch_size != FEDERATION['batch_size'] else '')
-          + partition_suffix(args) + (f'_lr{args.lr:g}' if args.lr != 0.05 else ''))
+          + partition_suffix(args) + (f'_lr{args.lr:g}' if args.lr != 0.05 else '')
+          + (f'_{args.model_group}' if args.model_group != FEDERATION['model_group'] else ''))
 
 
 def dataset_name(args) -> str:
@@ -642,13 +678,15 @@ def run_htfllib(args, method, system, scratch):
     work = os.path.join(scratch, 'htfllib', 'system')
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1', CUDA_VISIBLE_DEVICES='',
-               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1', AGAINST_HTFLLIB_LOADER=args.htfllib_loader)
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1', AGAINST_HTFLLIB_LOADER=args.htfllib_loader,
+               AGAINST_HTFLLIB_MODELS='cnn' if args.model_group == 'cnn' else 'htfllib')
     side_by_side._run_logged([args.htfllib_python, runner, system, *argv], log_path, work, env,
                              f'HtFLlib ({method})')
     os.rename(log_path, log_path + '.done')
   with open(log_path + '.done') as f:
     log = f.read()
-  check_layer_sizes(log, our_layer_sizes(config.model.feature_dim))
+  if args.model_group == 'cnn':  # HtFLlib's own groups: the zoo's tests match them with torch
+    check_layer_sizes(log, our_layer_sizes(config.model.feature_dim))
   rounds = read_htfllib_log(log)
   if len(rounds) < args.rounds + 1:
     raise Failure(f'{log_path}.done holds {len(rounds)} evaluated rounds, not '
@@ -663,7 +701,7 @@ def run_ours(args, method, scratch, seed):
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
   if not os.path.isfile(metrics):
-    cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={CONFIG}',
+    cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={config_arg(args.model_group)}',
            f'--config.data_dir={args.data_dir}', f'--config.seed={seed}',
            '--config.partition.seed=0', f'--workdir={workdir}',
            *our_overrides(method, args.lr, args.rounds, args.upload_loss, **federation(args))]
@@ -675,8 +713,8 @@ def run_ours(args, method, scratch, seed):
   with open(metrics) as f:
     records = [json.loads(line) for line in f if line.strip()]
   return [{'round': r['round'], 'client_accuracy': r['client_accuracy'],
-           'mean_accuracy': r['mean_accuracy'], 'seconds': r['round_seconds']}
-          for r in records]
+           'mean_accuracy': r['mean_accuracy'], 'seconds': r['round_seconds'],
+           'client_flops': r.get('client_flops')} for r in records]
 
 
 def steady(seconds):
@@ -722,15 +760,41 @@ def compare(method, htfl, ours_by_seed, checkpoints=(5, 10, 15, 20)):
           'ours_curves': [[None] + [r['mean_accuracy'] for r in ours] for ours in ours_by_seed]}
 
 
-def images_per_second(res: dict, train_counts, batch_size: int) -> dict:
+def images_per_second(res: dict, train_counts, batch_size: int,
+                      client_flops: float | None = None, roofline: float | None = None) -> dict:
   """The training images a round of each side takes (E = 1, every client: HtFLlib's loaders
   drop each client's last partial batch, ours keep it) over its steady s/round, which holds the
-  round's evaluation on both sides."""
+  round's evaluation on both sides. `client_flops`: our round's training FLOPs (the records'
+  count), which HtFLlib's round does in proportion to its images: each side's GFLOP/s, and
+  their share of the float32 matmul `roofline` (FLOP/s) where it is given."""
   n = np.asarray(train_counts, np.int64)
   theirs, ours = int((n // batch_size * batch_size).sum()), int(n.sum())
-  return {'htfllib_images_per_round': theirs, 'ours_images_per_round': ours,
-          'htfllib_images_per_second': theirs / res['htfllib_seconds_per_round'],
-          'ours_images_per_second': ours / res['ours_seconds_per_round']}
+  out = {'htfllib_images_per_round': theirs, 'ours_images_per_round': ours,
+         'htfllib_images_per_second': theirs / res['htfllib_seconds_per_round'],
+         'ours_images_per_second': ours / res['ours_seconds_per_round']}
+  if client_flops:
+    per_image = client_flops / ours
+    for side in ('htfllib', 'ours'):
+      out[f'{side}_gflops'] = per_image * out[f'{side}_images_per_second'] / 1e9
+      if roofline:
+        out[f'{side}_roofline_share'] = out[f'{side}_gflops'] * 1e9 / roofline
+  return out
+
+
+def steady_flops(ours_by_seed) -> float | None:
+  """Our steady round's training FLOPs: the median over rounds 2 on of the first seed's."""
+  flops = [r.get('client_flops') for r in ours_by_seed[0][1:]]
+  flops = [f for f in flops if f]
+  return float(np.median(flops)) if flops else None
+
+
+def roofline_flops() -> float:
+  """The machine's float32 matmul rate (run.bench's roofline), measured now, in this run."""
+  sys.path.insert(0, REPO)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_platforms', 'cpu')  # both sides train on the CPU
+  from fedssa_jax.run import bench  # pylint: disable=g-import-not-at-top
+  return bench.matmul_roofline(quick=False)['flops_per_s']
 
 
 def print_table(results):
@@ -742,7 +806,10 @@ def print_table(results):
     rate = ''
     if 'ours_images_per_second' in res:
       rate = (f' ({res["htfllib_images_per_second"]:.0f} vs {res["ours_images_per_second"]:.0f} '
-              'images/s)')
+              'images/s')
+      if 'ours_gflops' in res:
+        rate += f'; {res["htfllib_gflops"]:.1f} vs {res["ours_gflops"]:.1f} GFLOP/s'
+      rate += ')'
     print(f'  {res["method"]:<11} {cells}  |  {res["htfllib_seconds_per_round"]:.1f} s vs '
           f'{res["ours_seconds_per_round"]:.1f} s = {res["speedup"]:.1f}x{rate}', flush=True)
 
@@ -759,10 +826,12 @@ def markdown(results) -> str:
                  f'{row["htfllib"]:.4f} | {row["htfllib_weighted"]:.4f} | {row["ours"]:.4f} | '
                  f'{seeds} | {pct(row["difference"])} |')
   out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours | HtFLlib images/s | '
-          'ours images/s |', '|---|---|---|---|---|---|']
+          'ours images/s | HtFLlib GFLOP/s | ours GFLOP/s |', '|---|---|---|---|---|---|---|---|']
   for res in results:
-    rates = ' | '.join(f'{res[k]:.0f}' if k in res else '—' for k in (
-        'htfllib_images_per_second', 'ours_images_per_second'))
+    rates = ' | '.join(
+        (f'{res[k]:.0f}' if 'images' in k else f'{res[k]:.1f}') if k in res else '—'
+        for k in ('htfllib_images_per_second', 'ours_images_per_second', 'htfllib_gflops',
+                  'ours_gflops'))
     out.append(f'| {res["method"]} | {res["htfllib_seconds_per_round"]:.1f} | '
                f'{res["ours_seconds_per_round"]:.1f} | {res["speedup"]:.2f}x | {rates} |')
   return '\n'.join(out) + '\n'
@@ -823,6 +892,9 @@ def main(argv=None):
                  '(FedSSA\'s) or Dirichlet of concentration --alpha (HtFLlib\'s scripts)')
   p.add_argument('--alpha', type=float, default=FEDERATION['alpha'],
                  help='the Dirichlet concentration (HtFLlib\'s scripts: 0.1)')
+  p.add_argument('--model_group', default=FEDERATION['model_group'], choices=tuple(MODEL_GROUPS),
+                 help='the models, both sides: the FedSSA paper\'s five CNNs (registered into '
+                 'HtFLlib) or HtFLlib\'s HtFE-img-2 (FedAvgCNN, ResNet-18; ours :htfe2)')
   p.add_argument('--upload_loss', type=float, default=0.0,
                  help='clients lose their upload with this probability: our '
                  'system.upload_loss, HtFLlib\'s -cdr (results get the suffix _cdr<q>)')
@@ -853,7 +925,8 @@ def main(argv=None):
     header = {'command': ' '.join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
               'ours_commit': side_by_side._git_head(REPO, code=('fedssa_jax', 'configs')),
               'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
-              'torch': torch_version, 'cpus': os.cpu_count(), 'config': CONFIG,
+              'torch': torch_version, 'cpus': os.cpu_count(),
+              'config': config_arg(args.model_group),
               'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds, **federation(args),
               'htfllib_loader': args.htfllib_loader, 'upload_loss': args.upload_loss}
     print(json.dumps(header, indent=1), flush=True)
@@ -866,13 +939,24 @@ def main(argv=None):
       htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
       ours = [run_ours(args, m, scratch, seed) for seed in seeds]
       res = compare(m, htfl, ours)
-      res.update(images_per_second(res, info['train'], args.batch_size))
-      res['unmatched'] = unmatched
+      res.update(images_per_second(res, info['train'], args.batch_size, steady_flops(ours)))
+      res['unmatched'], res['client_flops'] = unmatched, steady_flops(ours)
       results.append(res)
       print_table([res])
+    # The float32 matmul roofline of this machine, in this run, after both sides' runs.
+    header['roofline_gflops'] = roofline_flops() / 1e9
+    for res in results:
+      res.update(images_per_second(res, info['train'], args.batch_size, res.get('client_flops'),
+                                   header['roofline_gflops'] * 1e9))
   except Failure as e:
     sys.exit(f'against_htfllib: {e}')
   print_table(results)
+  print(f'\nfloat32 matmul roofline: {header["roofline_gflops"]:.1f} GFLOP/s; client GFLOP/s '
+        'are the training FLOPs over the whole round (its evaluation included):')
+  for res in results:
+    if 'ours_roofline_share' in res:
+      print(f'  {res["method"]:<11} HtFLlib {100 * res["htfllib_roofline_share"]:.0f}%, ours '
+            f'{100 * res["ours_roofline_share"]:.0f}% of the roofline', flush=True)
   with open(os.path.join(args.out, f'results{_suffix(args)}.json'), 'w') as f:
     json.dump({**header, 'partition': info.get('fingerprint'), 'finished': time.ctime(),
                'results': results}, f, indent=1)

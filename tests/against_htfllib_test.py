@@ -218,14 +218,24 @@ def test_compare_puts_both_curves_side_by_side():
   assert (res['htfllib_images_per_round'], res['ours_images_per_round']) == (30, 42)
   assert res['htfllib_images_per_second'] == pytest.approx(30 / 9)
   assert res['ours_images_per_second'] == pytest.approx(42 / 7)
-  assert '| fd | 9.0 | 7.0 | 1.29x | 3 | 6 |' in ah.markdown([res])
+  assert '| fd | 9.0 | 7.0 | 1.29x | 3 | 6 | — | — |' in ah.markdown([res])
+  # GFLOP/s: our round's FLOPs (the median after round 1) over each side's s/round, HtFLlib's
+  # in proportion to the images it trains; and each side's share of the roofline.
+  ours[0][1]['client_flops'], ours[0][2]['client_flops'] = 84e9, 42e9
+  ours[0][3]['client_flops'] = 42e9
+  assert ah.steady_flops(ours) == 42e9 and ah.steady_flops([ours[1]]) is None
+  res.update(ah.images_per_second(res, [25, 7, 10], 10, 42e9, 12e9))
+  assert res['ours_gflops'] == pytest.approx(42 / 7)  # 1e9 FLOPs an image, 6 images/s
+  assert res['htfllib_gflops'] == pytest.approx(30 / 9)
+  assert res['ours_roofline_share'] == pytest.approx(0.5)
+  assert '| fd | 9.0 | 7.0 | 1.29x | 3 | 6 | 3.3 | 6.0 |' in ah.markdown([res])
 
 
 def test_htfllibs_federation_maps_onto_both_sides():
   """HtFLlib's scripts' federation (batch 10, 20 clients, Dirichlet 0.1): our config, its
   flags, and the files' names, which keep the default federation's as they were."""
   ah = load_script()
-  fed = dict(batch_size=10, num_clients=20, partition='dirichlet', alpha=0.1)
+  fed = dict(batch_size=10, num_clients=20, partition='dirichlet', alpha=0.1, model_group='cnn')
   c = ah.our_config('fedgh', 0.01, 3, **fed)
   assert (c.batch_size, c.num_clients, c.participation) == (10, 20, 1.0)
   assert (c.partition.kind, c.partition.dirichlet_gamma) == ('dirichlet', 0.1)
@@ -242,3 +252,29 @@ def test_htfllibs_federation_maps_onto_both_sides():
   config_lib.validate(c)  # a federation our side can build
   with pytest.raises(ah.Failure, match='--partition must be one of'):
     ah.our_config('fedgh', 0.01, 3, partition='iid')
+  with pytest.raises(ah.Failure, match='--model_group must be one of'):
+    ah.our_config('fedgh', 0.01, 3, model_group='htfe7')
+
+
+def test_htfllibs_own_model_group_on_both_sides():
+  """--model_group=htfe2: HtFLlib's own HtFE-img-2 there (its -m, its feature_dim 512), our
+  :htfe2 here, the files named with it; the five CNNs keep their names and their check."""
+  ah = load_script()
+  fed = dict(batch_size=10, num_clients=20, partition='dirichlet', alpha=0.1,
+             model_group='htfe2')
+  c = ah.our_config('standalone', 0.01, 3, **fed)
+  assert tuple(c.model.families) == ('fedavgcnn', 'resnet18') and c.model.feature_dim == 512
+  assert ah.model_group_of(c) == 'htfe2'
+  assert ah.config_arg('htfe2') == ah.CONFIG + ',htfe2' and ah.config_arg('cnn') == ah.CONFIG
+  args, unmatched = ah.htfllib_args(c, 3)
+  flags = dict(zip(args[::2], args[1::2]))
+  assert (flags['-m'], flags['-fd']) == ('HtFE-img-2', '512')
+  assert not any(u.startswith('models') for u in unmatched)
+  ns = argparse.Namespace
+  assert ah.federation_suffix(ns(lr=0.01, **fed)) == '_b10_n20_dir0.1_lr0.01_htfe2'
+  assert ah.dataset_name(ns(lr=0.01, **fed)) == ah.DATASET + '_n20_dir0.1'  # the same data
+  # Any other families on our side are a difference from the five CNNs.
+  c = ah.our_config('standalone', 0.01, 3)
+  c.model.families = ('cnn1', 'cnn2')
+  assert ah.model_group_of(c) == 'cnn'
+  assert any(u.startswith('models') for u in ah.htfllib_args(c, 3)[1])
