@@ -1,6 +1,8 @@
 """Where local training's time goes, op by op, on the CPU.
 
   python launch/profile_ops.py --family=cnn1 [--batch=512 --micro_batch=64 --top=25]
+  python launch/profile_ops.py --family=cnn1 --batch=10 --micro_batch=0 --steps=100 --plain_sgd
+      (HtFLlib's settings)
 
 Traces the engine's training call (`fedssa_jax.run.bench.train_call`, one client, synthetic
 CIFAR-shaped data) with XLA:CPU's per-op trace events, and prints each compiled op's time per
@@ -38,6 +40,8 @@ flags.DEFINE_enum('family', 'cnn1', models.FAMILY_NAMES, 'Model family.')
 flags.DEFINE_integer('batch', 512, 'Batch size.')
 flags.DEFINE_integer('micro_batch', 64, 'Rows per forward/backward pass (0: the whole batch).')
 flags.DEFINE_integer('steps', 4, 'Training steps per traced call.')
+flags.DEFINE_bool('plain_sgd', False, 'HtFLlib\'s optimizer (plain SGD at lr 0.01, no '
+                  'momentum, weight decay or clip, no augmentation) instead of the paper\'s.')
 flags.DEFINE_integer('top', 25, 'Ops to list.')
 flags.DEFINE_integer('traces', 3, 'Traced calls; each op counts with its least time among them.')
 flags.DEFINE_string('dump_hlo', None, 'Write the compiled HLO text here.')
@@ -96,8 +100,9 @@ def trace_call(run, ops):
 
 def main(_):
   ds = data.synthetic_cifar(10, FLAGS.batch * FLAGS.steps, 100)
+  plain = dict(lr=0.01, momentum=0.0, weight_decay=0.0, clip_norm=0.0, augment=False)
   call, args, images = bench.train_call(FLAGS.family, FLAGS.batch, 1, FLAGS.steps, ds,
-                                        FLAGS.micro_batch)
+                                        FLAGS.micro_batch, **(plain if FLAGS.plain_sgd else {}))
   text = call.lower(*args).compile().as_text()
   if FLAGS.dump_hlo:
     with open(FLAGS.dump_hlo, 'w') as f:

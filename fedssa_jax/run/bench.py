@@ -89,14 +89,15 @@ def matmul_roofline(quick: bool, dtype: str = 'float32') -> dict:
 
 
 def train_call(family: str, batch: int, clients: int, steps: int, ds: data.Dataset,
-               micro_batch: int = 0):
+               micro_batch: int = 0, **train):
   """The engine's vmapped local_train for a group of `clients` clients of `steps` full batches
-  each, with forward/backward passes of `micro_batch` rows (0: the whole batch). Returns
+  each, with forward/backward passes of `micro_batch` rows (0: the whole batch); `train`: other
+  `training.TrainConfig` fields (the optimizer's: the paper's by default). Returns
   (call, args, images): the jitted call, its arguments, and the samples a call trains on."""
   config = config_lib.base_config('cifar10')  # the paper's models: model.feature_dim's default
   model = models.make_model(family, ds.num_classes, feature_dim=config.model.feature_dim)
   cfg = training.TrainConfig(batch_size=batch, local_epochs=1, mean=ds.mean, std=ds.std,
-                           micro_batch=micro_batch)
+                             micro_batch=micro_batch, **train)
   n = batch * steps
   idx = np.stack([np.arange(n) + c * n for c in range(clients)]).astype(np.int32)
   dd = DeviceData(jnp.asarray(ds.images[:clients * n]), jnp.asarray(ds.labels[:clients * n]),
