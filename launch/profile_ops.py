@@ -30,8 +30,10 @@ if __name__ == '__main__':  # XLA reads its flags when the backend starts: befor
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 
-from fedssa_jax import data, models
+from fedssa_jax import config_lib, data, models
+from fedssa_jax.engine import costs
 from fedssa_jax.run import bench
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -134,6 +136,33 @@ def main(_):
   for name, t in total.items():
     by_kind['matmuls' if (dots.get(name) or dots.get(ops[name][2])) else 'other ops'] += t
   print('; '.join(f'{k} {v / traced:.0%}' for k, v in by_kind.most_common()))
+  memory_floor(args[0], seconds / steps, bench.matmul_roofline(quick=False)['flops_per_s'],
+               costs.xla_train_flops_per_sample(FLAGS.family, ds.num_classes, FLAGS.batch,
+                                                config_lib.base_config('cifar10').model
+                                                .feature_dim) * FLAGS.batch)
+
+
+def memory_floor(params, step_seconds: float, roofline: float, step_flops: float):
+  """What the step's parameter traffic costs at least, measured in this run: an SGD step reads
+  every weight for the forward pass and again for the input gradients, writes its gradient,
+  and the update reads both and writes the weight (6 passes over the parameters, whatever the
+  batch); timed as streaming y = x * a + y over arrays of the parameters' size. Beside it, the
+  step's FLOPs at the float32 matmul roofline."""
+  n = sum(x.size for x in jax.tree.leaves(params))
+  x, y = jnp.ones(n, jnp.float32), jnp.ones(n, jnp.float32)
+  axpy = jax.jit(lambda x, y: x * 0.5 + y)
+  axpy(x, y).block_until_ready()
+  t = bench.best_time(lambda: axpy(x, y).block_until_ready(), 20)
+  rate = 3 * 4 * n / t  # bytes a second: two reads and a write
+  floor = 6 * 4 * n / rate
+  at_roofline = step_flops / roofline
+  print(f'parameters {n / 1e6:.2f} M ({4 * n / 1e6:.1f} MB); streaming over them {rate / 1e9:.0f} '
+        f'GB/s, so their 6 passes a step take at least {floor * 1e3:.2f} ms '
+        f'({floor / step_seconds:.0%} of the step); the step\'s {step_flops / 1e9:.2f} GFLOP at the '
+        f'roofline ({roofline / 1e9:.0f} GFLOP/s) take {at_roofline * 1e3:.2f} ms '
+        f'({at_roofline / step_seconds:.0%}); the step runs at '
+        f'{step_flops / step_seconds / 1e9:.0f} GFLOP/s, {step_flops / step_seconds / roofline:.0%} '
+        'of the roofline')
 
 
 if __name__ == '__main__':
