@@ -126,24 +126,18 @@ def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: boo
   """Every field of the section, before any data is loaded. `upload_refusal(mode)`: the
   method's Method.upload_refusal(config, mode)."""
   check_upload(p, method, upload_refusal)
-  require(p.clip_norm > 0, f'privacy.clip_norm must be > 0, got {p.clip_norm}: it bounds each '
-          "example's gradient norm (1.0 is usual).")
-  require(p.noise_multiplier >= 0, f'privacy.noise_multiplier must be >= 0, got '
-          f'{p.noise_multiplier}: the noise std is noise_multiplier x clip_norm (1.1 is usual; '
-          '0 with privacy.target_epsilon calibrates it).')
+  _check_gaussian(p, 'clip_norm', "it bounds each example's gradient norm (1.0 is usual)",
+                  'noise_multiplier', 'the noise std is noise_multiplier x clip_norm (1.1 is '
+                  'usual; 0 with privacy.target_epsilon calibrates it)', 'target_epsilon')
   require(0 < p.delta < 1, f'privacy.delta must be in (0, 1), got {p.delta}; use less than '
           '1 / (training samples), e.g. 1e-5.')
-  require(p.target_epsilon >= 0, f'privacy.target_epsilon must be > 0, or 0 for no budget; '
-          f'got {p.target_epsilon}.')
   require_one_of('privacy.accountant', p.accountant, ACCOUNTANTS)
   require(p.max_batch >= 0, f'privacy.max_batch must be >= 0 (0: automatic), got {p.max_batch}.')
   require(p.pass_size >= 0, f'privacy.pass_size must be >= 1, or 0 (automatic); got '
           f'{p.pass_size}.')
   if not p.dp_sgd:
     return
-  require(p.noise_multiplier > 0 or p.target_epsilon > 0,
-          'privacy.noise_multiplier=0 adds no noise, so no epsilon is finite: set it (1.1 is '
-          'usual), or set privacy.target_epsilon to calibrate it.')
+  _require_noise(p, 'noise_multiplier', 'target_epsilon', ' (1.1 is usual)')
   require(per_sample_loss,
           f'privacy.dp_sgd needs a loss that is a mean of per-example terms, to clip each '
           f"example's gradient; {method}'s couples the samples of a batch (FedKD: 1/Q with Q the "
@@ -156,18 +150,13 @@ def check_upload(p: ml_collections.ConfigDict, method: str,
   """The upload fields; with `upload` on, that the method can take it in the mode asked
   (`refusal_of(mode)` says why not, or None)."""
   require_one_of('privacy.upload_mode', p.upload_mode, UPLOAD_MODES)
-  require(p.upload_clip > 0, f'privacy.upload_clip must be > 0, got {p.upload_clip}: it bounds '
-          "each client's upload norm (less the global model it downloaded).")
-  require(p.upload_noise_multiplier >= 0, 'privacy.upload_noise_multiplier must be >= 0, got '
-          f'{p.upload_noise_multiplier}: the noise std is upload_noise_multiplier x upload_clip '
-          '(0 with privacy.upload_target_epsilon calibrates it).')
-  require(p.upload_target_epsilon >= 0, 'privacy.upload_target_epsilon must be > 0, or 0 for '
-          f'no budget; got {p.upload_target_epsilon}.')
+  _check_gaussian(p, 'upload_clip', "it bounds each client's upload norm (less the global "
+                  'model it downloaded)', 'upload_noise_multiplier', 'the noise std is '
+                  'upload_noise_multiplier x upload_clip (0 with privacy.upload_target_epsilon '
+                  'calibrates it)', 'upload_target_epsilon')
   if not p.upload:
     return
-  require(p.upload_noise_multiplier > 0 or p.upload_target_epsilon > 0,
-          'privacy.upload_noise_multiplier=0 adds no noise, so no epsilon is finite: set it, or '
-          'set privacy.upload_target_epsilon to calibrate it.')
+  _require_noise(p, 'upload_noise_multiplier', 'upload_target_epsilon')
   require(not (p.upload_noise_multiplier > 0 and p.upload_target_epsilon > 0),
           'privacy.upload_target_epsilon calibrates the noise: set '
           'privacy.upload_noise_multiplier=0 with it, or drop the target.')
@@ -178,6 +167,24 @@ def check_upload(p: ml_collections.ConfigDict, method: str,
            if other else 'Turn privacy.upload off.')
     raise ConfigError(f'privacy.upload ({p.upload_mode}) does not apply to {method}: its '
                       f'{refusal}. {fix}')
+
+
+def _check_gaussian(p: ml_collections.ConfigDict, clip: str, clip_says: str, sigma: str,
+                    sigma_says: str, target: str) -> None:
+  """A Gaussian mechanism's fields of the section: its clip norm > 0, its noise multiplier and
+  its target epsilon >= 0 (each named by its field, with what it does)."""
+  require(p[clip] > 0, f'privacy.{clip} must be > 0, got {p[clip]}: {clip_says}.')
+  require(p[sigma] >= 0, f'privacy.{sigma} must be >= 0, got {p[sigma]}: {sigma_says}.')
+  require(p[target] >= 0, f'privacy.{target} must be > 0, or 0 for no budget; got '
+          f'{p[target]}.')
+
+
+def _require_noise(p: ml_collections.ConfigDict, sigma: str, target: str,
+                   usual: str = '') -> None:
+  """A mechanism that is on needs noise: its multiplier, or a target to calibrate it by."""
+  require(p[sigma] > 0 or p[target] > 0,
+          f'privacy.{sigma}=0 adds no noise, so no epsilon is finite: set it{usual}, or set '
+          f'privacy.{target} to calibrate it.')
 
 
 def check_models(p: ml_collections.ConfigDict, families_with_state) -> None:
