@@ -62,7 +62,7 @@ def test_training_on_pairs_is_plain_sgd_over_the_valid_pairs():
     return jnp.sum(wt * (w * x[:, 0] - y) ** 2) / jnp.maximum(wt.sum(), 1e-9)
 
   lr, w = 0.01, 0.5
-  got, loss_sum, steps = aggregation.train_on_pairs(
+  got, loss_sum, steps, last = aggregation.train_on_pairs(
       jnp.float32(w), loss_fn, optax.sgd(lr), values, labels, weights, jax.random.PRNGKey(0),
       epochs=2, batch_size=8)
   x, y, wt = np.array([1., 2., 3.]), np.array([2., 4., 6.]), np.array([1., 1., 2.])
@@ -72,6 +72,7 @@ def test_training_on_pairs_is_plain_sgd_over_the_valid_pairs():
     w -= lr * np.sum(wt * 2 * (w * x - y) * x) / wt.sum()
   np.testing.assert_allclose(got, w, rtol=1e-6)
   np.testing.assert_allclose(loss_sum, sum(losses), rtol=1e-6)
+  np.testing.assert_allclose(last, losses[-1], rtol=1e-6)  # HtFLlib prints the last step's
   assert int(steps) == 2
   # Batches of 2: ceil(3 / 2) = 2 steps an epoch.
   assert int(aggregation.train_on_pairs(jnp.float32(w), loss_fn, optax.sgd(lr), values, labels,

@@ -115,7 +115,8 @@ def train_on_pairs(params, loss_fn: Callable, tx, values, labels, weights, key, 
   is one update of the optax transformation `tx` (its state fresh here) with the gradient of
   `loss_fn(params, x [b, D], y [b], w [b])`, a scalar (a weighted mean over the batch).
 
-  Returns (params, the sum of the steps' losses, the number of steps)."""
+  Returns (params, the sum of the steps' losses, the number of steps, the last step's loss:
+  what HtFLlib prints; 0 without a step)."""
   m = values.shape[0]
   padded = -(-m // batch_size) * batch_size
   valid = weights > 0
@@ -128,18 +129,19 @@ def train_on_pairs(params, loss_fn: Callable, tx, values, labels, weights, key, 
     order = jnp.pad(jnp.argsort(jnp.where(valid, r, jnp.inf)), (0, padded - m))
 
     def step(inner):
-      j, params, opt_state, loss_sum = inner
+      j, params, opt_state, loss_sum, _ = inner
       pos = j * batch_size + jnp.arange(batch_size)
       idx = jax.lax.dynamic_slice(order, (j * batch_size,), (batch_size,))
       w = jnp.where(pos < count, weights[idx], 0.0)
       loss, grads = grad_fn(params, values[idx], labels[idx], w)
       updates, opt_state = tx.update(grads, opt_state, params)
-      return j + 1, optax.apply_updates(params, updates), opt_state, loss_sum + loss
+      return j + 1, optax.apply_updates(params, updates), opt_state, loss_sum + loss, loss
 
-    _, params, opt_state, loss_sum = jax.lax.while_loop(
+    _, *carry = jax.lax.while_loop(
         lambda inner: inner[0] < num_steps, step, (jnp.zeros((), jnp.int32), *carry))
-    return params, opt_state, loss_sum
+    return tuple(carry)
 
-  params, _, loss_sum = jax.lax.fori_loop(
-      0, epochs, epoch, (params, tx.init(params), jnp.zeros((), jnp.float32)))
-  return params, loss_sum, epochs * num_steps
+  zero = jnp.zeros((), jnp.float32)
+  params, _, loss_sum, last = jax.lax.fori_loop(
+      0, epochs, epoch, (params, tx.init(params), zero, zero))
+  return params, loss_sum, epochs * num_steps, last

@@ -116,13 +116,14 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
   def server_aggregate(self, server, participants, round_index, key):
     values, labels, weights = prototypes.round_pairs(server.uploads, server.uploads_n, participants,
                                           self.pair_weight)
-    head, loss_sum, steps = aggregation.train_on_pairs(
+    head, loss_sum, steps, last = aggregation.train_on_pairs(
         server.head, header_loss, optax.sgd(self.lr), values, labels, weights, key,
         epochs=self.epochs, batch_size=self.batch)
     steps = steps.astype(jnp.float32)
     per_step = 3 * 2 * self.batch * self.header_floats + 2 * self.header_floats
     return base.Aggregated(server.replace(head=head), flops=per_step * steps,
-                           metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'steps': steps})
+                           metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'steps': steps,
+                                    'last_loss': last})
 
   def eval_params(self, params, server, client_id):
     if self.eval == 'post_train':

@@ -187,7 +187,7 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
     values, labels, weights = prototypes.round_pairs(server.uploads, server.uploads_n,
                                                      participants, 'uniform')
     loss_fn = lambda p, x, y, w: tgp_loss(p, x, y, w, delta=delta, num_classes=c)
-    tgp, loss_sum, steps = aggregation.train_on_pairs(
+    tgp, loss_sum, steps, last = aggregation.train_on_pairs(
         server.tgp, loss_fn, optax.sgd(self.lr), values, labels, weights, key,
         epochs=self.epochs, batch_size=self.batch)
     steps = steps.astype(jnp.float32)
@@ -197,7 +197,8 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
     return base.Aggregated(
         server.replace(tgp=tgp, protos=tgp_protos(tgp, c), avail=server.avail | has.any()),
         flops=jnp.asarray(flops, jnp.float32),
-        metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'steps': steps, 'margin': delta})
+        metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'last_loss': last, 'steps': steps,
+                 'margin': delta})
 
   def eval_extra(self, server, client_id, logits, rep, y, valid):
     return {'prototype_accuracy': prototypes.prototype_hits(rep, y, valid, server.protos,
