@@ -197,6 +197,11 @@ HTFLLIB_BEHAVIOUR = {
 }
 
 
+# FedKD's compression on both sides (`--fedkd_compression`): as each side's code does it, or off
+# (HtFLlib's `decomposition` returns every tensor as it is; ours runs at energy 1.0).
+FEDKD_COMPRESSION = ('as_written', 'off')
+
+
 # The federation both sides run (`--batch_size`, `--num_clients`, `--partition`, `--alpha`):
 # FedSSA's (batch 512, N = 10, two classes a client) by default; HtFLlib's scripts' is batch 10,
 # N = 20, Dirichlet alpha = 0.1 (system/total.sh).
@@ -227,10 +232,11 @@ def federation_settings(batch_size: int = 512, num_clients: int = 10,
 def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
                  upload_loss: float = 0.0, num_clients: int = 10,
                  partition: str = 'pathological', alpha: float = 0.1,
-                 model_group: str = 'cnn') -> dict:
+                 model_group: str = 'cnn', fedkd_compression: str = 'as_written') -> dict:
   """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`,
   in the federation of `batch_size`, `num_clients`, `partition` and `alpha`; `upload_loss` > 0:
-  clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10)."""
+  clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10); `fedkd_compression`
+  'off': FedKD at energy 1.0 throughout, which sends every tensor whole."""
   settings = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
               'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
               'optimizer.weight_decay': 0.0,
@@ -240,6 +246,11 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
   if upload_loss:
     settings['system.upload_loss'] = upload_loss
   settings.update(HTFLLIB_BEHAVIOUR.get(method, {}))
+  if fedkd_compression not in FEDKD_COMPRESSION:
+    raise Failure(f'--fedkd_compression must be one of {FEDKD_COMPRESSION}, got '
+                  f'{fedkd_compression!r}.')
+  if method == 'fedkd' and fedkd_compression == 'off':
+    settings.update({'fedkd.energy_start': 1.0, 'fedkd.energy_end': 1.0})
   # HtFLlib's server-side training reuses the local batch size (and FedTGP's the local lr), and
   # FedL2G's quiz set is one local batch.
   if method == 'fedgh':
@@ -252,10 +263,11 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
 
 
 def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
-                  **federation) -> list[str]:
+                  fedkd_compression: str = 'as_written', **federation) -> list[str]:
   """our_settings as fedssa_jax.main's --config.* flags."""
   return [f'--config.{k}={v}' for k, v in our_settings(
-      method, lr, rounds, upload_loss=upload_loss, **federation).items()]
+      method, lr, rounds, upload_loss=upload_loss, fedkd_compression=fedkd_compression,
+      **federation).items()]
 
 
 def config_arg(model_group: str = 'cnn') -> str:
@@ -264,7 +276,8 @@ def config_arg(model_group: str = 'cnn') -> str:
   return CONFIG + (f',{variant}' if variant else '')
 
 
-def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0, **federation):
+def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
+               fedkd_compression: str = 'as_written', **federation):
   """Our config with `our_settings` applied (what fedssa_jax.main runs); `federation`: the
   keyword arguments of federation_settings."""
   sys.path.insert(0, REPO)
@@ -272,7 +285,7 @@ def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0, **
   federation_settings(**federation)  # a Failure for a bad group before the config is built
   c = config_lib.build('cifar10', config_arg(federation.get('model_group', 'cnn')).split(':')[1])
   for key, value in our_settings(method, lr, rounds, upload_loss=upload_loss,
-                                 **federation).items():
+                                 fedkd_compression=fedkd_compression, **federation).items():
     *parents, leaf = key.split('.')
     node = c
     for p in parents:
@@ -446,6 +459,29 @@ def read_htfllib_log(text: str) -> list[dict]:
 # The models: HtFLlib's side is built by the runner, and checked against ours layer by layer
 # --------------------------------------------------------------------------------------------
 
+_FEDKD_RANK = re.compile(r'against_htfllib fedkd: (client|server) (\S+) (\d+)x(\d+) rank (\d+) '
+                         r'of (\d+) \(energy ([\d.]+)\)')
+
+
+def read_fedkd_ranks(log: str) -> dict:
+  """{(side, tensor): [kept ranks, one a compression]} from the runner's FedKD log lines, with
+  the full rank: what HtFLlib's decomposition kept of each matrix."""
+  out = {}
+  for m in _FEDKD_RANK.finditer(log):
+    side, name, _, _, rank, full, _ = m.groups()
+    entry = out.setdefault((side, name), {'full': int(full), 'ranks': []})
+    entry['ranks'].append(int(rank))
+  return out
+
+
+def fedkd_rank_lines(ranks: dict) -> list[str]:
+  """One line a (side, matrix): how often its truncation kept rank 0 (the tensor rebuilt as
+  zeros) and the kept ranks' range."""
+  return [f'{side} {name}: rank 0 in {r["ranks"].count(0)} of {len(r["ranks"])} '
+          f'compressions, kept {min(r["ranks"])}-{max(r["ranks"])} of {r["full"]}'
+          for (side, name), r in sorted(ranks.items())]
+
+
 def our_layer_sizes(feature_dim: int, num_classes: int = 10) -> dict[str, dict[str, int]]:
   """{family: {layer: parameters}} of our five CNNs (conv1, conv2, fc1, fc2; fc3 the head), with
   `feature_dim`-wide representations."""
@@ -579,6 +615,34 @@ if os.environ.get('AGAINST_HTFLLIB_LOADER') == 'shuffled':  # a diagnostic (--ht
   clientbase.Client.load_train_data = _load_train_data
   print('against_htfllib runner: training loaders reshuffle every epoch and keep the last '
         'partial batch', flush=True)
+if '-algo' in sys.argv and sys.argv[sys.argv.index('-algo') + 1] == 'FedKD':
+  # Each tensor's kept rank, as HtFLlib's decomposition truncates it (a log, nothing changed),
+  # or, with AGAINST_HTFLLIB_FEDKD=off, every tensor returned whole (no compression).
+  import numpy as np
+  import flcore.clients.clientkd as clientkd
+  import flcore.servers.serverkd as serverkd
+  _decomposition = clientkd.decomposition
+
+  def _traced(side):
+    def decomposition(named_params, energy):
+      named_params = list(named_params)
+      if os.environ.get('AGAINST_HTFLLIB_FEDKD') == 'off':
+        return {name: (p.detach().cpu().numpy() if hasattr(p, 'detach') else p)
+                for name, p in named_params}
+      out = _decomposition(named_params, energy)
+      for name, p in named_params:
+        shape = tuple(p.shape)
+        if isinstance(out.get(name), list) and len(shape) == 2:
+          print(f'against_htfllib fedkd: {side} {name} {shape[0]}x{shape[1]} rank '
+                f'{out[name][1].shape[0]} of {min(shape)} (energy {energy:.4f})', flush=True)
+      return out
+    return decomposition
+
+  clientkd.decomposition = _traced('client')
+  serverkd.decomposition = _traced('server')
+  print('against_htfllib runner: FedKD compression '
+        + ('off' if os.environ.get('AGAINST_HTFLLIB_FEDKD') == 'off' else 'as written, ranks logged'),
+        flush=True)
 print(f'against_htfllib runner: torch {torch.__version__}, {torch.get_num_threads()} threads',
       flush=True)
 script = os.path.join(system, 'main.py')
@@ -662,12 +726,14 @@ def prepare_data(args, scratch):
 
 def _suffix(args):
   return (('' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}')
+          + ('_kdoff' if args.fedkd_compression == 'off' else '')
           + (f'_cdr{args.upload_loss:g}' if args.upload_loss else '') + federation_suffix(args))
 
 
 def run_htfllib(args, method, system, scratch):
   log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args)}.log')
-  config = our_config(method, args.lr, args.rounds, args.upload_loss, **federation(args))
+  config = our_config(method, args.lr, args.rounds, args.upload_loss, args.fedkd_compression,
+                      **federation(args))
   if not os.path.isfile(log_path + '.done'):
     argv, _ = htfllib_args(config, args.rounds, dataset_name(args))
     runner = os.path.join(scratch, 'run_htfllib.py')
@@ -679,7 +745,8 @@ def run_htfllib(args, method, system, scratch):
     os.makedirs(work, exist_ok=True)
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1', CUDA_VISIBLE_DEVICES='',
                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1', AGAINST_HTFLLIB_LOADER=args.htfllib_loader,
-               AGAINST_HTFLLIB_MODELS='cnn' if args.model_group == 'cnn' else 'htfllib')
+               AGAINST_HTFLLIB_MODELS='cnn' if args.model_group == 'cnn' else 'htfllib',
+               AGAINST_HTFLLIB_FEDKD=args.fedkd_compression)
     side_by_side._run_logged([args.htfllib_python, runner, system, *argv], log_path, work, env,
                              f'HtFLlib ({method})')
     os.rename(log_path, log_path + '.done')
@@ -687,6 +754,10 @@ def run_htfllib(args, method, system, scratch):
     log = f.read()
   if args.model_group == 'cnn':  # HtFLlib's own groups: the zoo's tests match them with torch
     check_layer_sizes(log, our_layer_sizes(config.model.feature_dim))
+  ranks = read_fedkd_ranks(log)
+  if ranks:
+    print('  HtFLlib\'s FedKD truncations (matrices):\n    '
+          + '\n    '.join(fedkd_rank_lines(ranks)), flush=True)
   rounds = read_htfllib_log(log)
   if len(rounds) < args.rounds + 1:
     raise Failure(f'{log_path}.done holds {len(rounds)} evaluated rounds, not '
@@ -697,14 +768,17 @@ def run_htfllib(args, method, system, scratch):
 def run_ours(args, method, scratch, seed):
   """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
   name = f'ours_{method}' + (f'_seed{seed}' if seed else '') + (
-      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + federation_suffix(args)
+      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + (
+      '_kdoff' if args.fedkd_compression == 'off' and method == 'fedkd' else '') + (
+      federation_suffix(args))
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
   if not os.path.isfile(metrics):
     cmd = [sys.executable, '-m', 'fedssa_jax.main', f'--config={config_arg(args.model_group)}',
            f'--config.data_dir={args.data_dir}', f'--config.seed={seed}',
            '--config.partition.seed=0', f'--workdir={workdir}',
-           *our_overrides(method, args.lr, args.rounds, args.upload_loss, **federation(args))]
+           *our_overrides(method, args.lr, args.rounds, args.upload_loss,
+                          args.fedkd_compression, **federation(args))]
     env = dict(os.environ, JAX_PLATFORMS='cpu')
     env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
     side_by_side._run_logged(cmd, os.path.join(args.out, f'{name}.log'), REPO, env,
@@ -895,6 +969,9 @@ def main(argv=None):
   p.add_argument('--model_group', default=FEDERATION['model_group'], choices=tuple(MODEL_GROUPS),
                  help='the models, both sides: the FedSSA paper\'s five CNNs (registered into '
                  'HtFLlib) or HtFLlib\'s HtFE-img-2 (FedAvgCNN, ResNet-18; ours :htfe2)')
+  p.add_argument('--fedkd_compression', default='as_written', choices=FEDKD_COMPRESSION,
+                 help='"off": FedKD without compression on both sides (HtFLlib\'s decomposition '
+                 'returns each tensor as it is; ours at energy 1.0); files get _kdoff')
   p.add_argument('--upload_loss', type=float, default=0.0,
                  help='clients lose their upload with this probability: our '
                  'system.upload_loss, HtFLlib\'s -cdr (results get the suffix _cdr<q>)')
@@ -928,13 +1005,15 @@ def main(argv=None):
               'torch': torch_version, 'cpus': os.cpu_count(),
               'config': config_arg(args.model_group),
               'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds, **federation(args),
-              'htfllib_loader': args.htfllib_loader, 'upload_loss': args.upload_loss}
+              'htfllib_loader': args.htfllib_loader, 'upload_loss': args.upload_loss,
+              'fedkd_compression': args.fedkd_compression}
     print(json.dumps(header, indent=1), flush=True)
     info = prepare_data(args, scratch)
     results = []
     for m in methods:
       _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds, args.upload_loss,
-                                             **federation(args)), args.rounds)
+                                             args.fedkd_compression, **federation(args)),
+                                  args.rounds)
       print(f'\n{m}: not matched:\n  - ' + '\n  - '.join(unmatched), flush=True)
       htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
       ours = [run_ours(args, m, scratch, seed) for seed in seeds]

@@ -38,7 +38,7 @@ from fedssa_jax.run import bench
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum('family', 'cnn1', models.FAMILY_NAMES, 'Model family.')
+flags.DEFINE_enum('family', 'cnn1', models.all_family_names(), 'Model family.')
 flags.DEFINE_integer('batch', 512, 'Batch size.')
 flags.DEFINE_integer('micro_batch', 64, 'Rows per forward/backward pass (0: the whole batch).')
 flags.DEFINE_integer('steps', 4, 'Training steps per traced call.')

@@ -278,3 +278,35 @@ def test_htfllibs_own_model_group_on_both_sides():
   c.model.families = ('cnn1', 'cnn2')
   assert ah.model_group_of(c) == 'cnn'
   assert any(u.startswith('models') for u in ah.htfllib_args(c, 3)[1])
+
+
+def test_fedkd_compression_off_and_htfllibs_kept_ranks():
+  """--fedkd_compression=off: ours at energy 1.0 (every tensor sent whole), the files named
+  _kdoff; the runner's FedKD log lines read back as each matrix's kept ranks, rank 0 counted
+  (HtFLlib's truncation rebuilds such a tensor as zeros)."""
+  ah = load_script()
+  compile(ah.RUNNER, 'run_htfllib.py', 'exec')  # the runner HtFLlib's Python executes
+  c = ah.our_config('fedkd', 0.05, 20, fedkd_compression='off')
+  assert (c.fedkd.energy_start, c.fedkd.energy_end) == (1.0, 1.0)
+  c = ah.our_config('fedkd', 0.05, 20)
+  assert (c.fedkd.energy_start, c.fedkd.energy_end) == (0.95, 0.98)
+  assert ah.our_config('fml', 0.05, 20, fedkd_compression='off').fml == ah.our_config(
+      'fml', 0.05, 20).fml
+  with pytest.raises(ah.Failure, match='--fedkd_compression must be one of'):
+    ah.our_config('fedkd', 0.05, 20, fedkd_compression='half')
+  ns = argparse.Namespace(htfllib_loader='as_written', upload_loss=0.0, fedkd_compression='off',
+                          lr=0.05, **ah.FEDERATION)
+  assert ah._suffix(ns) == '_kdoff'
+  log = '\n'.join([
+      'against_htfllib fedkd: client head.weight 10x500 rank 0 of 10 (energy 0.9500)',
+      'against_htfllib fedkd: client base.fc2.weight 500x500 rank 212 of 500 (energy 0.9500)',
+      'against_htfllib fedkd: server head.weight 10x500 rank 9 of 10 (energy 0.9515)',
+      'other output',
+      'against_htfllib fedkd: client head.weight 10x500 rank 0 of 10 (energy 0.9515)'])
+  ranks = ah.read_fedkd_ranks(log)
+  assert ranks[('client', 'head.weight')] == {'full': 10, 'ranks': [0, 0]}
+  assert ranks[('server', 'head.weight')] == {'full': 10, 'ranks': [9]}
+  assert ah.fedkd_rank_lines(ranks) == [
+      'client base.fc2.weight: rank 0 in 0 of 1 compressions, kept 212-212 of 500',
+      'client head.weight: rank 0 in 2 of 2 compressions, kept 0-0 of 10',
+      'server head.weight: rank 0 in 0 of 1 compressions, kept 9-9 of 10']

@@ -106,7 +106,8 @@ def train_call(family: str, batch: int, clients: int, steps: int, ds: data.Datas
   keys = jax.random.split(jax.random.PRNGKey(0), clients)
   params = jax.vmap(functools.partial(models.init_params, model))(keys)
   method = standalone.Standalone(config, clients, ds.num_classes)
-  train = functools.partial(training.local_train, apply_fn=model.apply, cfg=cfg, method=method)
+  train = functools.partial(training.local_train, apply_fn=model.apply, cfg=cfg, method=method,
+                            train_apply=getattr(model, 'train_apply', None))
   call = jax.jit(jax.vmap(lambda p, k, i, n: train({'model': p}, (), k, i, n, dd)))
   return call, (params, keys, dd.train_idx, dd.train_n), clients * n
 
