@@ -153,8 +153,9 @@ UNMATCHED = {
               'zeroing: HtFLlib\'s truncation (clientkd.py:162-169) starts its rank at 0 and never '
               'tests the full rank, so a tensor whose smallest singular value holds more than '
               '1 - T of the energy is rebuilt as zeros (a head [10, 500] at torch\'s uniform '
-              'init holds about 8% in sigma_min^2, so at T = 0.95-0.98 the loop ends at rank 0); '
-              'ours keeps the full rank there.',
+              'init holds about 8% in sigma_min^2, so at T = 0.95-0.98 the loop ends at rank 0; '
+              'measured: the mentee\'s head is kept at rank 0 of 10 by every client in round 1, '
+              'rank 1 after); ours keeps the full rank there.',
               'W_h: HtFLlib seeds torch with 0 before each client\'s W_h (clientkd.py:13), so '
               'every client starts with the same one; ours draws each client\'s from its key.',
               'energy schedule: HtFLlib T_t = start + (end - start) t/R; ours (t + 1)/R.'],
