@@ -85,10 +85,13 @@ model files and results land in the scratch folder):
   - the modules of FedKTL's three servers and FedL2G's two, which are not run here, are replaced
     by empty ones where they cannot be imported (they need StyleGAN or Stable Diffusion files,
     or the `higher` package); the runner's log names each one left out.
-Nothing else: HtFLlib's training, aggregation, evaluation and logging run as written. One
-diagnostic changes more, only when asked: `--htfllib_loader=shuffled` makes its training
-loaders reshuffle every epoch and keep the last partial batch (as ours), to measure what its
-fixed batch order and dropped samples do to a curve.
+Nothing else: HtFLlib's training, aggregation, evaluation and logging run as written. FedKD's
+`decomposition` is wrapped to log each matrix's kept rank (the launcher prints how often a
+truncation kept rank 0), which changes nothing it computes. Two diagnostics change more, only
+when asked: `--htfllib_loader=shuffled` makes its training loaders reshuffle every epoch and
+keep the last partial batch (as ours), to measure what its fixed batch order and dropped
+samples do to a curve; `--fedkd_compression=off` makes its `decomposition` return every tensor
+whole and runs ours at energy 1.0, to measure what each side's compression does.
 
 FD: HtFLlib's FD since commit ca3e29a (29 Nov 2025) gives the raw global logits to
 CrossEntropyLoss as if they were probabilities; docs/algorithm.md rejects that version. Pass the
