@@ -276,7 +276,7 @@ def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
 
 def config_arg(model_group: str = 'cnn') -> str:
   """fedssa_jax.main's --config for the models of `model_group`."""
-  variant = MODEL_GROUPS[model_group][0] if model_group in MODEL_GROUPS else model_group
+  variant = MODEL_GROUPS[model_group][0]
   return CONFIG + (f',{variant}' if variant else '')
 
 
@@ -622,7 +622,6 @@ if os.environ.get('AGAINST_HTFLLIB_LOADER') == 'shuffled':  # a diagnostic (--ht
 if '-algo' in sys.argv and sys.argv[sys.argv.index('-algo') + 1] == 'FedKD':
   # Each tensor's kept rank, as HtFLlib's decomposition truncates it (a log, nothing changed),
   # or, with AGAINST_HTFLLIB_FEDKD=off, every tensor returned whole (no compression).
-  import numpy as np
   import flcore.clients.clientkd as clientkd
   import flcore.servers.serverkd as serverkd
   _decomposition = clientkd.decomposition
@@ -728,14 +727,20 @@ def prepare_data(args, scratch):
   return info
 
 
-def _suffix(args):
+def _kdoff(args, method: str) -> str:
+  """What a run of `method` is named with for --fedkd_compression (only FedKD's change)."""
+  return '_kdoff' if args.fedkd_compression == 'off' and method == 'fedkd' else ''
+
+
+def _suffix(args, method: str = 'fedkd'):
+  """A run's name beyond its method (`method`'s own), or the results files' (the default)."""
   return (('' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}')
-          + ('_kdoff' if args.fedkd_compression == 'off' else '')
+          + _kdoff(args, method)
           + (f'_cdr{args.upload_loss:g}' if args.upload_loss else '') + federation_suffix(args))
 
 
 def run_htfllib(args, method, system, scratch):
-  log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args)}.log')
+  log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args, method)}.log')
   config = our_config(method, args.lr, args.rounds, args.upload_loss, args.fedkd_compression,
                       **federation(args))
   if not os.path.isfile(log_path + '.done'):
@@ -772,8 +777,7 @@ def run_htfllib(args, method, system, scratch):
 def run_ours(args, method, scratch, seed):
   """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
   name = f'ours_{method}' + (f'_seed{seed}' if seed else '') + (
-      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + (
-      '_kdoff' if args.fedkd_compression == 'off' and method == 'fedkd' else '') + (
+      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + _kdoff(args, method) + (
       federation_suffix(args))
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
@@ -1022,8 +1026,8 @@ def main(argv=None):
       htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
       ours = [run_ours(args, m, scratch, seed) for seed in seeds]
       res = compare(m, htfl, ours)
-      res.update(images_per_second(res, info['train'], args.batch_size, steady_flops(ours)))
       res['unmatched'], res['client_flops'] = unmatched, steady_flops(ours)
+      res.update(images_per_second(res, info['train'], args.batch_size, res['client_flops']))
       results.append(res)
       print_table([res])
     # The float32 matmul roofline of this machine, in this run, after both sides' runs.

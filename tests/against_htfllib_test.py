@@ -296,7 +296,8 @@ def test_fedkd_compression_off_and_htfllibs_kept_ranks():
     ah.our_config('fedkd', 0.05, 20, fedkd_compression='half')
   ns = argparse.Namespace(htfllib_loader='as_written', upload_loss=0.0, fedkd_compression='off',
                           lr=0.05, **ah.FEDERATION)
-  assert ah._suffix(ns) == '_kdoff'
+  assert ah._suffix(ns) == ah._suffix(ns, 'fedkd') == '_kdoff'
+  assert ah._suffix(ns, 'fedproto') == ''  # only FedKD's runs change
   log = '\n'.join([
       'against_htfllib fedkd: client head.weight 10x500 rank 0 of 10 (energy 0.9500)',
       'against_htfllib fedkd: client base.fc2.weight 500x500 rank 212 of 500 (energy 0.9500)',
