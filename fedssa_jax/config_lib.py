@@ -68,6 +68,11 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.num_rounds = 500
   c.local_epochs = 25                 # E
   c.batch_size = 512                  # B
+  c.batch_order = 'shuffled'          # 'shuffled' (a new order each epoch, from the run's seed)
+                                      # or 'fixed' (each client's stored order every epoch, as
+                                      # a loader that does not shuffle: HtFLlib's)
+  c.drop_last = False                 # True: floor(n_k / B) steps an epoch, a last partial
+                                      # batch left out (HtFLlib's loaders); False: ceil(n_k / B)
   c.seed = 0                          # model init, sampling, shuffling, augmentation
   c.eval_every = 1                    # rounds between all-client evaluations (the last is always)
   c.eval_clients = 0                  # 0: evaluate all N clients; M: a fixed random subset of M
@@ -335,6 +340,12 @@ def _check_run(c: ml_collections.ConfigDict) -> None:
   require(-1 <= c.partition.seed < 2**63,
           f'partition.seed must be in [0, 2**63), or -1 to use `seed`; got {c.partition.seed}.')
   require(c.batch_size > 0, f'batch_size must be > 0, got {c.batch_size}.')
+  require_one_of('batch_order', c.batch_order, ('shuffled', 'fixed'))
+  require(isinstance(c.drop_last, bool), f'drop_last must be True or False, got {c.drop_last!r}.')
+  require(not (c.privacy.dp_sgd and (c.batch_order == 'fixed' or c.drop_last)),
+          'privacy.dp_sgd draws every batch by Poisson sampling, which batch_order=fixed and '
+          'drop_last=True would contradict: set batch_order=shuffled and drop_last=False, or '
+          'turn privacy.dp_sgd off.')
   require(c.eval_batch_size > 0, f'eval_batch_size must be > 0, got {c.eval_batch_size}.')
   require(c.eval_every >= 1, f'eval_every must be >= 1, got {c.eval_every}.')
   require(c.eval_clients >= 0,

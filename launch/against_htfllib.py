@@ -59,8 +59,14 @@ before it), and HtFLlib's server-side training reuses the local batch (FedGH, Fe
 (FedTGP), as does FedL2G's quiz set. What could not be matched is printed at the start and
 written to the results (`UNMATCHED`).
 
-Seeds: `--seeds` runs our side at each seed (the partition stays seed 0's); HtFLlib seeds
-itself (torch.manual_seed(0) before every client), so it runs once.
+Seeds: `--seeds` runs both sides at each seed (the partition stays seed 0's): ours as
+config.seed; HtFLlib's by moving each of its torch.manual_seed(s) calls (main.py's and the one
+before every client's models) to s + seed at run time. Seed 0 runs HtFLlib as written, and its
+files keep the names they had; another's get `_seed<k>` on both sides. `--htfllib_seeds` gives
+HtFLlib its own list (0: once). The tables give each side's mean ± sample std over its seeds and
+mark, in bold, a gap larger than twice their combined std sqrt(std_HtFLlib² + std_ours²). The
+results files keep the other methods of an earlier command in the same `--out` (and the same
+federation and options), so a table can be filled one command at a time.
 
 The same metric. HtFLlib prints each client's test accuracy at the start of round r (its round
 0 is the initial models), after r rounds of training; ours, metrics.jsonl's `client_accuracy`
@@ -84,14 +90,17 @@ model files and results land in the scratch folder):
     torch.load, which torch 2.6 and later refuse by default (weights_only=True);
   - the modules of FedKTL's three servers and FedL2G's two, which are not run here, are replaced
     by empty ones where they cannot be imported (they need StyleGAN or Stable Diffusion files,
-    or the `higher` package); the runner's log names each one left out.
+    or the `higher` package); the runner's log names each one left out;
+  - with a seed other than 0, torch.manual_seed(s) calls torch's with s + the seed.
 Nothing else: HtFLlib's training, aggregation, evaluation and logging run as written. FedKD's
 `decomposition` is wrapped to log each matrix's kept rank (the launcher prints how often a
 truncation kept rank 0), which changes nothing it computes. Two diagnostics change more, only
 when asked: `--htfllib_loader=shuffled` makes its training loaders reshuffle every epoch and
 keep the last partial batch (as ours), to measure what its fixed batch order and dropped
 samples do to a curve; `--fedkd_compression=off` makes its `decomposition` return every tensor
-whole and runs ours at energy 1.0, to measure what each side's compression does.
+whole and runs ours at energy 1.0, to measure what each side's compression does. One changes
+ours: `--our_loader=fixed` trains our side on HtFLlib's batches (batch_order=fixed,
+drop_last=True: each client's samples in file order every epoch, the partial batch dropped).
 
 FD: HtFLlib's FD since commit ca3e29a (29 Nov 2025) gives the raw global logits to
 CrossEntropyLoss as if they were probabilities; docs/algorithm.md rejects that version. Pass the
@@ -129,13 +138,9 @@ HTFLLIB_CLIP = {'fml': 10.0, 'fedkd': 10.0, 'fedl2g': 100.0}
 # Differences that remain in the comparison, by method ('*' for all).
 UNMATCHED = {
     '*': [
-        'seeds: HtFLlib seeds torch with 0 before each client model (clients of one family start '
-        'equal, as our model.init_scope=family) and numpy with its own state; we seed JAX with '
-        '0. The initial models and the batch order therefore differ.',
-        'batch order: HtFLlib\'s training loader does not shuffle (the same batches every '
-        'round, in file order) and drops the last partial batch (up to 511 of a client\'s '
-        'samples are never trained on); ours reshuffles every epoch and trains the partial '
-        'batch.',
+        'seeds: HtFLlib seeds torch with 0 (plus --htfllib_seeds\' offset) before each client '
+        'model (clients of one family start equal, as our model.init_scope=family); we seed JAX '
+        'with our seed. The initial models therefore differ.',
         'HtFLlib reads images from .npz lists of torch tensors; ours from TFDS. The pixels are '
         'the same (written from our arrays).',
     ],
@@ -201,6 +206,10 @@ HTFLLIB_BEHAVIOUR = {
 }
 
 
+# Our training batches (`--our_loader`): shuffled every epoch with the partial batch kept (our
+# default), or HtFLlib's loaders' (the stored order every epoch, the partial batch dropped).
+OUR_LOADERS = ('shuffled', 'fixed')
+
 # FedKD's compression on both sides (`--fedkd_compression`): as each side's code does it, or off
 # (HtFLlib's `decomposition` returns every tensor as it is; ours runs at energy 1.0).
 FEDKD_COMPRESSION = ('as_written', 'off')
@@ -236,11 +245,13 @@ def federation_settings(batch_size: int = 512, num_clients: int = 10,
 def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
                  upload_loss: float = 0.0, num_clients: int = 10,
                  partition: str = 'pathological', alpha: float = 0.1,
-                 model_group: str = 'cnn', fedkd_compression: str = 'as_written') -> dict:
+                 model_group: str = 'cnn', fedkd_compression: str = 'as_written',
+                 our_loader: str = 'shuffled') -> dict:
   """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`,
   in the federation of `batch_size`, `num_clients`, `partition` and `alpha`; `upload_loss` > 0:
   clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10); `fedkd_compression`
-  'off': FedKD at energy 1.0 throughout, which sends every tensor whole."""
+  'off': FedKD at energy 1.0 throughout, which sends every tensor whole; `our_loader` 'fixed':
+  our batches as HtFLlib's loaders make them (batch_order=fixed, drop_last=True)."""
   settings = {'method': method, 'num_rounds': rounds, 'local_epochs': 1, 'augment': False,
               'optimizer.name': 'sgd', 'optimizer.lr': lr, 'optimizer.momentum': 0.0,
               'optimizer.weight_decay': 0.0,
@@ -255,6 +266,10 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
                   f'{fedkd_compression!r}.')
   if method == 'fedkd' and fedkd_compression == 'off':
     settings.update({'fedkd.energy_start': 1.0, 'fedkd.energy_end': 1.0})
+  if our_loader not in OUR_LOADERS:
+    raise Failure(f'--our_loader must be one of {OUR_LOADERS}, got {our_loader!r}.')
+  if our_loader == 'fixed':
+    settings.update({'batch_order': 'fixed', 'drop_last': True})
   # HtFLlib's server-side training reuses the local batch size (and FedTGP's the local lr), and
   # FedL2G's quiz set is one local batch.
   if method == 'fedgh':
@@ -267,11 +282,12 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
 
 
 def our_overrides(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
-                  fedkd_compression: str = 'as_written', **federation) -> list[str]:
+                  fedkd_compression: str = 'as_written', our_loader: str = 'shuffled',
+                  **federation) -> list[str]:
   """our_settings as fedssa_jax.main's --config.* flags."""
   return [f'--config.{k}={v}' for k, v in our_settings(
       method, lr, rounds, upload_loss=upload_loss, fedkd_compression=fedkd_compression,
-      **federation).items()]
+      our_loader=our_loader, **federation).items()]
 
 
 def config_arg(model_group: str = 'cnn') -> str:
@@ -281,7 +297,8 @@ def config_arg(model_group: str = 'cnn') -> str:
 
 
 def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
-               fedkd_compression: str = 'as_written', **federation):
+               fedkd_compression: str = 'as_written', our_loader: str = 'shuffled',
+               **federation):
   """Our config with `our_settings` applied (what fedssa_jax.main runs); `federation`: the
   keyword arguments of federation_settings."""
   sys.path.insert(0, REPO)
@@ -289,7 +306,8 @@ def our_config(method: str, lr: float, rounds: int, upload_loss: float = 0.0,
   federation_settings(**federation)  # a Failure for a bad group before the config is built
   c = config_lib.build('cifar10', config_arg(federation.get('model_group', 'cnn')).split(':')[1])
   for key, value in our_settings(method, lr, rounds, upload_loss=upload_loss,
-                                 fedkd_compression=fedkd_compression, **federation).items():
+                                 fedkd_compression=fedkd_compression, our_loader=our_loader,
+                                 **federation).items():
     *parents, leaf = key.split('.')
     node = c
     for p in parents:
@@ -363,6 +381,11 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
   if config.system.dropout or config.system.straggler_rate or system_has_clock(config):
     raise Failure('only system.upload_loss has an HtFLlib counterpart (-cdr) here; its -tsr '
                   'crashes at E = 1 and its clock reads host time (docs/algorithm.md §10).')
+  if config.batch_order != 'fixed' or not config.drop_last:
+    unmatched.append('batch order: HtFLlib\'s training loader does not shuffle (the same batches '
+                     'every round, in file order) and drops the last partial batch (up to B - 1 '
+                     'of a client\'s samples are never trained on); ours reshuffles every epoch '
+                     'and trains the partial batch (--our_loader=fixed does as HtFLlib).')
   if o.name != 'sgd' or o.momentum or o.weight_decay:
     unmatched.append(f'optimizer: ours {o.name} momentum {o.momentum} weight decay '
                      f'{o.weight_decay}; HtFLlib plain SGD.')
@@ -559,6 +582,12 @@ system = sys.argv[1]
 sys.path.insert(0, system)
 import torch
 torch.cuda.is_available = lambda: False
+_SEED = int(os.environ.get('AGAINST_HTFLLIB_SEED', '0'))  # --htfllib_seeds: torch's seeds moved
+if _SEED:
+  _manual_seed = torch.manual_seed
+  torch.manual_seed = lambda seed: _manual_seed(seed + _SEED)
+  print(f'against_htfllib runner: torch.manual_seed(s) runs as torch.manual_seed(s + {_SEED})',
+        flush=True)
 
 
 from fedssa_cnn import FedSSACNN  # a module of its own, so that torch.save can pickle it
@@ -733,14 +762,25 @@ def _kdoff(args, method: str) -> str:
 
 
 def _suffix(args, method: str = 'fedkd'):
-  """A run's name beyond its method (`method`'s own), or the results files' (the default)."""
+  """An HtFLlib run's name beyond its method and seed (`method`'s own), or, with the
+  `_ourfixed` of --our_loader=fixed, the results files' (the default)."""
   return (('' if args.htfllib_loader == 'as_written' else f'_{args.htfllib_loader}')
           + _kdoff(args, method)
           + (f'_cdr{args.upload_loss:g}' if args.upload_loss else '') + federation_suffix(args))
 
 
-def run_htfllib(args, method, system, scratch):
-  log_path = os.path.join(args.out, f'htfllib_{method}{_suffix(args, method)}.log')
+def _our_loader(args) -> str:
+  """What our runs and the results are named with for --our_loader (the default: nothing)."""
+  return '_ourfixed' if args.our_loader == 'fixed' else ''
+
+
+def _seed(seed: int) -> str:
+  return f'_seed{seed}' if seed else ''
+
+
+def run_htfllib(args, method, system, scratch, seed=0):
+  """HtFLlib's run of `method`, its torch seeds moved by `seed` (0: as written)."""
+  log_path = os.path.join(args.out, f'htfllib_{method}{_seed(seed)}{_suffix(args, method)}.log')
   config = our_config(method, args.lr, args.rounds, args.upload_loss, args.fedkd_compression,
                       **federation(args))
   if not os.path.isfile(log_path + '.done'):
@@ -755,9 +795,9 @@ def run_htfllib(args, method, system, scratch):
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1', CUDA_VISIBLE_DEVICES='',
                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1', AGAINST_HTFLLIB_LOADER=args.htfllib_loader,
                AGAINST_HTFLLIB_MODELS='cnn' if args.model_group == 'cnn' else 'htfllib',
-               AGAINST_HTFLLIB_FEDKD=args.fedkd_compression)
+               AGAINST_HTFLLIB_FEDKD=args.fedkd_compression, AGAINST_HTFLLIB_SEED=str(seed))
     side_by_side._run_logged([args.htfllib_python, runner, system, *argv], log_path, work, env,
-                             f'HtFLlib ({method})')
+                             f'HtFLlib ({method}, seed {seed})')
     os.rename(log_path, log_path + '.done')
   with open(log_path + '.done') as f:
     log = f.read()
@@ -770,15 +810,16 @@ def run_htfllib(args, method, system, scratch):
   rounds = read_htfllib_log(log)
   if len(rounds) < args.rounds + 1:
     raise Failure(f'{log_path}.done holds {len(rounds)} evaluated rounds, not '
-                  f'{args.rounds + 1}: remove it to run HtFLlib\'s {method} again.')
+                  f'{args.rounds + 1}: remove it to run HtFLlib\'s {method} (seed {seed}) '
+                  'again.')
   return rounds[:args.rounds + 1]
 
 
 def run_ours(args, method, scratch, seed):
   """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
-  name = f'ours_{method}' + (f'_seed{seed}' if seed else '') + (
+  name = f'ours_{method}' + _seed(seed) + (
       f'_loss{args.upload_loss:g}' if args.upload_loss else '') + _kdoff(args, method) + (
-      federation_suffix(args))
+      federation_suffix(args)) + _our_loader(args)
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
   if not os.path.isfile(metrics):
@@ -786,7 +827,7 @@ def run_ours(args, method, scratch, seed):
            f'--config.data_dir={args.data_dir}', f'--config.seed={seed}',
            '--config.partition.seed=0', f'--workdir={workdir}',
            *our_overrides(method, args.lr, args.rounds, args.upload_loss,
-                          args.fedkd_compression, **federation(args))]
+                          args.fedkd_compression, args.our_loader, **federation(args))]
     env = dict(os.environ, JAX_PLATFORMS='cpu')
     env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
     side_by_side._run_logged(cmd, os.path.join(args.out, f'{name}.log'), REPO, env,
@@ -806,39 +847,50 @@ def steady(seconds):
   return float(np.median(s)) if s else float('nan')
 
 
-def compare(method, htfl, ours_by_seed, checkpoints=(5, 10, 15, 20)):
-  """The per-method summary: HtFLlib's curve and ours (the mean over our seeds, each seed's
-  beside it) at `checkpoints`, their difference, and the steady s/round of both (ours: the
-  first seed's run)."""
-  theirs = {r['round']: r for r in htfl}
+def mean_std(values) -> tuple[float, float | None]:
+  """The mean of one value per seed, and their sample standard deviation (None for one seed)."""
+  v = np.asarray(values, np.float64)
+  return float(v.mean()), (float(v.std(ddof=1)) if len(v) > 1 else None)
+
+
+def gap_row(label, theirs: list[float], theirs_weighted: list[float], ours: list[float]) -> dict:
+  """One row of the comparison: each side's mean and std over its seeds, the difference of the
+  means, and whether it exceeds twice the combined std sqrt(std_HtFLlib^2 + std_ours^2), the
+  spread of one run's difference (None unless both sides have two seeds or more)."""
+  h, h_sd = mean_std(theirs)
+  o, o_sd = mean_std(ours)
+  combined = None if h_sd is None or o_sd is None else float(np.hypot(h_sd, o_sd))
+  return {'round': label, 'htfllib': h, 'htfllib_std': h_sd, 'htfllib_seeds': list(theirs),
+          'htfllib_weighted': mean_std(theirs_weighted)[0], 'ours': o, 'ours_std': o_sd,
+          'ours_seeds': list(ours), 'difference': o - h, 'combined_std': combined,
+          'beyond_noise': None if combined is None else bool(abs(o - h) > 2 * combined)}
+
+
+def compare(method, htfl_by_seed, ours_by_seed, checkpoints=(5, 10, 15, 20)):
+  """The per-method summary: each side's curves (one per seed) and, at `checkpoints` and over
+  the last five of them, gap_row's means, stds and difference; the steady s/round of both
+  (each side's first seed's run)."""
+  theirs = [{r['round']: r for r in run} for run in htfl_by_seed]
   mine = [{r['round']: r for r in ours} for ours in ours_by_seed]
-  rows = []
-  for r in checkpoints:
-    if r in theirs and all(r in m for m in mine):
-      seeds = [m[r]['mean_accuracy'] for m in mine]
-      rows.append({'round': r, 'htfllib': theirs[r]['mean_accuracy'],
-                   'htfllib_weighted': theirs[r]['weighted_accuracy'],
-                   'ours': float(np.mean(seeds)), 'ours_seeds': seeds,
-                   'difference': float(np.mean(seeds)) - theirs[r]['mean_accuracy']})
+  have = lambda r: all(r in t for t in theirs) and all(r in m for m in mine)
+  acc = lambda runs, rounds, key='mean_accuracy': [
+      float(np.mean([run[r][key] for r in rounds])) for run in runs]
+  rows = [gap_row(r, acc(theirs, [r]), acc(theirs, [r], 'weighted_accuracy'), acc(mine, [r]))
+          for r in checkpoints if have(r)]
   # The mean over the last five rounds: single rounds swing by a few points (HtFLlib's fixed
   # batch order makes its curve jagged), so this is the steadier figure to compare.
-  last = [r for r in checkpoints[-1:] if r in theirs and all(r in m for m in mine)]
+  last = [r for r in checkpoints[-1:] if have(r)]
   if last and last[0] >= 5:
     window = range(last[0] - 4, last[0] + 1)
-    h5 = float(np.mean([theirs[r]['mean_accuracy'] for r in window]))
-    o5 = [float(np.mean([m[r]['mean_accuracy'] for r in window])) for m in mine]
-    rows.append({'round': f'{window[0]}-{window[-1]}', 'htfllib': h5,
-                 'htfllib_weighted': float(np.mean([theirs[r]['weighted_accuracy']
-                                                    for r in window])),
-                 'ours': float(np.mean(o5)), 'ours_seeds': o5,
-                 'difference': float(np.mean(o5)) - h5})
+    rows.append(gap_row(f'{window[0]}-{window[-1]}', acc(theirs, window),
+                        acc(theirs, window, 'weighted_accuracy'), acc(mine, window)))
   # HtFLlib's round r is the evaluation at its start plus the training r -> r + 1.
-  t_htfl = steady([r['seconds'] for r in htfl])
+  t_htfl = steady([r['seconds'] for r in htfl_by_seed[0]])
   t_ours = steady([r['seconds'] for r in ours_by_seed[0]])
   return {'method': method, 'algorithm': ALGORITHMS[method], 'rows': rows,
           'htfllib_seconds_per_round': t_htfl, 'ours_seconds_per_round': t_ours,
           'speedup': t_htfl / t_ours,
-          'htfllib_curve': [r['mean_accuracy'] for r in htfl],
+          'htfllib_curves': [[r['mean_accuracy'] for r in run] for run in htfl_by_seed],
           'ours_curves': [[None] + [r['mean_accuracy'] for r in ours] for ours in ours_by_seed]}
 
 
@@ -898,15 +950,25 @@ def print_table(results):
 
 def markdown(results) -> str:
   """The accuracy and speed tables, as docs/results.md shows them."""
-  pct = lambda v: f'{100 * v:+.1f}'
-  out = ['| method (HtFLlib) | rounds | HtFLlib | HtFLlib, weighted | ours | ours by seed | '
-         'ours - HtFLlib, points |', '|---|---|---|---|---|---|---|']
+  def gap(row):
+    text = f'{100 * row["difference"]:+.1f}'
+    return f'**{text}**' if row.get('beyond_noise') else text
+
+  def side(row, name):
+    sd = row.get(f'{name}_std')
+    return f'{row[name]:.4f}' + ('' if sd is None else f' ± {sd:.4f}')
+
+  by_seed = lambda row, name: ', '.join(f'{v:.4f}' for v in row.get(f'{name}_seeds', ()))
+  out = ['| method (HtFLlib) | rounds | HtFLlib | HtFLlib by seed | HtFLlib, weighted | ours | '
+         'ours by seed | ours - HtFLlib, points |', '|---|---|---|---|---|---|---|---|']
   for res in results:
     for row in res['rows']:
-      seeds = ', '.join(f'{v:.4f}' for v in row['ours_seeds'])
       out.append(f'| {res["method"]} ({res["algorithm"]}) | {row["round"]} | '
-                 f'{row["htfllib"]:.4f} | {row["htfllib_weighted"]:.4f} | {row["ours"]:.4f} | '
-                 f'{seeds} | {pct(row["difference"])} |')
+                 f'{side(row, "htfllib")} | {by_seed(row, "htfllib")} | '
+                 f'{row["htfllib_weighted"]:.4f} | {side(row, "ours")} | '
+                 f'{by_seed(row, "ours")} | {gap(row)} |')
+  out += ['', 'Mean ± sample std over each side\'s seeds; a difference in bold exceeds twice '
+          'their combined std, sqrt(std_HtFLlib² + std_ours²).']
   out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours | HtFLlib images/s | '
           'ours images/s | HtFLlib GFLOP/s | ours GFLOP/s |', '|---|---|---|---|---|---|---|---|']
   for res in results:
@@ -931,8 +993,9 @@ def plot(results, path):
   rows = -(-len(results) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
   for ax, res in zip(axes.flat, results):
-    h = res['htfllib_curve']
-    ax.plot(range(len(h)), h, label='HtFLlib', color='tab:orange')
+    for i, h in enumerate(res.get('htfllib_curves') or [res['htfllib_curve']]):
+      ax.plot(range(len(h)), h, color='tab:orange', alpha=1.0 if i == 0 else 0.4,
+              label='HtFLlib' if i == 0 else None)
     for i, o in enumerate(res['ours_curves']):
       ax.plot(range(1, len(o)), o[1:], color='tab:blue', alpha=1.0 if i == 0 else 0.4,
               label='fedssa_jax' if i == 0 else None)
@@ -946,6 +1009,33 @@ def plot(results, path):
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   print(f'  figure: {path}')
+
+
+def parse_seeds(parser, flag: str, text: str) -> list[int]:
+  try:
+    seeds = [int(v) for v in text.split(',') if v.strip()]
+  except ValueError:
+    seeds = []
+  if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+    parser.error(f'{flag} must be distinct comma-separated integers >= 0, got {text!r}')
+  return seeds
+
+
+def merged(path: str, results: list[dict]) -> list[dict]:
+  """`results` with those of the other methods that the results file at `path` holds (an
+  earlier command's, in the same --out and of the same federation and options), in
+  SHARED_METHODS' order: a table can be filled one command at a time."""
+  try:
+    with open(path) as f:
+      earlier = json.load(f)['results']
+  except (OSError, ValueError, KeyError):
+    earlier = []
+  now = {r['method'] for r in results}
+  keep = [r for r in earlier if r.get('method') not in now]
+  if keep:
+    print(f'  kept from {path}: {", ".join(r["method"] for r in keep)}', flush=True)
+  order = {m: i for i, m in enumerate(SHARED_METHODS)}
+  return sorted(keep + results, key=lambda r: order.get(r['method'], len(order)))
 
 
 def main(argv=None):
@@ -983,18 +1073,24 @@ def main(argv=None):
   p.add_argument('--upload_loss', type=float, default=0.0,
                  help='clients lose their upload with this probability: our '
                  'system.upload_loss, HtFLlib\'s -cdr (results get the suffix _cdr<q>)')
-  p.add_argument('--seeds', default='0', help='our seeds, comma-separated (HtFLlib seeds '
-                 'itself); the partition is seed 0\'s for all')
+  p.add_argument('--seeds', default='0', help='seeds, comma-separated, of both sides: ours '
+                 'as config.seed, HtFLlib\'s as an offset to each of its torch.manual_seed '
+                 'calls; the partition is seed 0\'s for all')
+  p.add_argument('--htfllib_seeds', help='HtFLlib\'s seeds, where not --seeds\' (0: once, as '
+                 'written)')
+  p.add_argument('--our_loader', default='shuffled', choices=OUR_LOADERS,
+                 help='a diagnostic: "fixed" trains our side on HtFLlib\'s batches (each '
+                 'client\'s stored order every epoch, the partial batch dropped: batch_order='
+                 'fixed, drop_last=True); our runs and the results get the suffix _ourfixed')
   p.add_argument('--out', default='results/against_htfllib',
                  help='logs, metrics, results.json and the figure; methods already there are '
                  'not run again')
   p.add_argument('--scratch', help='data and run folders (default: <out>/scratch)')
   args = p.parse_args(argv)
   methods = [m.strip() for m in args.methods.split(',') if m.strip()]
-  try:
-    seeds = [int(v) for v in args.seeds.split(',') if v.strip()]
-  except ValueError:
-    p.error(f'--seeds must be comma-separated integers, got {args.seeds!r}')
+  seeds = parse_seeds(p, '--seeds', args.seeds)
+  htfllib_seeds = (seeds if args.htfllib_seeds is None else
+                   parse_seeds(p, '--htfllib_seeds', args.htfllib_seeds))
   try:
     for m in methods:
       if m not in ALGORITHMS:
@@ -1012,21 +1108,24 @@ def main(argv=None):
               'htfllib_commit': head(system), 'htfllib_fd_commit': head(fd_system),
               'torch': torch_version, 'cpus': os.cpu_count(),
               'config': config_arg(args.model_group),
-              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds, **federation(args),
-              'htfllib_loader': args.htfllib_loader, 'upload_loss': args.upload_loss,
-              'fedkd_compression': args.fedkd_compression}
+              'lr': args.lr, 'rounds': args.rounds, 'seeds': seeds,
+              'htfllib_seeds': htfllib_seeds, **federation(args),
+              'htfllib_loader': args.htfllib_loader, 'our_loader': args.our_loader,
+              'upload_loss': args.upload_loss, 'fedkd_compression': args.fedkd_compression}
     print(json.dumps(header, indent=1), flush=True)
     info = prepare_data(args, scratch)
     results = []
     for m in methods:
       _, unmatched = htfllib_args(our_config(m, args.lr, args.rounds, args.upload_loss,
-                                             args.fedkd_compression, **federation(args)),
-                                  args.rounds)
+                                             args.fedkd_compression, args.our_loader,
+                                             **federation(args)), args.rounds)
       print(f'\n{m}: not matched:\n  - ' + '\n  - '.join(unmatched), flush=True)
-      htfl = run_htfllib(args, m, fd_system if m == 'fd' else system, scratch)
+      htfl = [run_htfllib(args, m, fd_system if m == 'fd' else system, scratch, seed)
+              for seed in htfllib_seeds]
       ours = [run_ours(args, m, scratch, seed) for seed in seeds]
       res = compare(m, htfl, ours)
       res['unmatched'], res['client_flops'] = unmatched, steady_flops(ours)
+      res['seeds'] = {'htfllib': htfllib_seeds, 'ours': seeds}
       res.update(images_per_second(res, info['train'], args.batch_size, res['client_flops']))
       results.append(res)
       print_table([res])
@@ -1044,12 +1143,14 @@ def main(argv=None):
     if 'ours_roofline_share' in res:
       print(f'  {res["method"]:<11} HtFLlib {100 * res["htfllib_roofline_share"]:.0f}%, ours '
             f'{100 * res["ours_roofline_share"]:.0f}% of the roofline', flush=True)
-  with open(os.path.join(args.out, f'results{_suffix(args)}.json'), 'w') as f:
+  name = _suffix(args) + _our_loader(args)
+  results = merged(os.path.join(args.out, f'results{name}.json'), results)
+  with open(os.path.join(args.out, f'results{name}.json'), 'w') as f:
     json.dump({**header, 'partition': info.get('fingerprint'), 'finished': time.ctime(),
                'results': results}, f, indent=1)
-  with open(os.path.join(args.out, f'results{_suffix(args)}.md'), 'w') as f:
+  with open(os.path.join(args.out, f'results{name}.md'), 'w') as f:
     f.write(markdown(results))
-  plot(results, os.path.join(args.out, f'curves{_suffix(args)}.png'))
+  plot(results, os.path.join(args.out, f'curves{name}.png'))
 
 
 if __name__ == '__main__':

@@ -2,6 +2,7 @@
 files (read back as HtFLlib reads them), the reading of HtFLlib's printout, the config mapping
 and the layer-by-layer model check. Runs neither code."""
 import argparse
+import json
 import os
 import stat
 
@@ -200,18 +201,21 @@ def test_compare_puts_both_curves_side_by_side():
              'seconds': 9.0 if r != 3 else 30.0} for r in range(21)]
   ours = [[{'round': r, 'mean_accuracy': r / 100 + d, 'seconds': 40.0 if r == 1 else 7.0}
            for r in range(1, 21)] for d in (0.01, 0.03)]
-  res = ah.compare('fd', theirs, ours)
+  res = ah.compare('fd', [theirs], ours)
   rows = {row['round']: row for row in res['rows']}
   assert list(rows) == [5, 10, 15, 20, '16-20']
   assert rows[20]['htfllib'] == 0.2 and rows[20]['ours_seeds'] == pytest.approx([0.21, 0.23])
   assert rows[20]['difference'] == pytest.approx(0.02)
+  assert rows[20]['ours_std'] == pytest.approx(0.02 / np.sqrt(2))  # sample std of two
+  assert rows[20]['htfllib_std'] is None and rows[20]['beyond_noise'] is None  # one seed
   assert rows['16-20']['htfllib'] == pytest.approx(0.18)
   assert rows['16-20']['ours'] == pytest.approx(0.20)
   # Medians after the first round: a slow round (other work) does not move them.
   assert (res['htfllib_seconds_per_round'], res['ours_seconds_per_round']) == (9.0, 7.0)
   assert res['speedup'] == pytest.approx(9 / 7)
   table = ah.markdown([res])
-  assert '| fd (FD) | 20 | 0.2000 | 0.2010 | 0.2200 | 0.2100, 0.2300 | +2.0 |' in table
+  assert ('| fd (FD) | 20 | 0.2000 | 0.2000 | 0.2010 | 0.2200 ± 0.0141 | 0.2100, 0.2300 | +2.0 |'
+          in table)
   assert '| fd | 9.0 | 7.0 | 1.29x | — | — |' in table
   # Images a second: HtFLlib's loaders drop each client's partial batch, ours keep it.
   res.update(ah.images_per_second(res, [25, 7, 10], 10))
@@ -229,6 +233,61 @@ def test_compare_puts_both_curves_side_by_side():
   assert res['htfllib_gflops'] == pytest.approx(30 / 9)
   assert res['ours_roofline_share'] == pytest.approx(0.5)
   assert '| fd | 9.0 | 7.0 | 1.29x | 3 | 6 | 3.3 | 6.0 |' in ah.markdown([res])
+
+
+def test_seeds_on_both_sides_mark_the_gaps_beyond_twice_the_combined_std():
+  """Three seeds a side: each side's mean and sample std, the gap marked (bold) where it
+  exceeds 2 sqrt(std_h^2 + std_o^2), computed by hand; HtFLlib's seeds run as offsets to its
+  torch.manual_seed calls, named _seed<k>, seed 0 keeping its name."""
+  ah = load_script()
+  curve = lambda f, first: [{'round': r, 'mean_accuracy': f(r), 'weighted_accuracy': f(r),
+                             'seconds': 5.0} for r in range(first, 21)]
+  # HtFLlib: 0.50 +- 0.01 every round; ours at round 20 0.60 +- 0.01 (a gap of 10 points,
+  # beyond 2 sqrt(2) 0.01 = 2.8), elsewhere 0.51 +- 0.01 (1 point: within).
+  theirs = [curve(lambda r, d=d: 0.50 + d, 0) for d in (-0.01, 0.0, 0.01)]
+  ours = [curve(lambda r, d=d: (0.60 if r == 20 else 0.51) + d, 1) for d in (-0.01, 0.0, 0.01)]
+  res = ah.compare('fedtgp', theirs, ours)
+  rows = {row['round']: row for row in res['rows']}
+  assert rows[20]['htfllib_std'] == pytest.approx(0.01)
+  assert rows[20]['ours_std'] == pytest.approx(0.01)
+  assert rows[20]['combined_std'] == pytest.approx(0.01 * np.sqrt(2))
+  assert rows[20]['beyond_noise'] is True and rows[15]['beyond_noise'] is False
+  # 16-20: ours (4 x 0.51 + 0.60) / 5 = 0.528, std 0.01; the gap 2.8 points < 2.83: within.
+  assert rows['16-20']['ours'] == pytest.approx(0.528)
+  assert rows['16-20']['beyond_noise'] is False
+  table = ah.markdown([res])
+  assert ('| fedtgp (FedTGP) | 20 | 0.5000 ± 0.0100 | 0.4900, 0.5000, 0.5100 | 0.5000 | '
+          '0.6000 ± 0.0100 | 0.5900, 0.6000, 0.6100 | **+10.0** |') in table
+  assert '| fedtgp (FedTGP) | 15 | 0.5000 ± 0.0100 |' in table and '| +1.0 |' in table
+  assert len(res['htfllib_curves']) == 3 and len(res['ours_curves']) == 3
+  # The runner moves every torch.manual_seed(s) to s + AGAINST_HTFLLIB_SEED.
+  compile(ah.RUNNER, 'run_htfllib.py', 'exec')
+  assert "torch.manual_seed = lambda seed: _manual_seed(seed + _SEED)" in ah.RUNNER
+  assert ah._seed(0) == '' and ah._seed(2) == '_seed2'
+
+
+def test_our_loader_fixed_trains_on_htfllibs_batches(tmp_path):
+  """--our_loader=fixed: our config takes HtFLlib's batches (batch_order=fixed, drop_last), the
+  batch-order difference leaves the list, our runs and the results get _ourfixed; results of
+  another command's methods are kept in the results file."""
+  ah = load_script()
+  c = ah.our_config('fedtgp', 0.05, 20, our_loader='fixed')
+  assert (c.batch_order, c.drop_last) == ('fixed', True)
+  from fedssa_jax import config_lib
+  config_lib.validate(c)
+  assert not any(u.startswith('batch order') for u in ah.htfllib_args(c, 20)[1])
+  c = ah.our_config('fedtgp', 0.05, 20)
+  assert (c.batch_order, c.drop_last) == ('shuffled', False)
+  assert any(u.startswith('batch order') for u in ah.htfllib_args(c, 20)[1])
+  with pytest.raises(ah.Failure, match='--our_loader must be one of'):
+    ah.our_config('fedtgp', 0.05, 20, our_loader='sorted')
+  assert ah._our_loader(argparse.Namespace(our_loader='fixed')) == '_ourfixed'
+  path = tmp_path / 'results.json'
+  path.write_text(json.dumps({'results': [{'method': 'fedtgp', 'old': 1},
+                                          {'method': 'standalone', 'old': 1}]}))
+  got = ah.merged(str(path), [{'method': 'fedkd'}, {'method': 'fedtgp'}])
+  assert got == [{'method': 'standalone', 'old': 1}, {'method': 'fedkd'}, {'method': 'fedtgp'}]
+  assert ah.merged(str(tmp_path / 'none.json'), [{'method': 'fd'}]) == [{'method': 'fd'}]
 
 
 def test_htfllibs_federation_maps_onto_both_sides():

@@ -81,7 +81,8 @@ def test_micro_batched_steps_equal_whole_batches(small_ds):
 
 def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg, max_steps=None):
   """torch-style SGD written out: clip, L2 added to the gradient, momentum buffer, lr step;
-  `max_steps`: stop after that many steps (a straggler's)."""
+  `max_steps`: stop after that many steps (a straggler's); cfg.fixed_order: the stored order
+  every epoch; cfg.drop_last: only the full batches."""
   images = np.asarray(augment.normalize(ds.images, cfg.mean, cfg.std))
   b = cfg.batch_size
   padded = -(-len(idx_row) // b) * b
@@ -95,8 +96,9 @@ def plain_sgd(params, key, idx_row, n, ds, apply_fn, cfg, max_steps=None):
   steps = 0
   for e in range(cfg.local_epochs):
     k_order, _ = jax.random.split(jax.random.fold_in(key, e))
-    order = np.asarray(training.epoch_order(k_order, n, padded))[:n]
-    for start in range(0, n, b):
+    order = (np.arange(n) if cfg.fixed_order else
+             np.asarray(training.epoch_order(k_order, n, padded))[:n])
+    for start in range(0, n - b + 1 if cfg.drop_last else n, b):
       if max_steps is not None and steps == max_steps:
         return params
       steps += 1
@@ -151,6 +153,32 @@ def test_a_straggler_runs_the_first_floor_f_s_steps_as_a_plain_loop_does(small_d
   one, _ = jax.jit(train)(jax.tree_util.tree_map(lambda x: x[1], params), keys[1],
                           dd.train_idx[1], dd.train_n[1], dd, jnp.float32(1.0))
   tree_allclose(one, full, rtol=1e-6, atol=1e-9)  # another program: rounding only
+
+
+@pytest.mark.slow  # local training compiled and vmapped
+def test_fixed_order_and_dropped_last_batch_as_a_plain_loop(small_ds):
+  """batch_order=fixed, drop_last=True (a PyTorch loader without shuffling that drops the
+  partial batch): floor(n / B) batches of the stored order every epoch, vmapped, against the
+  loop written out; a client with fewer than B samples trains nothing."""
+  cfg = training.TrainConfig(batch_size=8, local_epochs=2, lr=0.05, augment=False,
+                             clip_norm=0.5, weight_decay=1e-2, mean=small_ds.mean,
+                             std=small_ds.std, fixed_order=True, drop_last=True)
+  dd, model, params, keys, train = setup(small_ds, cfg)
+  got, stats = jax.jit(jax.vmap(train, in_axes=(0, 0, 0, 0, None)))(
+      params, keys, dd.train_idx, dd.train_n, dd)
+  np.testing.assert_array_equal(stats.steps, [0, 2, 0, 4])  # E floor(n / 8), n = 5, 13, 0, 20
+  np.testing.assert_array_equal(stats.samples, [0, 16, 0, 32])
+  for c in (1, 3):
+    p_c = jax.tree_util.tree_map(lambda x: x[c], params)
+    want = plain_sgd(p_c, keys[c], np.asarray(dd.train_idx[c]), SIZES[c], small_ds,
+                     model.apply, cfg)
+    tree_allclose(jax.tree_util.tree_map(lambda x: x[c], got), want, rtol=1e-3, atol=1e-5)
+  # The key plays no part: another key trains the same.
+  other, _ = jax.jit(train)(jax.tree_util.tree_map(lambda x: x[3], params), keys[0],
+                            dd.train_idx[3], dd.train_n[3], dd)
+  tree_allclose(other, jax.tree_util.tree_map(lambda x: x[3], got), rtol=1e-5, atol=1e-7)
+  tree_allclose(jax.tree_util.tree_map(lambda x: x[0], got),  # 5 < B samples: unchanged
+                jax.tree_util.tree_map(lambda x: x[0], params), rtol=0, atol=0)
 
 
 def test_epoch_order_is_a_permutation_of_the_valid_positions():

@@ -150,6 +150,11 @@ CASES = [
          ("cannot be read from data_dir=", 'prepare_offline.py', '--config.download=True'),
          data.DataError),
     Case('batch_size 0', validate(batch_size=0), ('batch_size must be > 0, got 0',)),
+    Case('unknown batch_order', validate(batch_order='sorted'),
+         ("Unknown batch_order 'sorted'", "'fixed'", "'shuffled'")),
+    Case('DP-SGD with a fixed batch order', validate(
+        batch_order='fixed', **{'privacy.dp_sgd': True, 'privacy.noise_multiplier': 1.0}),
+         ('Poisson sampling', 'batch_order=shuffled and drop_last=False')),
     Case('local_epochs < 0', validate(local_epochs=-1), ('local_epochs must be >= 1, got -1',)),
     Case('T_stable < 0', validate(**{'fedssa.t_stable': -1}),
          ('fedssa.t_stable must be >= 0, got -1',)),

@@ -42,7 +42,8 @@ def train_config(config, ds: data.Dataset, accountant=None,
       batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
       lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,
       adam_b1=o.adam_b1, adam_b2=o.adam_b2, micro_batch=micro_batch(config),
-      augment=config.augment, mean=tuple(ds.mean), std=tuple(ds.std), dp=dp)
+      augment=config.augment, fixed_order=config.batch_order == 'fixed',
+      drop_last=bool(config.drop_last), mean=tuple(ds.mean), std=tuple(ds.std), dp=dp)
 
 
 def micro_batch(config) -> int:

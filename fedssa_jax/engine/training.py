@@ -6,7 +6,9 @@ partial batch kept with its loss averaged over its real samples, optimizer state
 
 Shapes are fixed per model family: a client's padded index array has `max_train` entries and
 the loops run `E` epochs of `ceil(n_k / B)` steps, where n_k is the client's own count, so every
-step has at least one valid sample. Under vmap the loop runs to the group's largest bound, and
+step has at least one valid sample (`floor(n_k / B)` full batches with `drop_last`, as a PyTorch
+loader that drops the partial batch; `fixed_order` takes the samples in their stored order every
+epoch, as one that does not shuffle). Under vmap the loop runs to the group's largest bound, and
 JAX's batching of `while_loop` keeps each client's carry (parameters and momentum) unchanged once
 its own predicate is false: steps past a client's last step are no-ops, and a dummy client with
 n_k = 0 runs none. tests/client_test.py checks both against one-client-at-a-time training.
@@ -46,6 +48,10 @@ class TrainConfig:
   # the float rounding.
   micro_batch: int = 0
   augment: bool = True
+  # The batches of an epoch (config batch_order, drop_last): the stored order every epoch
+  # instead of a new shuffle, and floor(n / B) full batches instead of ceil(n / B).
+  fixed_order: bool = False
+  drop_last: bool = False
   mean: tuple[float, ...] = (0.485, 0.456, 0.406)
   std: tuple[float, ...] = (0.229, 0.224, 0.225)
   # DP-SGD (the privacy section's dp_sgd): Poisson batches, per-example clipping and noise.
@@ -179,7 +185,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   b = cfg.batch_size
   padded_len = -(-train_idx.shape[0] // b) * b
   idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
-  steps = (n + b - 1) // b
+  steps = n // b if cfg.drop_last else (n + b - 1) // b
   params, model_state = models.split_state(trainable['model'])
   if model_state is not None and train_apply is None:
     raise ValueError('A model with batch statistics trains with its train_apply.')
@@ -241,7 +247,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
 
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
-    order = epoch_order(k_order, n, padded_len) if dp is None else None
+    order = None if dp is not None else (
+        jnp.arange(padded_len) if cfg.fixed_order else epoch_order(k_order, n, padded_len))
     epoch_steps = steps if work is None else jnp.clip(bound - e * steps, 0, steps)
     return jax.lax.fori_loop(0, epoch_steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
 
