@@ -100,7 +100,8 @@ keep the last partial batch (as ours), to measure what its fixed batch order and
 samples do to a curve; `--fedkd_compression=off` makes its `decomposition` return every tensor
 whole and runs ours at energy 1.0, to measure what each side's compression does. One changes
 ours: `--our_loader=fixed` trains our side on HtFLlib's batches (batch_order=fixed,
-drop_last=True: each client's samples in file order every epoch, the partial batch dropped).
+drop_last=True: each client's samples in file order every epoch, the partial batch dropped, and
+left out of FedGH's and FedTGP's prototype passes too).
 
 FD: HtFLlib's FD since commit ca3e29a (29 Nov 2025) gives the raw global logits to
 CrossEntropyLoss as if they were probabilities; docs/algorithm.md rejects that version. Pass the
@@ -168,12 +169,8 @@ UNMATCHED = {
               'every client starts with the same one; ours draws each client\'s from its key.',
               'energy schedule: HtFLlib T_t = start + (end - start) t/R; ours (t + 1)/R.'],
     'fedgh': ['HtFLlib\'s global header starts as client 0\'s initial head; ours is drawn '
-              'from the server\'s key.',
-              'HtFLlib\'s prototype pass drops the last partial batch (its loader\'s '
-              'drop_last); ours averages every training sample.'],
-    'fedtgp': ['HtFLlib\'s prototypes leave out the last partial batch (drop_last); ours do '
-               'not.',
-               'HtFLlib takes sqrt of the prototype distances with no floor (a NaN gradient at '
+              'from the server\'s key.'],
+    'fedtgp': ['HtFLlib takes sqrt of the prototype distances with no floor (a NaN gradient at '
                'distance 0); ours floors them at 1e-12.',
                'The TGP network\'s initial weights come from torch\'s RNG there, our server '
                'key here.'],
@@ -184,6 +181,10 @@ UNMATCHED = {
                'same upload).',
                'The study batch is drawn by each side\'s own RNG.'],
 }
+
+# The methods whose clients make a forward pass over their training split for the upload
+# (training.forward_pass_sums), which HtFLlib makes with its training loader.
+PROTOTYPE_PASS = ('fedgh', 'fedtgp')
 
 # HtFLlib's servers that aggregate every selected client whatever -cdr says (their receive
 # step never samples the active clients).
@@ -381,6 +382,10 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
   if config.system.dropout or config.system.straggler_rate or system_has_clock(config):
     raise Failure('only system.upload_loss has an HtFLlib counterpart (-cdr) here; its -tsr '
                   'crashes at E = 1 and its clock reads host time (docs/algorithm.md §10).')
+  if method in PROTOTYPE_PASS and not config.drop_last:
+    unmatched.append('prototype pass: HtFLlib\'s leaves out the last partial batch (its '
+                     'loader\'s drop_last); ours takes every training sample (--our_loader=fixed '
+                     'does as HtFLlib).')
   if config.batch_order != 'fixed' or not config.drop_last:
     unmatched.append('batch order: HtFLlib\'s training loader does not shuffle (the same batches '
                      'every round, in file order) and drops the last partial batch (up to B - 1 '

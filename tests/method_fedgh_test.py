@@ -29,11 +29,13 @@ def make_method(n=5, c=C, **fields):
   return fedgh.FedGH(cfg, n, c)
 
 
-def test_forward_pass_equals_per_sample_loop():
+@pytest.mark.parametrize('drop_last', [False, True])
+def test_forward_pass_equals_per_sample_loop(drop_last):
   """client.forward_pass_sums, vmapped over clients as the engine runs it: the class sums and
   counts of r of every training sample, once, normalised and unaugmented, in padded batches; a
-  dummy client (n = 0) adds none. A one-layer stand-in for the model keeps the compile small
-  (the rounds below run the CNN's)."""
+  dummy client (n = 0) adds none. With drop_last (training batches of 4) only the first
+  floor(n / 4) 4 samples of the stored order count, as a loader that drops the partial batch.
+  A one-layer stand-in for the model keeps the compile small (the rounds below run the CNN's)."""
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, size=(30, 32, 32, 3)).astype(np.uint8)
   labels = rng.integers(0, C, size=30).astype(np.int32)
@@ -42,7 +44,7 @@ def test_forward_pass_equals_per_sample_loop():
   data = DeviceData(images=jnp.asarray(images), labels=jnp.asarray(labels),
                            train_idx=jnp.asarray(train_idx), train_n=jnp.asarray(n),
                            test_idx=jnp.asarray(train_idx), test_n=jnp.asarray(n))
-  cfg = training.TrainConfig()
+  cfg = training.TrainConfig(batch_size=4, drop_last=drop_last)
   w = rng.normal(size=(3 * 32 * 32, D)).astype(np.float32) * 0.02
 
   def apply_fn(variables, x):  # r = relu(x W_k), and some logits
@@ -57,7 +59,8 @@ def test_forward_pass_equals_per_sample_loop():
   mean, std = np.asarray(cfg.mean), np.asarray(cfg.std)
   for k in range(3):
     sums, counts = np.zeros((C, D)), np.zeros(C)
-    for i in train_idx[k, :n[k]]:  # one sample at a time
+    used = n[k] // 4 * 4 if drop_last else n[k]  # 16 and 8 of 19 and 11
+    for i in train_idx[k, :used]:  # one sample at a time
       x = ((images[i] / 255.0 - mean) / std).reshape(-1)
       sums[labels[i]] += np.maximum(x @ (np.asarray(params['w'][k], np.float64)), 0)
       counts[labels[i]] += 1

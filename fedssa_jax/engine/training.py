@@ -49,7 +49,8 @@ class TrainConfig:
   micro_batch: int = 0
   augment: bool = True
   # The batches of an epoch (config batch_order, drop_last): the stored order every epoch
-  # instead of a new shuffle, and floor(n / B) full batches instead of ceil(n / B).
+  # instead of a new shuffle, and floor(n / B) full batches instead of ceil(n / B) (and the
+  # forward passes over the training split without the last n mod B samples).
   fixed_order: bool = False
   drop_last: bool = False
   mean: tuple[float, ...] = (0.485, 0.456, 0.406)
@@ -266,11 +267,15 @@ def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: 
   """One forward pass of `params` over a client's training split, in batches of `batch_size`
   padded and masked as `evaluate`'s: the images normalised, not augmented, and no gradient.
   Returns the sum over the batches of `stats_fn(logits, rep, y, valid)` (a pytree of arrays,
-  e.g. V1 class sums of r); zeros for `n` = 0 (a dummy client), which runs no batch.
+  e.g. V1 class sums of r); zeros for `n` = 0 (a dummy client), which runs no batch. With
+  `cfg.drop_last` the pass reads the training split as that loader does: the last n mod B
+  samples of the stored order (B the training batch, cfg.batch_size) are left out.
 
   The pass a method asks for with Method.forward_pass (the engine runs it before or after local
   training)."""
   params = jax.lax.stop_gradient(params)
+  if cfg.drop_last:
+    n = n // cfg.batch_size * cfg.batch_size
   b = batch_size
   padded_len = -(-train_idx.shape[0] // b) * b
   idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
