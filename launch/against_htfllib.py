@@ -154,20 +154,8 @@ UNMATCHED = {
             'KL targets: HtFLlib does not detach them, so each model also gets the other\'s '
             'loss gradients; ours (and the FML paper\'s code) detach them (ours with '
             'fml.detach_targets=False).'],
-    'fedkd': ['compression: HtFLlib compresses the mentee\'s parameters (conv kernels as 4-D '
-              'SVDs; clientkd.py:86-87) and the server recovers, averages and truncates them '
-              'again (serverkd.py:89-96), so the mentee loses 1 - T of its energy twice a '
-              'round; ours compresses the update (conv kernels as [O, I*25]) and adds it to '
-              'the global mentee.',
-              'zeroing: HtFLlib\'s truncation (clientkd.py:162-169) starts its rank at 0 and never '
-              'tests the full rank, so a tensor whose smallest singular value holds more than '
-              '1 - T of the energy is rebuilt as zeros (a head [10, 500] at torch\'s uniform '
-              'init holds about 8% in sigma_min^2, so at T = 0.95-0.98 the loop ends at rank 0; '
-              'measured: the mentee\'s head is kept at rank 0 of 10 by every client in round 1, '
-              'rank 1 after); ours keeps the full rank there.',
-              'W_h: HtFLlib seeds torch with 0 before each client\'s W_h (clientkd.py:13), so '
-              'every client starts with the same one; ours draws each client\'s from its key.',
-              'energy schedule: HtFLlib T_t = start + (end - start) t/R; ours (t + 1)/R.'],
+    'fedkd': ['W_h: HtFLlib seeds torch with 0 before each client\'s W_h (clientkd.py:13), so '
+              'every client starts with the same one; ours draws each client\'s from its key.'],
     'fedgh': ['HtFLlib\'s global header starts as client 0\'s initial head; ours is drawn '
               'from the server\'s key.'],
     'fedtgp': ['HtFLlib takes sqrt of the prototype distances with no floor (a NaN gradient at '
@@ -181,6 +169,23 @@ UNMATCHED = {
                'same upload).',
                'The study batch is drawn by each side\'s own RNG.'],
 }
+
+# FedKD's compression differences, where ours compresses as the spec says (fedkd.compression=
+# update) and neither side is off (--fedkd_compression=htfllib or off removes them).
+FEDKD_UNMATCHED = [
+    'compression: HtFLlib compresses the mentee\'s parameters (conv kernels as 4-D '
+    'SVDs; clientkd.py:86-87) and the server recovers, averages and truncates them '
+    'again (serverkd.py:89-96), so the mentee loses 1 - T of its energy twice a '
+    'round; ours compresses the update (conv kernels as [O, I*25]) and adds it to '
+    'the global mentee (ours with fedkd.compression=htfllib: --fedkd_compression=htfllib).',
+    'zeroing: HtFLlib\'s truncation (clientkd.py:162-169) starts its rank at 0 and never '
+    'tests the full rank, so a tensor whose smallest singular value holds more than '
+    '1 - T of the energy is rebuilt as zeros (a head [10, 500] at torch\'s uniform '
+    'init holds about 8% in sigma_min^2, so at T = 0.95-0.98 the loop ends at rank 0; '
+    'measured: the mentee\'s head is kept at rank 0 of 10 by every client in round 1, '
+    'rank 1 after); ours keeps the full rank there.',
+    'energy schedule: HtFLlib T_t = start + (end - start) t/R; ours (t + 1)/R.',
+]
 
 # The methods whose clients make a forward pass over their training split for the upload
 # (training.forward_pass_sums), which HtFLlib makes with its training loader.
@@ -211,9 +216,10 @@ HTFLLIB_BEHAVIOUR = {
 # default), or HtFLlib's loaders' (the stored order every epoch, the partial batch dropped).
 OUR_LOADERS = ('shuffled', 'fixed')
 
-# FedKD's compression on both sides (`--fedkd_compression`): as each side's code does it, or off
+# FedKD's compression on both sides (`--fedkd_compression`): as each side's code does it, off,
+# or HtFLlib's on both (ours with fedkd.compression=htfllib; HtFLlib as written)
 # (HtFLlib's `decomposition` returns every tensor as it is; ours runs at energy 1.0).
-FEDKD_COMPRESSION = ('as_written', 'off')
+FEDKD_COMPRESSION = ('as_written', 'off', 'htfllib')
 
 
 # The federation both sides run (`--batch_size`, `--num_clients`, `--partition`, `--alpha`):
@@ -267,6 +273,8 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
                   f'{fedkd_compression!r}.')
   if method == 'fedkd' and fedkd_compression == 'off':
     settings.update({'fedkd.energy_start': 1.0, 'fedkd.energy_end': 1.0})
+  elif method == 'fedkd' and fedkd_compression == 'htfllib':
+    settings['fedkd.compression'] = 'htfllib'
   if our_loader not in OUR_LOADERS:
     raise Failure(f'--our_loader must be one of {OUR_LOADERS}, got {our_loader!r}.')
   if our_loader == 'fixed':
@@ -382,6 +390,9 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
   if config.system.dropout or config.system.straggler_rate or system_has_clock(config):
     raise Failure('only system.upload_loss has an HtFLlib counterpart (-cdr) here; its -tsr '
                   'crashes at E = 1 and its clock reads host time (docs/algorithm.md §10).')
+  if method == 'fedkd' and config.fedkd.compression == 'update' and not (
+      config.fedkd.energy_start == config.fedkd.energy_end == 1.0):
+    unmatched += FEDKD_UNMATCHED
   if method in PROTOTYPE_PASS and not config.drop_last:
     unmatched.append('prototype pass: HtFLlib\'s leaves out the last partial batch (its '
                      'loader\'s drop_last); ours takes every training sample (--our_loader=fixed '
@@ -762,8 +773,16 @@ def prepare_data(args, scratch):
 
 
 def _kdoff(args, method: str) -> str:
-  """What a run of `method` is named with for --fedkd_compression (only FedKD's change)."""
+  """What an HtFLlib run of `method` is named with for --fedkd_compression (only FedKD's
+  change, and only when off: with 'htfllib' it runs as written)."""
   return '_kdoff' if args.fedkd_compression == 'off' and method == 'fedkd' else ''
+
+
+def _kd_ours(args, method: str = 'fedkd') -> str:
+  """What our run of `method` (or, by default, the results) is named with for
+  --fedkd_compression."""
+  return _kdoff(args, method) + (
+      '_kdhtfl' if args.fedkd_compression == 'htfllib' and method == 'fedkd' else '')
 
 
 def _suffix(args, method: str = 'fedkd'):
@@ -800,7 +819,8 @@ def run_htfllib(args, method, system, scratch, seed=0):
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE='1', CUDA_VISIBLE_DEVICES='',
                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD='1', AGAINST_HTFLLIB_LOADER=args.htfllib_loader,
                AGAINST_HTFLLIB_MODELS='cnn' if args.model_group == 'cnn' else 'htfllib',
-               AGAINST_HTFLLIB_FEDKD=args.fedkd_compression, AGAINST_HTFLLIB_SEED=str(seed))
+               AGAINST_HTFLLIB_FEDKD='off' if _kdoff(args, method) else 'as_written',
+               AGAINST_HTFLLIB_SEED=str(seed))
     side_by_side._run_logged([args.htfllib_python, runner, system, *argv], log_path, work, env,
                              f'HtFLlib ({method}, seed {seed})')
     os.rename(log_path, log_path + '.done')
@@ -823,7 +843,7 @@ def run_htfllib(args, method, system, scratch, seed=0):
 def run_ours(args, method, scratch, seed):
   """Our run of `method` at `seed` (the partition stays seed 0's, the one HtFLlib reads)."""
   name = f'ours_{method}' + _seed(seed) + (
-      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + _kdoff(args, method) + (
+      f'_loss{args.upload_loss:g}' if args.upload_loss else '') + _kd_ours(args, method) + (
       federation_suffix(args)) + _our_loader(args)
   workdir = os.path.join(scratch, name)
   metrics = os.path.join(args.out, f'{name}.jsonl')
@@ -1074,7 +1094,9 @@ def main(argv=None):
                  'HtFLlib) or HtFLlib\'s HtFE-img-2 (FedAvgCNN, ResNet-18; ours :htfe2)')
   p.add_argument('--fedkd_compression', default='as_written', choices=FEDKD_COMPRESSION,
                  help='"off": FedKD without compression on both sides (HtFLlib\'s decomposition '
-                 'returns each tensor as it is; ours at energy 1.0); files get _kdoff')
+                 'returns each tensor as it is; ours at energy 1.0); files get _kdoff. '
+                 '"htfllib": ours does what HtFLlib\'s code does (fedkd.compression=htfllib), '
+                 'HtFLlib runs as written; our files get _kdhtfl')
   p.add_argument('--upload_loss', type=float, default=0.0,
                  help='clients lose their upload with this probability: our '
                  'system.upload_loss, HtFLlib\'s -cdr (results get the suffix _cdr<q>)')
@@ -1148,7 +1170,7 @@ def main(argv=None):
     if 'ours_roofline_share' in res:
       print(f'  {res["method"]:<11} HtFLlib {100 * res["htfllib_roofline_share"]:.0f}%, ours '
             f'{100 * res["ours_roofline_share"]:.0f}% of the roofline', flush=True)
-  name = _suffix(args) + _our_loader(args)
+  name = _suffix(args) + _our_loader(args) + _kd_ours(args).replace('_kdoff', '')
   results = merged(os.path.join(args.out, f'results{name}.json'), results)
   with open(os.path.join(args.out, f'results{name}.json'), 'w') as f:
     json.dump({**header, 'partition': info.get('fingerprint'), 'finished': time.ctime(),

@@ -359,6 +359,18 @@ def test_fedkd_compression_off_and_htfllibs_kept_ranks():
                           lr=0.05, **ah.FEDERATION)
   assert ah._suffix(ns) == ah._suffix(ns, 'fedkd') == '_kdoff'
   assert ah._suffix(ns, 'fedproto') == ''  # only FedKD's runs change
+  # --fedkd_compression=htfllib: ours does as HtFLlib's code (its runs as written, their names
+  # unchanged); the compression differences leave the list, the W_h init stays.
+  c = ah.our_config('fedkd', 0.05, 20, fedkd_compression='htfllib')
+  assert c.fedkd.compression == 'htfllib'
+  unmatched = ah.htfllib_args(c, 20)[1]
+  assert not any(u.startswith(('compression', 'zeroing', 'energy')) for u in unmatched)
+  assert any(u.startswith('W_h') for u in unmatched)
+  assert sum(u.startswith(('compression', 'zeroing', 'energy')) for u in
+             ah.htfllib_args(ah.our_config('fedkd', 0.05, 20), 20)[1]) == 3
+  ns.fedkd_compression = 'htfllib'
+  assert ah._suffix(ns) == '' and ah._kd_ours(ns) == '_kdhtfl'
+  assert ah._kd_ours(ns, 'fedproto') == ''
   log = '\n'.join([
       'against_htfllib fedkd: client head.weight 10x500 rank 0 of 10 (energy 0.9500)',
       'against_htfllib fedkd: client base.fc2.weight 500x500 rank 212 of 500 (energy 0.9500)',

@@ -16,11 +16,13 @@ C = 4
 D = config_lib.base_config('cifar10').model.feature_dim  # d of the methods' configs
 
 
-def make_method(num_clients=5, num_classes=C, num_rounds=10, start=0.95, end=0.98):
+def make_method(num_clients=5, num_classes=C, num_rounds=10, start=0.95, end=0.98,
+                compression='update'):
   c = config_lib.base_config('cifar10')
   c.model.conv_impl = 'im2col'
   c.num_rounds = num_rounds
   c.fedkd.energy_start, c.fedkd.energy_end = start, end
+  c.fedkd.compression = compression
   return fedkd.FedKD(c, num_clients, num_classes)
 
 
@@ -156,6 +158,107 @@ def small_tree(rng, lead=()):
   return {'fc': {'kernel': rng.normal(size=(*lead, 30, 12)).astype(np.float32),
                  'bias': rng.normal(size=(*lead, 12)).astype(np.float32)},
           'conv': {'kernel': rng.normal(size=(*lead, 5, 5, 2, 3)).astype(np.float32)}}
+
+
+def htfllib_decomposition(tree, energy):
+  """HtFLlib's clientkd.py `decomposition` then `recover`, transcribed line by line in numpy on
+  torch's layouts (conv [O, I, 5, 5], dense [out, in]), of our tree (HWIO, [in, out]). Returns
+  (the rebuilt tree in our layout, the floats of the compressed form)."""
+  out, floats = {}, 0
+  for name, x in tree.items():
+    x = np.asarray(x, np.float64)
+    p = (np.transpose(x, (3, 2, 0, 1)) if x.ndim == 4 else x.T if x.ndim == 2 else x)
+    if p.shape[0] > 1 and len(p.shape) > 1:
+      u, sigma, v = np.linalg.svd(p, full_matrices=False)
+      if len(u.shape) == 4:
+        u, sigma, v = (np.transpose(u, (2, 3, 0, 1)), np.transpose(sigma, (2, 0, 1)),
+                       np.transpose(v, (2, 3, 0, 1)))
+      threshold = 0
+      if np.sum(np.square(sigma)) == 0:
+        rebuilt, floats = p, floats + p.size
+      else:
+        for singular_value_num in range(len(sigma)):
+          if np.sum(np.square(sigma[:singular_value_num])) > energy * np.sum(np.square(sigma)):
+            threshold = singular_value_num
+            break
+        u, sigma, v = u[:, :threshold], sigma[:threshold], v[:threshold, :]
+        if len(u.shape) == 4:
+          u, sigma, v = (np.transpose(u, (2, 3, 0, 1)), np.transpose(sigma, (1, 2, 0)),
+                         np.transpose(v, (2, 3, 0, 1)))
+        floats += u.size + sigma.size + v.size
+        rebuilt = np.matmul(u * sigma[..., None, :], v)  # recover
+    else:
+      rebuilt, floats = p, floats + p.size
+    out[name] = (np.transpose(rebuilt, (2, 3, 1, 0)) if x.ndim == 4 else
+                 rebuilt.T if x.ndim == 2 else rebuilt)
+  return out, floats
+
+
+def test_htfllib_compression_equals_its_code_transcribed():
+  """fedkd.compression=htfllib: the rebuilt tensors and floats of HtFLlib's decomposition,
+  its rank-0 outcome included: a head whose smallest singular value holds more than 1 - T of
+  the energy (ten equal ones: 10% each) is rebuilt as zeros."""
+  rng = np.random.default_rng(4)
+  tree = {
+      'head': np.linalg.qr(rng.normal(size=(40, 10)))[0] * 2.0,  # [in 40, out 10], equal s
+      'low_rank': rng.normal(size=(30, 3)) @ rng.normal(size=(3, 12))
+                  + 0.01 * rng.normal(size=(30, 12)),
+      'conv': rng.normal(size=(5, 5, 3, 4)) + 4.0 * rng.normal(size=(5, 1, 1, 1)),
+      'full': rng.normal(size=(9, 7)),
+      'out_one': rng.normal(size=(7, 1)),  # torch's [1, 7]: sent as it is
+      'zero': np.zeros((20, 10)),
+      'bias': rng.normal(size=(11,)),
+  }
+  tree = {k: jnp.asarray(v, jnp.float32) for k, v in tree.items()}
+  t = 0.96
+  recon, floats, svd, rebuild = jax.jit(fedkd.compress_htfllib)(tree, t)
+  want, want_floats = htfllib_decomposition(tree, t)
+  for name in tree:
+    np.testing.assert_allclose(np.asarray(recon[name]), want[name], rtol=1e-4, atol=1e-4,
+                               err_msg=name)
+  assert int(floats) == want_floats
+  assert not np.asarray(recon['head']).any()  # rank 0: zeros
+  assert 0 < np.abs(np.asarray(recon['conv']) - np.asarray(tree['conv'])).max()  # truncated
+  np.testing.assert_array_equal(np.asarray(recon['out_one']), np.asarray(tree['out_one']))
+  assert float(svd) == pytest.approx(fedkd.svd_flops(10, 40) + fedkd.svd_flops(12, 30)
+                                     + 12 * fedkd.svd_flops(5, 5) + fedkd.svd_flops(7, 9)
+                                     + fedkd.svd_flops(10, 20))
+  assert float(rebuild) > 0
+
+
+def test_htfllib_server_schedule_and_download():
+  """compression=htfllib: T_t = start + (end - start) t / R; theta_g becomes the compressed
+  mean of the uploaded (compressed) parameters; every client downloads it after round 0."""
+  n, t = 4, 3
+  method = make_method(num_clients=n, compression='htfllib')
+  assert float(method.threshold(0)) == pytest.approx(0.95)
+  assert float(method.threshold(t)) == pytest.approx(0.95 + 0.03 * t / 10, rel=1e-6)
+  rng = np.random.default_rng(5)
+  theta = small_tree(rng)
+  server = fedkd.FedKDServer(theta=theta, inbox=aggregation.Inbox.empty(theta),
+                             held=jnp.zeros(n, jnp.int32), last_floats=jnp.int32(7),
+                             last_rebuild=jnp.float32(0))
+  up = small_tree(rng, (2,))
+  server = method.server_receive(server, jnp.asarray([0, 2]), fedkd.FedKDUpload(update=up),
+                                 jnp.asarray([True, True]))
+  server = aggregate(method, server, np.array([True, False, True, False]), t, jit=True)
+  flat = lambda tree: {'/'.join(map(str, k)): v for k, v in
+                       jax.tree_util.tree_flatten_with_path(tree)[0]}
+  mean = {k: (v[0].astype(np.float64) + v[1]) / 2 for k, v in flat(up).items()}
+  want, want_floats = htfllib_decomposition(mean, float(method.threshold(t)))
+  for k, v in flat(server.theta).items():
+    np.testing.assert_allclose(np.asarray(v), want[k], rtol=1e-4, atol=1e-4, err_msg=k)
+  assert int(server.last_floats) == want_floats
+  params, seen = {}, jnp.ones(C, bool)
+  state = fedkd.FedKDState(w_h=jnp.zeros((D, D)))
+  for r, floats in ((0, 0), (t + 1, want_floats), (t + 5, want_floats)):  # held or not
+    assert int(method.download(params, state, server, client_view(1, seen, 0, r)).floats) == floats
+  with pytest.raises(Exception, match='uploads the mentee.s parameters'):
+    c = config_lib.base_config('cifar10')
+    c.method, c.fedkd.compression = 'fedkd', 'htfllib'
+    c.privacy.upload, c.privacy.upload_mode = True, 'central'
+    c.privacy.upload_noise_multiplier = 1.0
+    config_lib.validate(c)
 
 
 def test_server_rule_equals_loop():

@@ -33,6 +33,14 @@ model.feature_dim (500 in the paper).
   theta_t from a compressed Delta_bar (2 q m n per compressed matrix, plus P_5 additions).
 - Inference: the local mentor f_k (docs/algorithm.md §5). Client state: W_h (the mentee is
   re-synced each round).
+- `fedkd.compression='htfllib'` does what HtFLlib's code does instead (clientkd.py's
+  `decomposition` and `recover`, serverkd.py's aggregation), for reproducing its numbers: the
+  client compresses the mentee's *parameters*, the server averages the reconstructions and
+  compresses the mean again, which becomes theta_g; T_t = start + (end - start) t / R; a conv
+  kernel is O I separate 5 x 5 matrices sharing one rank, chosen by their summed energy; the
+  rank is the smallest k in 1 .. r - 1 with sum_{j<=k} s_j^2 > T sum s^2, and 0 where none is
+  (HtFLlib's loop never tries k = r: such a tensor is rebuilt as zeros); floats k (m + n + 1)
+  per matrix however many that is. Every client downloads the compressed theta_g.
 """
 from __future__ import annotations
 
@@ -98,6 +106,50 @@ def compress_matrix(a, threshold):
   return jnp.where(compressed, recon, a), floats, rebuild
 
 
+def htfllib_rank(s, threshold):
+  """HtFLlib's kept rank for singular values `s` [..., r] (matrices sharing one rank): the
+  smallest k in 1 .. r - 1 whose first k hold more than `threshold` of the summed energy, else
+  0 (its loop stops at r - 1)."""
+  energy = jnp.sum(jnp.reshape(s * s, (-1, s.shape[-1])), axis=0)  # per index, summed
+  cum = jnp.cumsum(energy)
+  above = cum[:-1] > threshold * cum[-1]  # k = 1 .. r - 1
+  return jnp.where(jnp.any(above), jnp.argmax(above) + 1, 0), cum[-1]
+
+
+def compress_htfllib(tree, threshold):
+  """HtFLlib's decomposition and recover of every tensor of a CNN-5 tree (module docstring).
+  Returns (reconstruction tree, floats, SVD FLOPs, rebuild FLOPs)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out, floats, svd, rebuild = [], jnp.int32(0), 0.0, jnp.float32(0)
+  for x in leaves:
+    if x.ndim == 1 or x.shape[-1] == 1:  # torch's layout [O, ...]: dense unless O > 1
+      out.append(x)
+      floats += x.size
+      continue
+    if x.ndim == 4:  # HWIO [5, 5, I, O] -> torch's [O, I, 5, 5] matrices, one per (o, i)
+      mats = jnp.transpose(x, (3, 2, 0, 1)).reshape(-1, x.shape[0], x.shape[1])
+    else:  # a Dense kernel [in, out]: torch's weight [out, in], the same singular values
+      mats = x.T[None]
+    b, m, n = mats.shape
+    u, s, vt = jax.vmap(thin_svd)(mats)
+    q, total = htfllib_rank(s, threshold)
+    kept = jnp.where(jnp.arange(s.shape[-1]) < q, s, 0.0)
+    recon = jnp.where(total > 0, (u * kept[:, None, :]) @ vt, mats)
+    if x.ndim == 4:
+      recon = jnp.transpose(recon.reshape(x.shape[3], x.shape[2], x.shape[0], x.shape[1]),
+                            (2, 3, 1, 0))
+    else:
+      recon = recon[0].T
+    out.append(recon)
+    floats += jnp.where(total > 0, b * q * (m + n + 1), x.size).astype(jnp.int32)
+    svd += b * svd_flops(m, n)
+    rebuild += jnp.where(total > 0, 2.0 * b * q * m * n, 0.0)
+  return jax.tree_util.tree_unflatten(treedef, out), floats, jnp.float32(svd), rebuild
+
+
+COMPRESSIONS = ('update', 'htfllib')
+
+
 def compress_update(delta, threshold):
   """Compresses every tensor of a CNN-5 update. Returns (reconstruction tree, floats, SVD FLOPs,
   rebuild FLOPs)."""
@@ -130,7 +182,8 @@ class FedKDContext:
 @struct.dataclass
 class FedKDUpload:
   """A client's upload (Upload.payload)."""
-  update: dict  # the reconstruction of its compressed mentee update Delta_k (CNN-5's tree)
+  update: dict  # the reconstruction of its compressed mentee update Delta_k (CNN-5's tree;
+               # with compression=htfllib, of its compressed mentee parameters)
 
 
 @struct.dataclass
@@ -154,6 +207,9 @@ class FedKD(base.Method):
     c = ml_collections.ConfigDict()  # docs/algorithm.md §6: the method's defaults
     c.energy_start = 0.95        # SVD energy threshold T, from round 0 ...
     c.energy_end = 0.98          # ... to the last round
+    c.compression = 'update'     # 'update' (the spec's) or 'htfllib' (HtFLlib's code: the
+                                 # mentee's parameters, its rank rule and schedule; the module
+                                 # docstring)
     return c
 
   @classmethod
@@ -161,11 +217,15 @@ class FedKD(base.Method):
     for field in ('energy_start', 'energy_end'):
       if not 0.0 < c[field] <= 1.0:
         raise ValueError(f'fedkd.{field} must be in (0, 1], got {c[field]}.')
+    if c.compression not in COMPRESSIONS:
+      raise ValueError(f'fedkd.compression must be one of {COMPRESSIONS}, got '
+                       f'{c.compression!r}.')
 
   def __init__(self, config, num_clients, num_classes, image_shape=None):
     super().__init__(config, num_clients, num_classes, image_shape)
     c = config.fedkd
     self.energy_start, self.energy_end = float(c.energy_start), float(c.energy_end)
+    self.htfllib = c.compression == 'htfllib'
     self.num_rounds = int(config.num_rounds)
     self.mentee_model = models.make_model(MENTEE_FAMILY, num_classes, config.model.conv_impl,
                                           config.engine.compute_dtype,
@@ -175,6 +235,9 @@ class FedKD(base.Method):
     self.mentee_floats = models.param_count(shapes)  # P_5
 
   def threshold(self, round_index):
+    if self.htfllib:  # HtFLlib's T_t = start + (end - start) t / R
+      return energy(jnp.asarray(round_index) - 1, self.energy_start, self.energy_end,
+                    self.num_rounds)
     return energy(round_index, self.energy_start, self.energy_end, self.num_rounds)
 
   def init_server(self, key, seen):
@@ -191,6 +254,8 @@ class FedKD(base.Method):
   def download(self, params, state, server, client):
     held = server.held[client.id]
     delta_only = held == client.round - 1
+    if self.htfllib:  # the compressed theta_g, to every client after round 0
+      delta_only = client.round > 0
     floats = jnp.where(held == client.round, 0,
                        jnp.where(delta_only, server.last_floats, self.mentee_floats))
     flops = jnp.where(delta_only, server.last_rebuild + self.mentee_floats, 0.0)
@@ -214,13 +279,19 @@ class FedKD(base.Method):
     return q + (kl + 2.0 * mse) / q, (correct, None)
 
   def upload(self, trainable, acc, ctx, state, client):
-    delta = jax.tree_util.tree_map(jnp.subtract, trainable['mentee'], ctx.theta)
-    recon, floats, svd, _ = compress_update(delta, self.threshold(client.round))
+    if self.htfllib:
+      recon, floats, svd, _ = compress_htfllib(trainable['mentee'], self.threshold(client.round))
+    else:
+      delta = jax.tree_util.tree_map(jnp.subtract, trainable['mentee'], ctx.theta)
+      recon, floats, svd, _ = compress_update(delta, self.threshold(client.round))
     return base.Upload(trainable['model'], FedKDState(w_h=trainable['w_h']),
                        payload=FedKDUpload(update=recon), floats=floats, flops=svd)
 
   @classmethod
   def upload_refusal(cls, config, mode):
+    if config.fedkd.compression == 'htfllib':
+      return ('fedkd.compression=htfllib uploads the mentee\'s parameters, not an update, and '
+              'clipping them would change the model; use fedkd.compression=update')
     if mode == 'local':
       return ('upload is a truncated SVD of the update, which noise on it would make dense '
               '(central noise leaves the clipped uploads low-rank)')
@@ -231,8 +302,13 @@ class FedKD(base.Method):
 
   def server_aggregate(self, server, participants, round_index, key):
     mean, any_ = server.inbox.mean()
-    recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
-    theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server.theta, recon)
+    if self.htfllib:  # the mean of the parameters, compressed, is theta_g
+      recon, floats, _, rebuild = compress_htfllib(mean, self.threshold(round_index))
+      theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, r, t), server.theta, recon)
+    else:
+      recon, floats, _, rebuild = compress_update(mean, self.threshold(round_index))
+      theta = jax.tree_util.tree_map(lambda t, r: jnp.where(any_, t + r, t), server.theta,
+                                     recon)
     return base.Aggregated(FedKDServer(
         theta=theta, inbox=server.inbox.cleared(),
         held=jnp.where(participants, round_index, server.held).astype(jnp.int32),
