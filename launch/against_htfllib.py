@@ -778,9 +778,8 @@ def _kdoff(args, method: str) -> str:
   return '_kdoff' if args.fedkd_compression == 'off' and method == 'fedkd' else ''
 
 
-def _kd_ours(args, method: str = 'fedkd') -> str:
-  """What our run of `method` (or, by default, the results) is named with for
-  --fedkd_compression."""
+def _kd_ours(args, method: str) -> str:
+  """What our run of `method` is named with for --fedkd_compression."""
   return _kdoff(args, method) + (
       '_kdhtfl' if args.fedkd_compression == 'htfllib' and method == 'fedkd' else '')
 
@@ -1170,7 +1169,8 @@ def main(argv=None):
     if 'ours_roofline_share' in res:
       print(f'  {res["method"]:<11} HtFLlib {100 * res["htfllib_roofline_share"]:.0f}%, ours '
             f'{100 * res["ours_roofline_share"]:.0f}% of the roofline', flush=True)
-  name = _suffix(args) + _our_loader(args) + _kd_ours(args).replace('_kdoff', '')
+  name = (_suffix(args) + _our_loader(args)
+          + ('_kdhtfl' if args.fedkd_compression == 'htfllib' else ''))
   results = merged(os.path.join(args.out, f'results{name}.json'), results)
   with open(os.path.join(args.out, f'results{name}.json'), 'w') as f:
     json.dump({**header, 'partition': info.get('fingerprint'), 'finished': time.ctime(),

@@ -369,7 +369,7 @@ def test_fedkd_compression_off_and_htfllibs_kept_ranks():
   assert sum(u.startswith(('compression', 'zeroing', 'energy')) for u in
              ah.htfllib_args(ah.our_config('fedkd', 0.05, 20), 20)[1]) == 3
   ns.fedkd_compression = 'htfllib'
-  assert ah._suffix(ns) == '' and ah._kd_ours(ns) == '_kdhtfl'
+  assert ah._suffix(ns) == '' and ah._kd_ours(ns, 'fedkd') == '_kdhtfl'
   assert ah._kd_ours(ns, 'fedproto') == ''
   log = '\n'.join([
       'against_htfllib fedkd: client head.weight 10x500 rank 0 of 10 (energy 0.9500)',
