@@ -101,7 +101,8 @@ samples do to a curve; `--fedkd_compression=off` makes its `decomposition` retur
 whole and runs ours at energy 1.0, to measure what each side's compression does. One changes
 ours: `--our_loader=fixed` trains our side on HtFLlib's batches (batch_order=fixed,
 drop_last=True: each client's samples in file order every epoch, the partial batch dropped, and
-left out of FedGH's and FedTGP's prototype passes too).
+left out of FedGH's and FedTGP's prototype passes too). `launch/fedkd_round.py` checks one
+local FedKD round of ours against HtFLlib's own clientKD.train from the same weights and batches.
 
 FD: HtFLlib's FD since commit ca3e29a (29 Nov 2025) gives the raw global logits to
 CrossEntropyLoss as if they were probabilities; docs/algorithm.md rejects that version. Pass the
