@@ -13,12 +13,13 @@ a clip of 10 per model and SGD at `--lr`:
   - in float64 (torch's default dtype set to float64, JAX with x64): our loss in a plain loop of
     steps against HtFLlib's code. Float rounding is then far below the training's movement, so
     any difference in the loss, its gradient, the clips or the step order shows;
-  - in float32: our engine's `local_train` (the batches in stored order, the partial batch
-    dropped: batch_order=fixed, drop_last=True) against the same plain loop, and against the
-    plain loop from weights moved by 1e-7 of their size (how far float32 rounding alone carries
-    a round: ReLU and max-pool decisions flip, so a round is chaotic at that precision).
-It prints the largest difference of each side's trained weights, relative to how far training
-moved them, and exits 1 if the float64 difference exceeds --tolerance.
+  - in float32 (torch's float32 weights): each side's round against the exact one, our loss in
+    float64 from the same start (float32 rounding alone sometimes flips a ReLU or max-pool
+    decision, which carries a round further), and our engine's `local_train` (the batches in
+    stored order, the partial batch dropped: batch_order=fixed, drop_last=True) against our
+    plain loop.
+It prints the largest difference of the trained weights, relative to how far training moved
+them, and exits 1 if the float64 difference exceeds --tolerance.
 
 Mapped: the FedSSA CNNs are launch/against_htfllib.py's (its CNN_MODULE in torch); torch's
 conv kernels [O, I, 5, 5] are our [5, 5, I, O], its Linear weights [out, in] our [in, out], and
