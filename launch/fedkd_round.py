@@ -41,10 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import against_htfllib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 sys.path.insert(0, against_htfllib.REPO)
+from fedssa_jax.data.datasets import NORMALIZATION  # pylint: disable=g-import-not-at-top,wrong-import-position
+from fedssa_jax.models.cnn import CNN_FEATURE_DIM, FAMILIES  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 Failure = against_htfllib.Failure
-C2 = {'cnn1': 32, 'cnn2': 16, 'cnn3': 32, 'cnn4': 32, 'cnn5': 32}
+FAMILY = {f.name: f for f in FAMILIES}
+C2 = {f.name: f.c2 for f in FAMILIES}
 MODELS = ('model', 'global_model', 'W_h')  # HtFLlib's names of the mentor, mentee and W_h
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+CIFAR_MEAN, CIFAR_STD = NORMALIZATION['cifar10']
 
 # argv: <HtFLlib's system folder> <scratch> <input .npz> <output .npz>
 TORCH_SIDE = r'''
@@ -167,14 +171,13 @@ def largest_gap(a: dict, b: dict, start: dict) -> tuple[float, str]:
 def htfllib_round(args, scratch: str, float64: bool, images_x) -> dict:
   """HtFLlib's clientKD.train on the batches; returns its weights before and after."""
   _, labels, x = images_x
-  families = [f'FedSSACNN({C2[f]}, {fc1}, num_classes=10, dim=500)'
-              for f, fc1 in (('cnn1', 2000), ('cnn2', 2000), ('cnn3', 1000), ('cnn4', 800),
-                             ('cnn5', 500))]
+  torch_model = lambda f: (f'FedSSACNN({f.c2}, {f.fc1}, num_classes=10, '
+                           f'dim={CNN_FEATURE_DIM})')
   inp, out = os.path.join(scratch, 'in.npz'), os.path.join(scratch, 'out.npz')
   np.savez(inp, x=x.transpose(0, 3, 1, 2).astype(np.float64 if float64 else np.float32),
            y=labels, batch_size=args.batch_size, lr=args.lr, seed=args.seed, float64=float64,
-           mentor=families[int(args.family[-1]) - 1], mentee=families[-1], feature_dim=500,
-           classes=10)
+           mentor=torch_model(FAMILY[args.family]), mentee=torch_model(FAMILY['cnn5']),
+           feature_dim=CNN_FEATURE_DIM, classes=10)
   with open(os.path.join(scratch, 'fedssa_cnn.py'), 'w') as f:
     f.write(against_htfllib.CNN_MODULE)
   with open(os.path.join(scratch, 'torch_side.py'), 'w') as f:
