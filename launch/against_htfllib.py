@@ -881,13 +881,20 @@ def mean_std(values) -> tuple[float, float | None]:
 def gap_row(label, theirs: list[float], theirs_weighted: list[float], ours: list[float]) -> dict:
   """One row of the comparison: each side's mean and std over its seeds, the difference of the
   means, and whether it exceeds twice the combined std sqrt(std_HtFLlib^2 + std_ours^2), the
-  spread of one run's difference (None unless both sides have two seeds or more)."""
+  spread of one run's difference. Where HtFLlib ran one seed and ours two or more, its std is
+  taken to be ours (the same partition, schedule and models), so the combined std is
+  sqrt(2) std_ours, and `std_assumed` says so; None where ours has one seed."""
   h, h_sd = mean_std(theirs)
   o, o_sd = mean_std(ours)
-  combined = None if h_sd is None or o_sd is None else float(np.hypot(h_sd, o_sd))
+  assumed = h_sd is None and o_sd is not None
+  if o_sd is None:
+    combined = None
+  else:
+    combined = float(np.hypot(o_sd if assumed else h_sd, o_sd))
   return {'round': label, 'htfllib': h, 'htfllib_std': h_sd, 'htfllib_seeds': list(theirs),
           'htfllib_weighted': mean_std(theirs_weighted)[0], 'ours': o, 'ours_std': o_sd,
           'ours_seeds': list(ours), 'difference': o - h, 'combined_std': combined,
+          'std_assumed': assumed,
           'beyond_noise': None if combined is None else bool(abs(o - h) > 2 * combined)}
 
 
@@ -977,7 +984,8 @@ def markdown(results) -> str:
   """The accuracy and speed tables, as docs/results.md shows them."""
   def gap(row):
     text = f'{100 * row["difference"]:+.1f}'
-    return f'**{text}**' if row.get('beyond_noise') else text
+    text = f'**{text}**' if row.get('beyond_noise') else text
+    return text + ('*' if row.get('std_assumed') else '')
 
   def side(row, name):
     sd = row.get(f'{name}_std')
@@ -993,7 +1001,8 @@ def markdown(results) -> str:
                  f'{row["htfllib_weighted"]:.4f} | {side(row, "ours")} | '
                  f'{by_seed(row, "ours")} | {gap(row)} |')
   out += ['', 'Mean ± sample std over each side\'s seeds; a difference in bold exceeds twice '
-          'their combined std, sqrt(std_HtFLlib² + std_ours²).']
+          'their combined std, sqrt(std_HtFLlib² + std_ours²). *: HtFLlib ran one seed, and its '
+          'std is taken to be ours (sqrt(2) std_ours combined).']
   out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours | HtFLlib images/s | '
           'ours images/s | HtFLlib GFLOP/s | ours GFLOP/s |', '|---|---|---|---|---|---|---|---|']
   for res in results:

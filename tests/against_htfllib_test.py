@@ -207,14 +207,26 @@ def test_compare_puts_both_curves_side_by_side():
   assert rows[20]['htfllib'] == 0.2 and rows[20]['ours_seeds'] == pytest.approx([0.21, 0.23])
   assert rows[20]['difference'] == pytest.approx(0.02)
   assert rows[20]['ours_std'] == pytest.approx(0.02 / np.sqrt(2))  # sample std of two
-  assert rows[20]['htfllib_std'] is None and rows[20]['beyond_noise'] is None  # one seed
+  # HtFLlib at one seed: its std is taken to be ours, so the combined std is sqrt(2) 0.01414 =
+  # 0.02 and the 2-point gap is within twice it.
+  assert rows[20]['htfllib_std'] is None and rows[20]['std_assumed'] is True
+  assert rows[20]['combined_std'] == pytest.approx(0.02)
+  assert rows[20]['beyond_noise'] is False
+  # Ours at one seed too: no std on either side, no mark.
+  one = {row['round']: row for row in ah.compare('fd', [theirs], ours[:1])['rows']}
+  assert one[20]['combined_std'] is None and one[20]['beyond_noise'] is None
+  assert one[20]['std_assumed'] is False
+  # A gap beyond it: ours 0.21 and 0.23 against 0.15 (7 points > 2 x 2).
+  far = ah.gap_row(20, [0.15], [0.15], [0.21, 0.23])
+  assert far['beyond_noise'] is True and far['std_assumed'] is True
+  assert '**+7.0***' in ah.markdown([{**res, 'rows': [far]}])
   assert rows['16-20']['htfllib'] == pytest.approx(0.18)
   assert rows['16-20']['ours'] == pytest.approx(0.20)
   # Medians after the first round: a slow round (other work) does not move them.
   assert (res['htfllib_seconds_per_round'], res['ours_seconds_per_round']) == (9.0, 7.0)
   assert res['speedup'] == pytest.approx(9 / 7)
   table = ah.markdown([res])
-  assert ('| fd (FD) | 20 | 0.2000 | 0.2000 | 0.2010 | 0.2200 ± 0.0141 | 0.2100, 0.2300 | +2.0 |'
+  assert ('| fd (FD) | 20 | 0.2000 | 0.2000 | 0.2010 | 0.2200 ± 0.0141 | 0.2100, 0.2300 | +2.0* |'
           in table)
   assert '| fd | 9.0 | 7.0 | 1.29x | — | — |' in table
   # Images a second: HtFLlib's loaders drop each client's partial batch, ours keep it.
