@@ -12,7 +12,7 @@ from fedssa_jax.run import plots, report, runs
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
               accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8),
-              derived=None, sim_seconds=None):
+              derived=None, sim_seconds=None, summary_extra=None):
   """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json."""
   c = config_lib.build(dataset, variants)
   c.method, c.seed = method, seed
@@ -35,7 +35,7 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
       f.write(json.dumps(record) + '\n')
   summary = {'rounds': len(accs), 'final_mean_accuracy': accs[-1],
              'best_mean_accuracy': max(accs), 'final_client_accuracy': list(clients),
-             'target_accuracy': 0.6, 'to_target': to_target}
+             'target_accuracy': 0.6, 'to_target': to_target, **(summary_extra or {})}
   with open(os.path.join(d, 'summary.json'), 'w') as f:
     json.dump(summary, f)
   return d
@@ -144,6 +144,53 @@ def test_system_conditions_are_settings_of_their_own_with_simulated_time_to_targ
   index = open(os.path.join(out, 'index.md')).read()
   assert index.count('simtime_') == 1 and os.path.exists(os.path.join(
       out, next(w for w in index.split('(') if w.startswith('simtime_')).split(')')[0]))
+
+
+def test_privacy_budgets_are_columns_of_a_table_against_epsilon(tmp_path):
+  """Runs under DP-SGD and upload DP are settings of their own; privacy.md has, per mechanism,
+  the accuracy at each target epsilon and without DP (infinity), the epsilon reached, and the
+  s/round against the run without; the plot is drawn and linked."""
+  root = str(tmp_path)
+  dp = lambda e: {'privacy.dp_sgd': True, 'privacy.noise_multiplier': 0.0,
+                  'privacy.target_epsilon': e}
+  up = lambda e: {'privacy.upload': True, 'privacy.upload_clip': 0.03,
+                  'privacy.upload_noise_multiplier': 0.0, 'privacy.upload_target_epsilon': e}
+  fast = lambda t: {'seconds_per_round_steady': t}
+  write_run(root, 'ideal', accs=(0.5, 0.80), summary_extra=fast(7.0))
+  write_run(root, 'ideal1', seed=1, accs=(0.5, 0.82), summary_extra=fast(7.0))
+  write_run(root, 'sa', method='standalone', accs=(0.5, 0.78), summary_extra=fast(5.0))
+  write_run(root, 'e1', accs=(0.3, 0.40), overrides=dp(1.0),
+            summary_extra={**fast(70.0), 'dp_epsilon': 0.998})
+  write_run(root, 'e4', accs=(0.3, 0.60), overrides=dp(4.0),
+            summary_extra={**fast(84.0), 'dp_epsilon': 3.99})
+  write_run(root, 'sa4', method='standalone', accs=(0.3, 0.55), overrides=dp(4.0),
+            summary_extra={**fast(60.0), 'dp_epsilon': 3.97})
+  write_run(root, 'u1', accs=(0.5, 0.70), overrides=up(1.0),
+            summary_extra={**fast(7.7), 'dp_upload_epsilon': 1.0})
+  # A noise multiplier given instead of a target: its column is the epsilon reached.
+  write_run(root, 'u_sigma', accs=(0.5, 0.75),
+            overrides={**up(0.0), 'privacy.upload_noise_multiplier': 2.0},
+            summary_extra={**fast(7.0), 'dp_upload_epsilon': 6.5})
+  settings = {s.privacy for s in runs.by_setting_and_method(runs.load_runs(root)[0])}
+  assert settings == {'', 'DP-SGD clip 1 ε 1', 'DP-SGD clip 1 ε 4',
+                      'upload DP, local clip 0.03 ε 1', 'upload DP, local clip 0.03 σ 2'}
+  out = os.path.dirname(report.write_report(root))
+  text = open(os.path.join(out, 'privacy.md')).read()
+  dpsgd = text.split(', DP-SGD')[1].split('## ')[0]
+  assert '| method | ε = 1 | ε = 4 | ε = ∞ |' in dpsgd
+  assert '| fedssa | 40.00 (ε 0.998) | 60.00 (ε 3.99) | 81.00 ± 1.41 |' in dpsgd
+  assert '| standalone | — | 55.00 (ε 3.97) | 78.00 |' in dpsgd
+  # s/round: FedSSA's private runs (70 + 84) / 2 = 77 against 7: 11x.
+  assert '| fedssa | 7.0 | 77.0 | 11.00× |' in dpsgd
+  assert '| standalone | 5.0 | 60.0 | 12.00× |' in dpsgd
+  upload = text.split(', upload DP, local')[1]
+  assert '| method | ε = 1 | ε = 6.5 | ε = ∞ |' in upload
+  assert '| fedssa | 70.00 (ε 1) | 75.00 (ε 6.5) | 81.00 ± 1.41 |' in upload
+  # The ideal runs stay a setting of their own in accuracy.md (two seeds, no private run).
+  assert table_row(open(os.path.join(out, 'accuracy.md')).read(), 'fedssa')[1] == '**81.00 ± 1.41**'
+  index = open(os.path.join(out, 'index.md')).read()
+  plots = [w.split(')')[0] for w in index.split('(') if w.startswith('privacy_')]
+  assert len(plots) == 2 and all(os.path.exists(os.path.join(out, p)) for p in plots)
 
 
 def test_method_labels_read_each_methods_own_section():

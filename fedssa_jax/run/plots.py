@@ -150,6 +150,8 @@ def robustness_series(grouped) -> dict[tuple, dict]:
   N, C, 'k' or 'gamma') -> {method: [(x, mean accuracy, std), ...]}. Kept only with >= 2 x."""
   series = collections.defaultdict(lambda: collections.defaultdict(list))
   for s, methods in grouped.items():
+    if s.system or s.privacy:  # a federation's conditions, not its partition
+      continue
     if s.partition.startswith('Dir('):
       axis, x = 'gamma', float(s.partition[4:-1])
     else:
@@ -162,6 +164,32 @@ def robustness_series(grouped) -> dict[tuple, dict]:
       series[key][m].append((x, float(np.mean(accs)), float(np.std(accs))))
   return {k: {m: sorted(v) for m, v in ms.items()} for k, ms in series.items()
           if len({x for v in ms.values() for x, _, _ in v}) >= 2}
+
+
+def plot_accuracy_vs_epsilon(title: str, methods, path: str) -> str:
+  """Final mean accuracy (the seeds' mean, their range as error bars) against the privacy
+  budget epsilon, on a log axis; epsilon = infinity (no differential privacy) is drawn at the
+  right, past a break. `methods`: method -> {epsilon: runs} (report.privacy_series)."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  styles = line_styles(methods)
+  finite = sorted({e for points in methods.values() for e in points if np.isfinite(e)})
+  at_inf = (finite[-1] if finite else 1.0) * 4  # where epsilon = infinity is drawn
+  for m, points in methods.items():
+    x = [e if np.isfinite(e) else at_inf for e in points]
+    accs = [np.array([r.summary['final_mean_accuracy'] * 100 for r in rs]) for rs in points.values()]
+    y = np.array([a.mean() for a in accs])
+    err = np.array([[a.mean() - a.min() for a in accs], [a.max() - a.mean() for a in accs]])
+    ax.errorbar(x, y, yerr=err, label=m, marker='o', capsize=3, **styles[m])
+  ax.set_xscale('log')
+  ticks = finite + [at_inf]
+  ax.set_xticks(ticks, [f'{e:g}' for e in finite] + ['∞'])
+  ax.minorticks_off()
+  ax.set(xlabel='ε at the runs\' δ (∞: without differential privacy)',
+         ylabel='final mean test accuracy (%)', title=title)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return _save(fig, path)
 
 
 def plot_robustness(key, methods, path: str) -> str:

@@ -8,6 +8,11 @@ docs/outputs.md) and writes into `<sweep_dir>/report/`:
 - accuracy.md   per model setting (homogeneous: Table 1, heterogeneous: Table 2), rows methods,
                 columns data set x (N, C) x partition; the final and the best mean test
                 accuracy in %, mean ± std over seeds, the best mean per column in bold;
+- privacy.md    where runs ran under differential privacy: per setting and mechanism (DP-SGD,
+                upload DP local or central), rows methods, columns the target epsilons and
+                epsilon = infinity (the same setting's run without it); the final mean accuracy
+                and the epsilon each run reached, and the s/round against the run without;
+                with a plot of accuracy against epsilon each;
 - costs.md      per setting, rounds, floats and client FLOPs to the target accuracy (the runs'
                 target_accuracy, or --target), and how many times more each baseline needs
                 than FedSSA;
@@ -25,6 +30,8 @@ rows of their own.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 import os
 
 from absl import app
@@ -32,11 +39,11 @@ from absl import flags
 import numpy as np
 
 from fedssa_jax.engine import evaluation
-from fedssa_jax.run.plots import (plot_accuracy_vs_rounds, plot_accuracy_vs_sim_time,
-                                  plot_client_boxes, plot_robustness, plot_training_curves,
-                                  plot_tsne, robustness_series)
-from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key,
-                                 by_setting_and_method, load_runs)
+from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rounds,
+                                  plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
+                                  plot_training_curves, plot_tsne, robustness_series)
+from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key, by_setting_and_method,
+                                 file_part, load_runs, privacy_budget)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,6 +199,85 @@ def costs_tables(grouped, target: float | None = None) -> str:
 # The report
 # ----------------------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------------------------
+# Differential privacy
+# ----------------------------------------------------------------------------------------------
+
+def privacy_series(runs) -> dict[tuple, dict[str, dict]]:
+  """(setting without the privacy section, mechanism) -> method -> {epsilon: runs}, the
+  epsilons of the runs' budgets (their target, or for a noise multiplier given instead, the
+  epsilon the first seed's run reached) and math.inf for that setting's runs without
+  differential privacy. Only settings with a private run are kept."""
+  plain = collections.defaultdict(list)   # (setting, method) -> runs without DP
+  private = collections.defaultdict(lambda: collections.defaultdict(
+      lambda: collections.defaultdict(list)))
+  for r in runs:
+    budget = privacy_budget(r.config)
+    if budget is None:
+      plain[(r.setting, r.method)].append(r)
+      continue
+    base = dataclasses.replace(r.setting, privacy='')
+    eps = budget.target if budget.target else reached_epsilon(r)
+    private[(base, budget.mechanism)][r.method][eps].append(r)
+  out = {}
+  for key in sorted(private, key=lambda k: (k[0].sort_key(), k[1])):
+    base, _ = key
+    methods = {}
+    for m in sorted(private[key], key=_method_key):
+      points = dict(private[key][m])
+      if plain.get((base, m)):
+        points[math.inf] = plain[(base, m)]
+      methods[m] = {e: sorted(points[e], key=lambda r: r.seed) for e in sorted(points)}
+    out[key] = methods
+  return out
+
+
+def reached_epsilon(r: Run) -> float | None:
+  """The epsilon a private run's summary reports (its largest client's), None if absent."""
+  for key in ('dp_epsilon', 'dp_upload_epsilon'):
+    if r.summary.get(key) is not None:
+      return float(r.summary[key])
+  return None
+
+
+def privacy_tables(series) -> str:
+  """Per setting and mechanism: the final mean accuracy (%) at each epsilon, mean ± std over
+  seeds, with the largest epsilon the runs reached; then each method's steady s/round with and
+  without differential privacy."""
+  out = ['# Under differential privacy', '',
+         'Final mean accuracy (%), mean ± sample std over seeds, at each privacy budget: the '
+         'target epsilon the noise was calibrated to (at the runs\' delta), and in brackets the '
+         'largest epsilon a run reached (its most exposed client\'s). ε = ∞: the same setting '
+         'without differential privacy. s/round: the steady seconds a round, the private runs\' '
+         'mean over the budgets against the run without.', '']
+  for (base, mechanism), methods in series.items():
+    budgets = sorted({e for points in methods.values() for e in points})
+    rows, speed = [], []
+    for m, points in methods.items():
+      cells = []
+      for e in budgets:
+        rs = points.get(e)
+        if not rs:
+          cells.append('—')
+          continue
+        text = mean_std([r.summary['final_mean_accuracy'] for r in rs])
+        reached = [x for x in map(reached_epsilon, rs) if x is not None]
+        cells.append(text + (f' (ε {max(reached):.3g})' if reached and e != math.inf else ''))
+      rows.append([m, *cells])
+      steady = lambda rs: [r.summary.get('seconds_per_round_steady') for r in rs]
+      priv = [t for e, rs in points.items() if e != math.inf for t in steady(rs) if t]
+      base_t = [t for t in steady(points.get(math.inf, [])) if t]
+      if priv:
+        ratio = (f'{np.mean(priv) / np.mean(base_t):.2f}×' if base_t else '—')
+        speed.append([m, f'{np.mean(base_t):.1f}' if base_t else '—', f'{np.mean(priv):.1f}',
+                      ratio])
+    names = ['ε = ∞' if e == math.inf else f'ε = {e:.3g}' for e in budgets]
+    out += [f'## {base.label}, {mechanism}', '', markdown_table(['method', *names], rows),
+            markdown_table(['method', 's/round, ε = ∞', 's/round, private', 'private / ∞'],
+                           speed), '']
+  return '\n'.join(out)
+
+
 def write_report(sweep_dir: str, out_dir: str | None = None,
                  target: float | None = None) -> str:
   """Writes the tables, plots and index.md; returns the path of index.md. `target`: the mean
@@ -206,8 +292,11 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
   grouped = by_setting_and_method(runs)
   rel = lambda p: os.path.relpath(p, out_dir)
 
-  for name, text in (('accuracy.md', accuracy_tables(grouped)),
-                     ('costs.md', costs_tables(grouped, target))):
+  private = privacy_series(runs)
+  texts = [('accuracy.md', accuracy_tables(grouped)), ('costs.md', costs_tables(grouped, target))]
+  if private:
+    texts.append(('privacy.md', privacy_tables(private)))
+  for name, text in texts:
     with open(os.path.join(out_dir, name), 'w') as f:
       f.write(text)
   index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
@@ -215,7 +304,16 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
            + (f'; {len(unfinished)} not finished (left out): '
               + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
            '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
-           '- [Communication and computation to the target](costs.md)', '']
+           '- [Communication and computation to the target](costs.md)']
+  if private:
+    plots = []
+    for (base, mechanism), methods in private.items():
+      path = plot_accuracy_vs_epsilon(f'{base.label}, {mechanism}', methods, os.path.join(
+          out_dir, f'privacy_{base.slug}_{file_part(mechanism)}.png'))
+      plots.append(f'[{base.column}, {mechanism}]({rel(path)})')
+    index.append('- [Under differential privacy](privacy.md); accuracy against epsilon: '
+                 + ', '.join(plots))
+  index.append('')
 
   rows = []
   for s, methods in grouped.items():

@@ -26,12 +26,13 @@ class Setting:
   partition: str        # '' (the data set's default pathological k), 'k=4', 'Dir(0.1)'
   scheme: str           # '' (reference pools) or '8:1:1'
   system: str = ''      # '' (the ideal federation), or the system section's (system_label)
+  privacy: str = ''     # '' (no differential privacy), or the privacy section's (privacy_label)
 
   @property
   def column(self) -> str:
     """The label within a table of one model setting."""
     parts = [self.dataset, f'N={self.num_clients}, C={self.participation * 100:g}%']
-    parts += [p for p in (self.partition, self.scheme, self.system) if p]
+    parts += [p for p in (self.partition, self.scheme, self.system, self.privacy) if p]
     return ' '.join(parts)
 
   @property
@@ -41,12 +42,19 @@ class Setting:
   @property
   def slug(self) -> str:
     text = f'{self.dataset}_{self.models}_n{self.num_clients}_c{self.participation:g}'
-    text += ''.join(f'_{p}' for p in (self.partition, self.scheme, self.system) if p)
-    return ''.join(ch if ch.isalnum() or ch in '._-' else '_' for ch in text)
+    text += ''.join(f'_{p}' for p in (self.partition, self.scheme, self.system, self.privacy)
+                    if p)
+    return file_part(text)
 
   def sort_key(self):
     return (self.dataset, self.models, self.num_clients, -self.participation,
-            self.partition.split('=')[0], _number_in(self.partition), self.scheme, self.system)
+            self.partition.split('=')[0], _number_in(self.partition), self.scheme, self.system,
+            self.privacy.split(' ε')[0], _number_in(self.privacy.split(' ε')[-1]), self.privacy)
+
+
+def file_part(text: str) -> str:
+  """`text` as part of a file name: letters, digits and ._- kept, anything else '_'."""
+  return ''.join(ch if ch.isalnum() or ch in '._-' else '_' for ch in text)
 
 
 def _number_in(text: str) -> float:
@@ -79,7 +87,8 @@ def setting_of(config: dict) -> Setting:
   return Setting(config['dataset'],
                  'homo' if len(config['model']['families']) == 1 else 'hetero',
                  config['num_clients'], float(config['participation']), partition,
-                 '8:1:1' if p['scheme'] == 'paper' else '', system_label(config))
+                 '8:1:1' if p['scheme'] == 'paper' else '', system_label(config),
+                 privacy_label(config))
 
 
 def system_label(config: dict) -> str:
@@ -105,6 +114,42 @@ def system_label(config: dict) -> str:
   if s['deadline']:
     parts.append(f'deadline {s["deadline"]:g} s')
   return ', '.join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """A run's differential privacy, as the privacy table reads it: the mechanism ('DP-SGD',
+  'upload DP, local', 'upload DP, central'), its clip, and the target epsilon its noise was
+  calibrated to (None: a noise multiplier given instead, `noise`)."""
+  mechanism: str
+  clip: float
+  target: float | None
+  noise: float | None
+  delta: float
+
+
+def privacy_budget(config: dict) -> Budget | None:
+  """The run's Budget; None without differential privacy (or from before the section)."""
+  p = config.get('privacy') or {}
+  if p.get('dp_sgd'):
+    target, noise = p['target_epsilon'], p['noise_multiplier']
+    return Budget('DP-SGD', p['clip_norm'], target or None, None if target else noise,
+                  p['delta'])
+  if p.get('upload'):
+    target, noise = p['upload_target_epsilon'], p['upload_noise_multiplier']
+    return Budget(f'upload DP, {p["upload_mode"]}', p['upload_clip'], target or None,
+                  None if target else noise, p['delta'])
+  return None
+
+
+def privacy_label(config: dict) -> str:
+  """The privacy section of a run's config in a few words ('' when off), e.g. 'DP-SGD clip 1
+  ε 4' (the noise calibrated to epsilon 4 at the run's delta) or 'upload DP, local clip 0.03
+  σ 1.1'."""
+  b = privacy_budget(config)
+  if b is None:
+    return ''
+  return f'{b.mechanism} clip {b.clip:g} ' + (f'ε {b.target:g}' if b.target else f'σ {b.noise:g}')
 
 
 def method_label(config: dict, models: str) -> str:
