@@ -12,7 +12,11 @@ Prints one table per section and writes all figures as JSON:
   upload/scatter, aggregation, host transfers, evaluation), compile count and seconds (none after
   round 1), peak memory;
 - padding: the share of padded training work at `:hetero,n100`, pathological and Dirichlet
-  0.1 / 0.5, under the backend's chunking.
+  0.1 / 0.5, under the backend's chunking;
+- dp_sgd: DP-SGD's local training (per-example gradients, clipped and noised: privacy.py)
+  against plain training of the same family, batch and steps, in seconds and in the compiled
+  program's temporary memory (XLA's memory analysis), at the backend's automatic pass size and
+  at others.
 
 Data are synthetic CIFAR-shaped images (data.synthetic_cifar): the work is that of the real data
 set. `--quick` (CI smoke) runs small cases only, in well under two minutes on 2 cores.
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import config_lib, data, models
+from fedssa_jax import config_lib, data, models, privacy
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import costs, parts, simulator, training
 from fedssa_jax.methods import standalone
@@ -124,6 +128,40 @@ def train_throughput(family: str, batch: int, clients: int, steps: int, roofline
                                            feature_dim) * images_per_s
   return {'family': family, 'batch': batch, 'passes': micro_batch or batch, 'clients': clients,
           'images_per_s': images_per_s, 'flops_per_s': flops, 'roofline_share': flops / roofline}
+
+
+def temp_bytes(call, args) -> int | None:
+  """The compiled program's temporary memory (XLA's memory analysis), None where the backend
+  gives none."""
+  try:
+    return int(call.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+  except (AttributeError, NotImplementedError, TypeError):
+    return None
+
+
+def dp_sgd_cost(family: str, batch: int, steps: int, ds: data.Dataset, pass_size: int) -> dict:
+  """One client's local training of `steps` batches with DP-SGD (Poisson batches of expected
+  size `batch`, each example's gradient clipped to 1 and the sum noised at sigma 1.1, in passes
+  of `pass_size` examples) against plain training of the same family, batch and steps (in the
+  engine's passes): seconds a call and the compiled program's temporary bytes, and their
+  ratios."""
+  passes = parts.micro_batch(config_lib.build('cifar10', 'hetero'))
+  plain, plain_args, images = train_call(family, batch, 1, steps, ds,
+                                         passes if batch % passes == 0 else 0)
+  dp = privacy.DPSGD(clip_norm=1.0, noise_multiplier=1.1, pass_size=pass_size,
+                     max_batch=privacy.max_batch(batch, batch * steps, pass_size))
+  noisy, noisy_args, _ = train_call(family, batch, 1, steps, ds, dp=dp)
+  out = {'family': family, 'batch': batch, 'steps': steps, 'pass_size': pass_size,
+         'max_batch': dp.max_batch, 'images': images}
+  for name, call, args in (('plain', plain, plain_args), ('dp_sgd', noisy, noisy_args)):
+    run = lambda call=call, args=args: jax.block_until_ready(call(*args))
+    run()
+    out[f'{name}_s'] = best_time(run, 3)
+    out[f'{name}_temp_bytes'] = temp_bytes(call, args)
+  out['time_ratio'] = out['dp_sgd_s'] / out['plain_s']
+  if out['plain_temp_bytes'] and out['dp_sgd_temp_bytes']:
+    out['memory_ratio'] = out['dp_sgd_temp_bytes'] / out['plain_temp_bytes']
+  return out
 
 
 def padding_share(sim: simulator.Simulator, rounds: int, per_call: int | None = None) -> float:
@@ -224,7 +262,7 @@ def print_table(title, header, rows):
     print('| ' + ' | '.join(r) + ' |')
 
 
-SECTIONS = ('training', 'rounds', 'padding')
+SECTIONS = ('training', 'rounds', 'padding', 'dp_sgd')
 
 
 def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAMES) -> dict:
@@ -245,6 +283,8 @@ def run(quick: bool, rounds: int, sections=SECTIONS, families=models.FAMILY_NAME
     _rounds(out, quick, rounds, ds, compiles)
   if 'padding' in sections:
     _padding(out, quick, ds)
+  if 'dp_sgd' in sections:
+    _dp_sgd(out, quick, ds, families)
   return out
 
 
@@ -304,6 +344,25 @@ def _padding(out, quick, ds):
   print_table('Padded share of training work (20 rounds of cohorts)',
               ['config', 'partition', 'this backend\'s chunks', 'chunks of ceil(K/families)'],
               pad_rows)
+
+
+def _dp_sgd(out, quick, ds, families):
+  # The paper's batch at the backend's automatic pass size for every family, and for CNN-3
+  # the other pass sizes (the choice privacy.pass_size_for makes).
+  auto = privacy.pass_size_for(0, jax.default_backend())
+  cases = ([('cnn5', 16, 2, auto)] if quick else
+           [(f, 512, 2, auto) for f in families]
+           + [('cnn3', 512, 2, p) for p in (1, 4, 16, 64) if p != auto and 'cnn3' in families])
+  out['dp_sgd'] = [dp_sgd_cost(f, b, s, ds, p) for f, b, s, p in cases]
+  mb = lambda v: '—' if v is None else f'{v / 2**20:.0f}'
+  print_table('DP-SGD against plain local training (one client, 2 steps)',
+              ['family', 'batch', 'pass size', 'plain s', 'DP-SGD s', 'ratio', 'plain temp MiB',
+               'DP-SGD temp MiB', 'ratio'],
+              [[r['family'], str(r['batch']), str(r['pass_size']), f"{r['plain_s']:.3f}",
+                f"{r['dp_sgd_s']:.3f}", f"{r['time_ratio']:.1f}x", mb(r['plain_temp_bytes']),
+                mb(r['dp_sgd_temp_bytes']),
+                f"{r['memory_ratio']:.1f}x" if 'memory_ratio' in r else '—']
+               for r in out['dp_sgd']])
 
 
 def main(argv):
