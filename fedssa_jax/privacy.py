@@ -14,7 +14,9 @@ a run's numbers are what they always were. With `privacy.dp_sgd` on:
    norm C (`clip_norm`); the clipped gradients are summed, Gaussian noise of standard deviation
    sigma C (`noise_multiplier` sigma) is added to every coordinate, and the sum is divided by the
    expected batch size q_k n_k (`noisy_clipped_grads`). The optimizer (momentum, weight decay,
-   its own norm clip) then treats that as the step's gradient: post-processing.
+   its own norm clip) then treats that as the step's gradient: post-processing. Each example's
+   norm comes from ghost norms where they are exact (`per_example` 'auto': models/ghost.py,
+   `ghost_covers`, Method.ghost_norms), else from the example's gradient, built.
 3. **The accountant** (`Accountant`, Google's `dp_accounting`): a client's S steps of a round
    are S Poisson-sampled Gaussian mechanisms of rate q_k and noise sigma; its epsilon at `delta`
    composes every step it ran so far (RDP by default, or PLD). A run's epsilon is the largest
@@ -60,8 +62,10 @@ import optax
 
 from fedssa_jax.errors import ConfigError, require, require_one_of
 from fedssa_jax.methods import aggregation
+from fedssa_jax.models import ghost
 
 ACCOUNTANTS = ('rdp', 'pld')
+PER_EXAMPLE = ('auto', 'vmap')  # privacy.per_example
 UPLOAD_MODES = ('local', 'central')
 # The run's key stream of the upload noise, beside engine/schedule.py's streams 0-8 and
 # system.py's 9-10: client k's noise of round t from fold_in(fold_in(fold_in(root key,
@@ -97,7 +101,11 @@ def default_config() -> ml_collections.ConfigDict:
   p.accountant = 'rdp'        # dp_accounting's 'rdp' or 'pld' accountant
   p.max_batch = 0             # rows a Poisson batch may hold (0: automatic, exceeded with
                               # probability < 1e-12 a step)
-  p.pass_size = 0             # examples whose gradients are computed at once (speed and
+  p.per_example = 'auto'      # how each example's gradient norm is found: 'auto', from the
+                              # layers' inputs and output cotangents where they cover every
+                              # trainable parameter (ghost norms), else 'vmap'; 'vmap': each
+                              # example's gradient built (speed and memory, not the numbers)
+  p.pass_size = 0             # examples whose gradients 'vmap' builds at once (speed and
                               # memory, not the numbers): 0, automatic (pass_size_for)
   p.upload = False            # client-level DP: each client's upload clipped and noised
                               # (docs/configuration.md, "Differential privacy")
@@ -135,6 +143,7 @@ def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: boo
   require(p.max_batch >= 0, f'privacy.max_batch must be >= 0 (0: automatic), got {p.max_batch}.')
   require(p.pass_size >= 0, f'privacy.pass_size must be >= 1, or 0 (automatic); got '
           f'{p.pass_size}.')
+  require_one_of('privacy.per_example', p.per_example, PER_EXAMPLE)
   if not p.dp_sgd:
     return
   _require_noise(p, 'noise_multiplier', 'target_epsilon', ' (1.1 is usual)')
@@ -206,9 +215,10 @@ def uncovered_uploads(method: str) -> str | None:
 # The batch and the gradient (device side, inside training.local_train)
 # ----------------------------------------------------------------------------------------------
 def pass_size_for(given: int, backend: str) -> int:
-  """`privacy.pass_size`, or by backend: one example at a time on the CPU, where a loop of
-  single-example gradients ran 2.9x faster than vmapped passes of 16 (CNN-3, 64 examples: 58 ms
-  against 168 ms, 11 ms without DP-SGD); 16 elsewhere."""
+  """`privacy.pass_size` (the examples whose gradients per_example 'vmap' builds at once), or
+  by backend: one example at a time on the CPU, where a loop of single-example gradients ran
+  2.9x faster than vmapped passes of 16 (CNN-3, 64 examples: 58 ms against 168 ms, 11 ms
+  without DP-SGD) and holds the least memory; 16 elsewhere."""
   return given or (1 if backend == 'cpu' else 16)
 
 
@@ -218,7 +228,9 @@ class DPSGD:
   clip_norm: float
   noise_multiplier: float
   max_batch: int   # rows of a step's Poisson batch
-  pass_size: int   # examples per pass of per-example gradients; divides max_batch
+  pass_size: int   # examples per pass of per-example gradients ('vmap'); divides max_batch
+  per_example: str = 'auto'  # 'auto' (ghost norms where the taps cover the model) or 'vmap'
+  ghost_pass: int = 0        # rows per pass of the ghost norms; divides max_batch (0: all)
 
 
 def max_batch(batch_size: int, max_train: int, pass_size: int, given: int = 0) -> int:
@@ -252,30 +264,37 @@ def poisson_batch(key, n, padded_len: int, q, rows: int):
 
 
 def noisy_clipped_grads(loss_of: Callable, trainable, views, y, valid, key, denom, *,
-                        clip_norm: float, noise_multiplier: float, pass_size: int):
+                        clip_norm: float, noise_multiplier: float, pass_size: int,
+                        per_example: str = 'auto', ghost_pass: int = 0):
   """DP-SGD's gradient of a batch: each valid example's gradient of `loss_of` (called on a batch
   of one), over the whole `trainable` tree, clipped to the global norm `clip_norm`; their sum
   plus N(0, (noise_multiplier clip_norm)^2) noise from `key` on every coordinate, divided by
   `denom`. Returns (the batch-mean loss, #correct, the accumulator's sum, the gradient), like
-  training.batch_grads. Only passes of `pass_size` rows that hold a valid example run (the
-  valid rows come first)."""
-  m = pass_size
-  if y.shape[0] % m:
-    raise ValueError(f'pass_size {m} must divide the batch rows {y.shape[0]}.')
+  training.batch_grads.
 
+  per_example 'vmap': each example's gradient is built, in passes of `pass_size` rows.
+  'auto': where the model's layers' taps cover every trainable parameter once (ghost_covers),
+  the norms come from the layers' inputs and output cotangents (models/ghost.py) and the clipped
+  sum from one backward pass of the examples' losses weighted by their clip factors, in passes
+  of `ghost_pass` rows (0: the whole batch); else as 'vmap'. Only passes that hold a valid
+  example run (the valid rows come first)."""
   def one(t, ex_views, ex_y, ex_valid):
     return loss_of(t, tuple(v[None] for v in ex_views), ex_y[None], ex_valid[None])
-  per_example = jax.vmap(jax.value_and_grad(one, has_aux=True), in_axes=(None, 0, 0, 0))
+
+  if per_example == 'auto' and ghost_covers(one, trainable, views, y, valid):
+    m = ghost_pass or y.shape[0]
+    pass_sums = functools.partial(_ghost_pass, one, clip_norm)
+  else:
+    m = pass_size
+    pass_sums = functools.partial(_vmap_pass, one, clip_norm)
+  if y.shape[0] % m:
+    raise ValueError(f'The pass size {m} must divide the batch rows {y.shape[0]}.')
 
   def one_pass(j, sums):
     part = lambda a: jax.lax.dynamic_slice_in_dim(a, j * m, m)
-    v = part(valid)
-    (loss, (correct, acc)), grads = per_example(trainable, tuple(map(part, views)), part(y), v)
-    scale = jnp.where(v, clip_factor(grads, clip_norm), 0.0)
-    loss_sum, correct_sum, acc_sum, grad_sum = sums
-    return (loss_sum + jnp.where(v, loss, 0.0).sum(), correct_sum + correct.sum(),
-            jax.tree.map(lambda s, a: s + a.sum(axis=0), acc_sum, acc),
-            jax.tree.map(lambda s, g: s + jnp.tensordot(scale, g, axes=1), grad_sum, grads))
+    loss, correct, acc, grad = pass_sums(trainable, tuple(map(part, views)), part(y),
+                                         part(valid))
+    return jax.tree.map(jnp.add, sums, (loss, correct, acc, grad))
 
   # The accumulator's zeros, shaped as one example's.
   acc_shape = jax.eval_shape(
@@ -288,6 +307,58 @@ def noisy_clipped_grads(loss_of: Callable, trainable, views, y, valid, key, deno
   return (loss_sum / jnp.maximum(count, 1), correct, acc,
           add_noise(grad_sum, key, noise_multiplier * clip_norm if noise_multiplier else 0.0,
                     denom))
+
+
+def _vmap_pass(one, clip_norm, trainable, views, y, valid):
+  """A pass's sums (loss, #correct, accumulator, clipped gradient) from each example's
+  gradient, built by vmap."""
+  per_example = jax.vmap(jax.value_and_grad(one, has_aux=True), in_axes=(None, 0, 0, 0))
+  (loss, (correct, acc)), grads = per_example(trainable, views, y, valid)
+  scale = jnp.where(valid, clip_factor(grads, clip_norm), 0.0)
+  return (jnp.where(valid, loss, 0.0).sum(), correct.sum(),
+          jax.tree.map(lambda a: a.sum(axis=0), acc),
+          jax.tree.map(lambda g: jnp.tensordot(scale, g, axes=1), grads))
+
+
+def _ghost_pass(one, clip_norm, trainable, views, y, valid):
+  """A pass's sums from ghost norms: the gradient, with respect to a zero probe per example, of
+  the examples' losses with the layers tapped is each one's squared gradient norm; then the
+  gradient of the losses weighted by their clip factors is the sum of the clipped gradients."""
+  def probed_loss(probes):
+    def example(ex_views, ex_y, ex_valid, probe):
+      with ghost.probing(probe):
+        return one(trainable, ex_views, ex_y, ex_valid)[0]
+    losses = jax.vmap(example)(views, y, valid, probes)
+    return jnp.where(valid, losses, 0.0).sum()
+
+  sq = jax.grad(probed_loss)(jnp.zeros(y.shape[0], jnp.float32))
+  scale = jax.lax.stop_gradient(
+      jnp.where(valid, clip_scale(jnp.sqrt(jnp.maximum(sq, 0.0)), clip_norm), 0.0))
+
+  def weighted(t):
+    loss, (correct, acc) = jax.vmap(one, in_axes=(None, 0, 0, 0))(t, views, y, valid)
+    return jnp.sum(scale * loss), (jnp.where(valid, loss, 0.0).sum(), correct.sum(),
+                                   jax.tree.map(lambda a: a.sum(axis=0), acc))
+  grads, (loss, correct, acc) = jax.grad(weighted, has_aux=True)(trainable)
+  return loss, correct, acc, grads
+
+
+def ghost_covers(one, trainable, views, y, valid) -> bool:
+  """Whether one example's loss, traced with the layers tapped (models/ghost.py), passes every
+  leaf of `trainable` through exactly one tap: then the taps' squared norms sum to the
+  example's squared gradient norm. Not so for a parameter used outside the tapped layers (a
+  raw array, a layer of another kind) or by two of them (a layer applied twice)."""
+  verdict = []
+
+  def trace(t, ex_views, ex_y, ex_valid):
+    with ghost.probing(jnp.zeros((), jnp.float32)) as probe:
+      one(t, ex_views, ex_y, ex_valid)
+    covered = [id(p) for p in probe.params]
+    leaves = {id(leaf) for leaf in jax.tree.leaves(t)}
+    verdict.append(len(covered) == len(set(covered)) and set(covered) == leaves)
+
+  jax.eval_shape(trace, trainable, tuple(v[0] for v in views), y[0], valid[0])
+  return verdict[0]
 
 
 def clip_factor(grads, clip_norm: float):

@@ -31,6 +31,7 @@ from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import training
 from fedssa_jax.errors import ConfigError
+from fedssa_jax.models import ghost
 from fedssa_jax.methods import standalone
 from fedssa_jax.run import train
 
@@ -153,6 +154,88 @@ def test_clipped_noised_mean_equals_a_plain_loop_over_examples():
   np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-5)
   assert int(correct) == int(loss_of(trainable, views, y, valid)[1][0])
   np.testing.assert_array_equal(acc['seen'], loss_of(trainable, views, y, valid)[1][1]['seen'])
+
+
+def cnn_problem(family='cnn5', conv_impl='band', b=8, seed=0):
+  """A CNN of the paper's (every parameter in a tapped layer) with its CE loss, and a batch
+  of 32x32 images whose first 6 rows are valid."""
+  model = models.make_model(family, 10, conv_impl, feature_dim=64)
+  params = models.init_params(model, jax.random.PRNGKey(seed))
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(b, 32, 32, 3)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, b), jnp.int32)
+  valid = jnp.arange(b) < 6
+
+  def loss_of(t, views, y, valid):
+    logits, _ = model.apply({'params': t['model']}, views[0])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    loss = jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(valid.sum(), 1)
+    return loss, (jnp.sum((jnp.argmax(logits, -1) == y) & valid), None)
+  return {'model': params}, (x,), y, valid, loss_of
+
+
+def one_of(loss_of):
+  return lambda t, v, y, ok: loss_of(t, tuple(a[None] for a in v), y[None], ok[None])
+
+
+def test_ghost_norms_are_each_examples_gradient_norm():
+  """The probe's gradient under the taps is each example's squared gradient norm over every
+  layer (convolutions and dense), as jax.grad of the example alone gives it. (The taps mark
+  the layers' outputs, the same for every conv_impl.)"""
+  trainable, views, y, valid, loss_of = cnn_problem(conv_impl='im2col')
+  one = one_of(loss_of)
+
+  def probed(probes):
+    def example(v, yy, ok, probe):
+      with ghost.probing(probe):
+        return one(trainable, v, yy, ok)[0]
+    return jax.vmap(example)(views, y, valid, probes).sum()
+  sq = jax.jit(jax.grad(probed))(jnp.zeros(8))
+  np.testing.assert_allclose(sq, squared_norms(one, trainable, views, y, valid), rtol=2e-4)
+  assert sq[6] == sq[7] == 0.0  # invalid rows: no loss, no gradient
+
+
+def squared_norms(one, trainable, views, y, valid):
+  """Each example's squared gradient norm, from its gradient (jax.grad of it alone)."""
+  grads = jax.jit(jax.vmap(jax.grad(lambda t, v, yy, ok: one(t, v, yy, ok)[0]),
+                           in_axes=(None, 0, 0, 0)))(trainable, views, y, valid)
+  return sum(np.sum(np.square(g.reshape(g.shape[0], -1)), axis=1)
+             for g in jax.tree.leaves(grads))
+
+
+def test_ghost_norms_cover_a_model_only_if_every_parameter_is_tapped_once():
+  trainable, views, y, valid, loss_of = cnn_problem()
+  assert privacy.ghost_covers(one_of(loss_of), trainable, views, y, valid)
+  # A raw parameter (no layer), and one beside the model, are not covered.
+  lin = linear_problem()
+  assert not privacy.ghost_covers(one_of(lin[4]), *lin[:4])
+  extra = {**trainable, 'aux': {'scale': jnp.ones(())}}
+  scaled = lambda t, v, yy, ok: loss_of(t, tuple(a * t['aux']['scale'] for a in v), yy, ok)
+  assert not privacy.ghost_covers(one_of(scaled), extra, views, y, valid)
+  # A layer applied twice: its two taps would not add up to its gradient's norm.
+  dense = models.layers.Dense(10)
+  p = {'model': dense.init(jax.random.PRNGKey(0), jnp.zeros((1, 10)))['params']}
+  twice = lambda t, v, yy, ok: (jnp.sum(dense.apply({'params': t['model']}, dense.apply(
+      {'params': t['model']}, v[0].reshape(v[0].shape[0], -1)[:, :10]))), (0, None))
+  assert not privacy.ghost_covers(one_of(twice), p, views, y, valid)
+
+
+def test_ghost_clipping_equals_building_each_examples_gradient():
+  """per_example 'auto' (ghost norms, then one weighted backward pass, in passes of 4 rows)
+  gives 'vmap''s clipped, noised mean, loss and count, some examples clipped and some not."""
+  trainable, views, y, valid, loss_of = cnn_problem(conv_impl='im2col')
+  args = (loss_of, trainable, views, y, valid, jax.random.PRNGKey(2), 6.0)
+  norms = np.sqrt(squared_norms(one_of(loss_of), trainable, views, y, valid))[:6]
+  clip = float(np.median(norms))
+  assert min(norms) < clip < max(norms)
+  run = lambda mode: jax.jit(lambda: privacy.noisy_clipped_grads(
+      *args, clip_norm=clip, noise_multiplier=0.7, pass_size=2, per_example=mode,
+      ghost_pass=4))()
+  want, got = run('vmap'), run('auto')
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  assert int(got[1]) == int(want[1])
+  for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[3])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_zero_noise_and_no_clipping_give_plain_sgds_gradient():
@@ -334,9 +417,16 @@ def test_a_simulator_of_models_with_batch_norm_is_refused(small_ds):
 def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(small_ds, method):
   """Every method that DP-SGD applies to ran two such rounds by hand (docs: the closing note);
   these two keep the paths that differ from plain CE: an aux model's gradient clipped with the
-  client's own, and an accumulator summed over single examples."""
+  client's own, and an accumulator summed over single examples. FML's two models: ghost norms
+  (the default) and each example's gradient built (privacy.per_example='vmap') train the same
+  round."""
   from conftest import make_small_sim, params_of, rounds
-  sim = make_small_sim(small_ds, method, **{'privacy.dp_sgd': True})
+  modes = ('auto', 'vmap') if method == 'fml' else ('auto',)
+  sims = {mode: make_small_sim(small_ds, method, **{'privacy.dp_sgd': True,
+                                                      'privacy.per_example': mode})
+          for mode in modes}
+  assert sims['auto'].train_cfg.dp.per_example == 'auto'
+  sim = sims['auto']
   start = sim.init_state()
   before = {k: params_of(sim, start.population.params, k) for k in range(5)}
   for state, info in rounds(sim, 1, sim.init_state()):
@@ -347,6 +437,22 @@ def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(smal
            if not np.allclose(jax.tree.leaves(params_of(sim, state.population.params, k))[0],
                               jax.tree.leaves(before[k])[0])]
   assert moved == list(info.cohort)
+  if 'vmap' not in sims:
+    return
+  (built, built_info), = rounds(sims['vmap'], 1, sims['vmap'].init_state())
+  np.testing.assert_allclose(built_info.train_loss, info.train_loss, rtol=1e-5)
+  for k in info.cohort:
+    for a, b in zip(jax.tree.leaves(params_of(sim, state.population.params, k)),
+                    jax.tree.leaves(params_of(sim, built.population.params, k))):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_method_whose_loss_reads_parameters_directly_builds_each_gradient(small_ds):
+  """FedMRL applies a header to a representation it builds itself: its DP-SGD builds each
+  example's gradient, whatever privacy.per_example says (Method.ghost_norms)."""
+  from conftest import make_small_sim
+  sim = make_small_sim(small_ds, 'fedmrl', **{'privacy.dp_sgd': True})
+  assert sim.train_cfg.dp.per_example == 'vmap'
 
 
 # --- Runs -------------------------------------------------------------------------------------

@@ -224,7 +224,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
       loss, correct, acc_update, grads = privacy.noisy_clipped_grads(
           loss_of, trainable, views, y, valid,
           jax.random.fold_in(step_key, privacy.NOISE_STREAM), denom, clip_norm=dp.clip_norm,
-          noise_multiplier=dp.noise_multiplier, pass_size=dp.pass_size)
+          noise_multiplier=dp.noise_multiplier, pass_size=dp.pass_size,
+          per_example=dp.per_example, ghost_pass=dp.ghost_pass)
     elif model_state is None:
       loss, correct, acc_update, grads = batch_grads(method, apply_fn, ctx, trainable, views,
                                                      y, valid, micro_batch=m)

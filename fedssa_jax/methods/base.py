@@ -228,6 +228,12 @@ class Method:
   # passes (training.TrainConfig.micro_batch). False for a loss that couples a batch's samples
   # (contrastive pairs, batch statistics). No default: every method declares it.
   per_sample_loss: bool
+  # Does the loss read the trainable parameters only through the models' layers (their
+  # apply)? Then DP-SGD may find each example's gradient norm from the layers' inputs and
+  # output cotangents (privacy.per_example='auto', models/ghost.py), which counts only what
+  # passes through a layer. A loss that also reads a parameter directly (a header row in a
+  # regulariser, say) leaves it False, the default: each example's gradient is then built.
+  ghost_norms: bool = False
   # A forward pass over the client's training split around local training (the module
   # docstring; FORWARD_PASS_TIMES): 'before' it, 'after' it, or None (the default: no pass, no
   # extra work). A method may set it per instance, from its config.

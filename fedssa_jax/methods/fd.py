@@ -73,6 +73,7 @@ class FD(base.Method):
   name = 'fd'
   config_section = 'fd'
   per_sample_loss = True  # CE plus a per-sample distillation term
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('logits',)  # its class-mean logits (`has`, the classes it holds, is sent)
   central_noise_into = 'noise'
 

@@ -67,6 +67,7 @@ class GlobalHeader:
 class FedClassAvg(headers.SharedHeader):
   name = 'fedclassavg'
   per_sample_loss = False  # SupCon pairs every view of the batch
+  ghost_norms = False  # (DP-SGD refuses its coupled loss anyway)
   config_section = 'fedclassavg'
   num_views = 2
 

@@ -133,6 +133,7 @@ class FedL2G(base.Method):
   name = 'fedl2g'
   config_section = 'fedl2g'
   per_sample_loss = True  # CE plus a per-sample guiding term
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('grad',)  # the meta-gradient rows (`present`, which are sent, goes as is)
   # The meta step: the inner gradient and phi's JVP on the study batch (1 + 2/3 CE training
   # steps per sample), the quiz loss's gradient at theta' (1 per quiz sample).

@@ -50,6 +50,7 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
   central_noise_into = 'noise'
   config_section = 'fedproto'
   per_sample_loss = True  # CE plus a per-sample prototype term
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes
 

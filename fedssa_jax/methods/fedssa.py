@@ -78,6 +78,7 @@ class FedSSA(base.Method):
   name = 'fedssa'
   config_section = 'fedssa'
   per_sample_loss = True  # plain cross-entropy
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('rows',)  # the seen rows, around the global rows they were fused with
   central_noise_into = 'noise'
 

@@ -104,6 +104,7 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
   name = 'fedtgp'
   config_section = 'fedtgp'
   per_sample_loss = True  # CE plus a per-sample prototype term
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes P^
 

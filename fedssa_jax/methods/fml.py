@@ -57,6 +57,7 @@ class FML(base.Method):
   name = 'fml'
   config_section = 'fml'
   per_sample_loss = True  # CE and KL terms, each a mean over the batch's samples
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('meme',)  # the trained meme, around the downloaded global meme
   central_noise_into = 'inbox'
 

@@ -26,6 +26,7 @@ class SharedHeader(base.Method):
   """The whole-header exchange: download H_g over the header, upload it, weighted mean."""
   config_section = 'lg_fedavg'  # the config block holding `weighting`
   per_sample_loss = True  # plain cross-entropy (FedClassAvg, with SupCon, sets False)
+  ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('value',)  # the trained header, around the downloaded H_g
   central_noise_into = 'inbox'
 

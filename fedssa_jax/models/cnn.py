@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedssa_jax.models import ghost
 from fedssa_jax.models.layers import (IMAGE_SHAPE, Dense, cast, feature_pool,
                                       torch_uniform_init)
 
@@ -160,6 +161,7 @@ class Conv5x5(nn.Module):
     fan_in = cin * KERNEL * KERNEL
     kernel = self.param('kernel', torch_uniform_init(fan_in), (KERNEL, KERNEL, cin, self.features))
     bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
+    params = kernel, bias
     x, kernel, bias = cast(self.dtype, x, kernel, bias)
     if self.conv_impl == 'xla':
       y = jax.lax.conv_general_dilated(
@@ -173,7 +175,7 @@ class Conv5x5(nn.Module):
       patches = jnp.concatenate(
           [x[..., i:i + h, j:j + w, :] for i in range(KERNEL) for j in range(KERNEL)], axis=-1)
       y = patches @ kernel.reshape(fan_in, self.features)
-    return y + bias
+    return ghost.tap(y + bias, x, 'conv5x5', *params)  # DP-SGD's per-example norms
 
 
 def max_pool_2x2(x, conv_impl: str):

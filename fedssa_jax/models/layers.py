@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedssa_jax.models import ghost
+
 IMAGE_SHAPE = (32, 32, 3)  # CIFAR's (height, width, channels): the default input shape
 
 
@@ -39,8 +41,9 @@ class Dense(nn.Module):
     fan_in = x.shape[-1]
     kernel = self.param('kernel', torch_uniform_init(fan_in), (fan_in, self.features))
     bias = self.param('bias', torch_uniform_init(fan_in), (self.features,))
+    params = kernel, bias
     x, kernel, bias = cast(self.dtype, x, kernel, bias)
-    return x @ kernel + bias
+    return ghost.tap(x @ kernel + bias, x, 'dense', *params)  # DP-SGD's per-example norms
 
 
 def feature_pool(rep, width: int) -> jax.Array:
