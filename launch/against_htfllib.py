@@ -1003,6 +1003,16 @@ def markdown(results) -> str:
   out += ['', 'Mean ± sample std over each side\'s seeds; a difference in bold exceeds twice '
           'their combined std, sqrt(std_HtFLlib² + std_ours²). *: HtFLlib ran one seed, and its '
           'std is taken to be ours (sqrt(2) std_ours combined).']
+  out += ['', 'By round (mean accuracy, ± the sample std where a side ran several seeds; '
+          'HtFLlib / ours, then ours - HtFLlib in points):', '',
+          '| method (HtFLlib) | seeds | ' + ' | '.join(
+              f'r{r["round"]}'.replace('-', '–') for r in results[0]['rows']) + ' |',
+          '|---|---|' + '---|' * len(results[0]['rows'])] if results else []
+  for res in results:
+    cell = lambda row: (f'{side(row, "htfllib")} / {side(row, "ours")} ({gap(row)})')
+    seeds = f'{len(res["htfllib_curves"])} / {len(res["ours_curves"])}'
+    out.append(f'| {res["method"]} ({res["algorithm"]}) | {seeds} | '
+               + ' | '.join(cell(row) for row in res['rows']) + ' |')
   out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours | HtFLlib images/s | '
           'ours images/s | HtFLlib GFLOP/s | ours GFLOP/s |', '|---|---|---|---|---|---|---|---|']
   for res in results:

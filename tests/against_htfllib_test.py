@@ -271,6 +271,10 @@ def test_seeds_on_both_sides_mark_the_gaps_beyond_twice_the_combined_std():
   assert ('| fedtgp (FedTGP) | 20 | 0.5000 ± 0.0100 | 0.4900, 0.5000, 0.5100 | 0.5000 | '
           '0.6000 ± 0.0100 | 0.5900, 0.6000, 0.6100 | **+10.0** |') in table
   assert '| fedtgp (FedTGP) | 15 | 0.5000 ± 0.0100 |' in table and '| +1.0 |' in table
+  # The table by round: a row a method, each side's mean ± std and the gap per column.
+  assert '| method (HtFLlib) | seeds | r5 | r10 | r15 | r20 | r16–20 |' in table
+  assert ('| fedtgp (FedTGP) | 3 / 3 | 0.5000 ± 0.0100 / 0.5100 ± 0.0100 (+1.0) |' in table)
+  assert '0.5000 ± 0.0100 / 0.6000 ± 0.0100 (**+10.0**) |' in table
   assert len(res['htfllib_curves']) == 3 and len(res['ours_curves']) == 3
   # The runner moves every torch.manual_seed(s) to s + AGAINST_HTFLLIB_SEED.
   compile(ah.RUNNER, 'run_htfllib.py', 'exec')
