@@ -1010,7 +1010,9 @@ def markdown(results) -> str:
           '|---|---|' + '---|' * len(results[0]['rows'])] if results else []
   for res in results:
     cell = lambda row: (f'{side(row, "htfllib")} / {side(row, "ours")} ({gap(row)})')
-    seeds = f'{len(res["htfllib_curves"])} / {len(res["ours_curves"])}'
+    # Seeds a side, from the rows (results kept from older commands hold no curves).
+    count = lambda name: len(res['rows'][0].get(f'{name}_seeds') or [None]) if res['rows'] else 0
+    seeds = f'{count("htfllib")} / {count("ours")}'
     out.append(f'| {res["method"]} ({res["algorithm"]}) | {seeds} | '
                + ' | '.join(cell(row) for row in res['rows']) + ' |')
   out += ['', '| method | HtFLlib s/round | ours s/round | HtFLlib / ours | HtFLlib images/s | '
