@@ -233,6 +233,18 @@ class DPSGD:
   ghost_pass: int = 0        # rows per pass of the ghost norms; divides max_batch (0: all)
 
 
+def dp_sgd_settings(clip_norm: float, noise_multiplier: float, batch_size: int,
+                    max_train: int, pass_size: int, per_example: str, micro_batch: int,
+                    given_rows: int = 0) -> DPSGD:
+  """DPSGD for batches of expected size `batch_size`: ghost norms ('auto') run in the engine's
+  passes of plain training (`micro_batch` rows) where it splits a batch, else all of a step's
+  rows at once; the Poisson batch's rows (max_batch) are whole passes of both ways."""
+  ghost_pass = micro_batch if per_example == 'auto' and micro_batch < batch_size else 0
+  rows = max_batch(batch_size, max_train, math.lcm(pass_size, ghost_pass or 1), given_rows)
+  return DPSGD(clip_norm=clip_norm, noise_multiplier=noise_multiplier, max_batch=rows,
+               pass_size=pass_size, per_example=per_example, ghost_pass=ghost_pass)
+
+
 def max_batch(batch_size: int, max_train: int, pass_size: int, given: int = 0) -> int:
   """The rows of a Poisson batch of expected size `batch_size`: `given`, or the smallest count
   that a batch exceeds with probability below TRUNCATION_TAIL (Poisson's tail, which bounds the

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -35,16 +34,10 @@ def train_config(config, ds: data.Dataset, accountant=None,
   dp = None
   if accountant is not None:
     pass_size = privacy.pass_size_for(int(p.pass_size), jax.default_backend())
-    # Ghost norms run in the engine's passes of plain training where it splits a batch (64 rows
-    # on the CPU), else all of a step's rows at once (0).
     per_example = p.per_example if methods.METHODS[config.method].ghost_norms else 'vmap'
-    m = micro_batch(config)
-    ghost_pass = m if per_example == 'auto' and m < config.batch_size else 0
-    rows = privacy.max_batch(config.batch_size, max_train, math.lcm(pass_size, ghost_pass or 1),
-                             p.max_batch)
-    dp = privacy.DPSGD(
-        clip_norm=float(p.clip_norm), noise_multiplier=accountant.noise_multiplier,
-        max_batch=rows, pass_size=pass_size, per_example=per_example, ghost_pass=ghost_pass)
+    dp = privacy.dp_sgd_settings(float(p.clip_norm), accountant.noise_multiplier,
+                                 config.batch_size, max_train, pass_size, per_example,
+                                 micro_batch(config), p.max_batch)
   return training.TrainConfig(
       batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
       lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import resource
 import time
 
@@ -150,14 +149,10 @@ def dp_sgd_cost(family: str, batch: int, steps: int, ds: data.Dataset, pass_size
   passes = parts.micro_batch(config_lib.build('cifar10', 'hetero'))
   plain, plain_args, images = train_call(family, batch, 1, steps, ds,
                                          passes if batch % passes == 0 else 0)
-  ghost_pass = passes if per_example == 'auto' and passes < batch else 0
-  dp = privacy.DPSGD(clip_norm=1.0, noise_multiplier=1.1, pass_size=pass_size,
-                     max_batch=privacy.max_batch(batch, batch * steps,
-                                                 math.lcm(pass_size, ghost_pass or 1)),
-                     per_example=per_example, ghost_pass=ghost_pass)
+  dp = privacy.dp_sgd_settings(1.0, 1.1, batch, batch * steps, pass_size, per_example, passes)
   noisy, noisy_args, _ = train_call(family, batch, 1, steps, ds, dp=dp)
   out = {'family': family, 'batch': batch, 'steps': steps, 'per_example': per_example,
-         'pass_size': ghost_pass or dp.max_batch if per_example == 'auto' else pass_size,
+         'pass_size': dp.ghost_pass or dp.max_batch if per_example == 'auto' else pass_size,
          'max_batch': dp.max_batch, 'images': images}
   for name, call, args in (('plain', plain, plain_args), ('dp_sgd', noisy, noisy_args)):
     run = lambda call=call, args=args: jax.block_until_ready(call(*args))
