@@ -251,16 +251,23 @@ PRIVACY_METHODS = ('fedssa', 'standalone', 'fd', 'fedproto', 'fedgh')
 PRIVACY_EPSILONS = (1.0, 4.0, 8.0)
 
 
+# DP-SGD's control: the clip with almost no noise (sigma 0.01: each step's noise about 0.03 in
+# norm against the clipped mean's 1 at most; epsilon about 1e6), which tells the clip's cost
+# from the noise's. FedSSA's alone, as its cost in time is a DP-SGD run's.
+CLIP_ONLY = {'privacy__dp_sgd': True, 'privacy__noise_multiplier': 0.01}
+
+
 def privacy():
   """DP-SGD at hetero,n10, E = 1, 20 rounds: each method without DP-SGD (epsilon infinite: the
   `system` sweep's ideal runs, which share their names) and with the noise calibrated to each
   epsilon of PRIVACY_EPSILONS at delta 1e-5, seed 0; method by method, so that a sweep cut
-  short holds whole rows of the table."""
+  short holds whole rows of the table; FedSSA also with the clip alone (CLIP_ONLY)."""
   budgets = [{}] + [{'privacy__dp_sgd': True, 'privacy__noise_multiplier': 0.0,
                      'privacy__target_epsilon': e} for e in PRIVACY_EPSILONS]
+  controls = lambda m: [CLIP_ONLY] if m == 'fedssa' else []
   return [r for m in PRIVACY_METHODS
           for r in grid(['cifar10'], ['hetero,n10'], (m,), (0,),
-                        [{**SYSTEM_SCHEDULE, **b} for b in budgets])]
+                        [{**SYSTEM_SCHEDULE, **b} for b in budgets + controls(m)])]
 
 
 # Client-level DP on the uploads: each method's upload_clip, near the median norm its uploads
