@@ -6,12 +6,14 @@
   python -m fedssa_jax.run.report --sweep_dir=runs/sweeps/small  # tables and plots
 
 Every run has its own workdir, `<sweep_dir>/<run name>`. A run whose summary.json exists (and
-reads whole) is skipped; any other run is started, and one that was interrupted resumes from its
-newest checkpoint (fedssa_jax.main does that by itself), so rerunning the same command finishes a
-sweep. Locally, the runs end with the launcher, however it ends: SIGTERM or SIGINT stop them
-after their round, checkpointed; if the launcher is killed (SIGKILL), Linux kills its runs too
-(each asks for SIGKILL when its parent dies), so that a rerun finds their workdirs free and
-resumes them from their last checkpoints.
+reads whole) is skipped, and so is one whose diverged.json does: it ended with a DivergenceError,
+and runs are deterministic, so a rerun would diverge again (delete that file, or use a new
+--sweep_dir, to run it anew). Any other run is started, and one that was interrupted resumes from
+its newest checkpoint (fedssa_jax.main does that by itself), so rerunning the same command
+finishes a sweep. Locally, the runs end with the launcher, however it ends: SIGTERM or SIGINT
+stop them after their round, checkpointed; if the launcher is killed (SIGKILL), Linux kills its
+runs too (each asks for SIGKILL when its parent dies), so that a rerun finds their workdirs free
+and resumes them from their last checkpoints.
 `--num_rounds`, `--local_epochs`, `--data_dir` and `--set=field=value` apply to every run; they
 do not change run names (a resume may change only num_rounds and data_dir; see docs/operations.md).
 """
@@ -35,6 +37,12 @@ sys.path.insert(0, REPO)
 from fedssa_jax.run import workdir_lock  # pylint: disable=wrong-import-position  (no JAX)
 EXIT_PREEMPTED = 75  # fedssa_jax.run.train.EXIT_PREEMPTED (not imported: this script loads no JAX)
 EXIT_LOCKED = 73     # fedssa_jax.main.EXIT_LOCKED: another process runs in the workdir
+EXIT_FAILED = 1      # fedssa_jax.main.EXIT_FAILED: a run that diverged exits with it
+DIVERGED_FILE = 'diverged.json'  # fedssa_jax.run.outputs.DIVERGED_FILE
+# What a status line of a diverged run adds.
+RERUN_DIVERGED = ('a rerun would diverge again (runs are deterministic); to run one anew, delete '
+                  'its diverged.json (having changed what made it diverge) or use a new '
+                  '--sweep_dir')
 
 flags.DEFINE_string('sweep', None, 'A sweep name from configs/sweeps.py.')
 flags.DEFINE_string('sweep_dir', None, 'Folder of the run workdirs; default runs/sweeps/<sweep>.')
@@ -118,12 +126,68 @@ def packed_jobs(runs, sweep_dir: str, cmd_dir: str, extra: dict,
 
 def is_done(sweep_dir: str, run) -> bool:
   """Whether the run wrote its summary.json, whole (one cut short by a kill is not done)."""
+  return _read_json(os.path.join(sweep_dir, run.name, 'summary.json')) is not None
+
+
+def divergence(workdir: str) -> dict | None:
+  """The diverged.json of the run in `workdir` (its round, message and train loss): the run
+  ended with a DivergenceError. None if it has none that reads whole."""
+  record = _read_json(os.path.join(workdir, DIVERGED_FILE))
+  return record if isinstance(record, dict) else None
+
+
+def has_ended(sweep_dir: str, run) -> bool:
+  """Whether the run is done or diverged: either way, not to be started again."""
+  return is_done(sweep_dir, run) or divergence(os.path.join(sweep_dir, run.name)) is not None
+
+
+def _read_json(path: str):
   try:
-    with open(os.path.join(sweep_dir, run.name, 'summary.json')) as f:
-      json.load(f)
+    with open(path) as f:
+      return json.load(f)
   except (OSError, ValueError):
-    return False
-  return True
+    return None
+
+
+def diverged_runs(sweep_dir: str, runs) -> list[tuple[str, dict]]:
+  """(name, diverged.json) of each run that diverged (and is not done)."""
+  out = []
+  for r in runs:
+    record = divergence(os.path.join(sweep_dir, r.name))
+    if record is not None and not is_done(sweep_dir, r):
+      out.append((r.name, record))
+  return out
+
+
+def diverged_list(diverged: list[tuple[str, dict]]) -> str:
+  """'name (round 2), ...' of diverged_runs."""
+  return ', '.join(f'{name} (round {record.get("round", "?")})' for name, record in diverged)
+
+
+def job_workdirs(cmd: list[str], workdir: str) -> list[str]:
+  """The workdirs of a job's runs: its --seed_workdirs (packed seeds), or its own."""
+  for arg in cmd:
+    if arg.startswith('--seed_workdirs='):
+      return arg.split('=', 1)[1].split(',')
+  return [workdir]
+
+
+def tally(sweep_dir: str, runs, unfinished: list[str]) -> tuple[str, int]:
+  """The launcher's last words and exit status: 1 while runs remain to finish; 0 once every run
+  is done or diverged (a rerun would change nothing)."""
+  diverged = diverged_runs(sweep_dir, runs)
+  listed = diverged_list(diverged)
+  report = f'Report: python -m fedssa_jax.run.report --sweep_dir={sweep_dir}'
+  if unfinished:
+    text = (f'{len(unfinished)} runs did not finish: {", ".join(unfinished)}. Rerun the same '
+            'command to resume them.')
+    if diverged:
+      text += f'\n{len(diverged)} runs diverged, not to be rerun: {listed}; {RERUN_DIVERGED}.'
+    return text, 1
+  if diverged:
+    return (f'All {len(runs)} runs ended: {len(runs) - len(diverged)} done, {len(diverged)} '
+            f'diverged: {listed}; {RERUN_DIVERGED}. {report}'), 0
+  return f'All {len(runs)} runs done. {report}', 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,8 +209,9 @@ def _die_with_parent(parent: int):
 
 def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str]:
   """Runs (name, command, workdir) jobs, `parallel` at a time, each logging to
-  <workdir>/sweep.log. Returns the names of the runs that did not finish. SIGTERM to the
-  launcher is passed on to the runs, which stop after their round, checkpointed."""
+  <workdir>/sweep.log. Returns the names of the runs that did not finish (one that diverged has
+  ended: it is not among them). SIGTERM to the launcher is passed on to the runs, which stop
+  after their round, checkpointed."""
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
   if parallel > 1:  # share accelerator memory instead of each process taking 75%
@@ -156,7 +221,7 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
 
   def on_sigterm(signum, frame):
     del frame
-    for proc, _, _ in running.values():
+    for proc, *_ in running.values():
       proc.send_signal(signum)
     raise KeyboardInterrupt
   try:  # the launcher's main thread (signal handlers can be set from no other)
@@ -177,18 +242,20 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
         log = open(os.path.join(workdir, 'sweep.log'), 'a')
         running[name] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
                                           stderr=subprocess.STDOUT,
-                                          preexec_fn=_die_with_parent(os.getpid())), log, workdir)
+                                          preexec_fn=_die_with_parent(os.getpid())), log, workdir,
+                         job_workdirs(cmd, workdir))
         print(f'[{total - len(queue)}/{total}] {name}: '
               f'started (log {os.path.join(workdir, "sweep.log")})', flush=True)
       time.sleep(0.5)
-      for name, (proc, log, workdir) in list(running.items()):
+      for name, (proc, log, workdir, workdirs) in list(running.items()):
         rc = proc.poll()
         if rc is None:
           continue
         log.close()
         del running[name]
-        print(f'{name}: {_outcome(rc, workdir)}', flush=True)
-        if rc:
+        diverged = _diverged_outcome(rc, workdirs)
+        print(f'{name}: {diverged or _outcome(rc, workdir)}', flush=True)
+        if rc and not diverged:
           unfinished.append(name)
   except KeyboardInterrupt:
     # The runs got the same SIGINT (or the SIGTERM passed on): each finishes its round,
@@ -197,7 +264,7 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
       signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print('Interrupted: waiting for the running runs to checkpoint. Rerun the same command to '
           'resume.', flush=True)
-    for name, (proc, log, _) in running.items():
+    for name, (proc, log, *_) in running.items():
       proc.wait()
       log.close()
       unfinished.append(name)
@@ -206,6 +273,25 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
     if installed:
       signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
   return unfinished
+
+
+def _diverged_outcome(rc: int, workdirs: list[str]) -> str | None:
+  """The status line of a job that ended with a DivergenceError: some of its runs wrote
+  diverged.json and the others (packed seeds go on without the one that diverged) their
+  summary.json. None for any other end."""
+  if rc != EXIT_FAILED:
+    return None
+  records = [(w, divergence(w)) for w in workdirs]
+  if not any(r for _, r in records) or not all(
+      r or _read_json(os.path.join(w, 'summary.json')) is not None for w, r in records):
+    return None
+  if len(records) == 1:
+    (w, record), = records
+    return (f'diverged in round {record.get("round", "?")} (see '
+            f'{os.path.join(w, DIVERGED_FILE)}); {RERUN_DIVERGED}')
+  failed = [f'{os.path.basename(w)} in round {r.get("round", "?")}' for w, r in records if r]
+  return (f'{len(failed)} of its {len(records)} packed seeds diverged ({", ".join(failed)}), '
+          f'the others are done; {RERUN_DIVERGED}')
 
 
 def _outcome(rc: int, workdir: str) -> str:
@@ -234,6 +320,8 @@ def slurm_script(name: str, cmd: list[str], workdir: str, options) -> str:
            '#SBATCH --signal=B:TERM@120', *(f'#SBATCH {o}' for o in options),
            f'cd {shlex.quote(REPO)}',
            f'[ -f {shlex.quote(os.path.join(workdir, "summary.json"))} ] && exit 0',
+           f'[ -f {shlex.quote(os.path.join(workdir, DIVERGED_FILE))} ] && {{ echo "Diverged '
+           f'before (its {DIVERGED_FILE}): not rerun."; exit 0; }}',
            f'export PYTHONPATH={shlex.quote(REPO)}${{PYTHONPATH:+:$PYTHONPATH}}',
            'trap \'kill -TERM "$child" 2>/dev/null\' TERM',
            f'{shlex.join(cmd)} &', 'child=$!',
@@ -277,8 +365,9 @@ def write_jobs(mode: str, jobs, sweep_dir: str, slurm_options, remote_repo: str)
 
 def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bool = False,
          pack_seeds: bool = False):
-  """(sweep_dir, all runs, [(name, command, workdir)] of the runs still to do). With `remote`,
-  commands name workdirs relative to the repository (for the copy on a TPU VM)."""
+  """(sweep_dir, all runs, [(name, command, workdir)] of the runs still to do: neither done nor
+  diverged). With `remote`, commands name workdirs relative to the repository (for the copy on a
+  TPU VM)."""
   sweeps = load_sweeps()
   try:
     runs = sweeps.get_sweep(sweep)
@@ -287,7 +376,7 @@ def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bo
   sweep_dir = os.path.abspath(sweep_dir or os.path.join(REPO, 'runs', 'sweeps', sweep))
   cmd_dir = (os.path.relpath(sweep_dir, REPO) if remote and sweep_dir.startswith(REPO + os.sep)
              else sweep_dir)
-  todo = [r for r in runs if not is_done(sweep_dir, r)]
+  todo = [r for r in runs if not has_ended(sweep_dir, r)]
   if pack_seeds:
     return sweep_dir, runs, packed_jobs(todo, sweep_dir, cmd_dir, extra, python)
   jobs = [(r.name, run_command(r, cmd_dir, extra, python), os.path.join(sweep_dir, r.name))
@@ -304,10 +393,16 @@ def main(argv):
   extra = extra_overrides(FLAGS.data_dir, FLAGS.num_rounds, FLAGS.local_epochs, FLAGS.set)
   sweep_dir, runs, jobs = plan(FLAGS.sweep, FLAGS.sweep_dir, extra, python,
                                remote=FLAGS.mode == 'tpu', pack_seeds=FLAGS.pack_seeds)
-  todo = sum(1 for r in runs if not is_done(sweep_dir, r))
+  done = sum(1 for r in runs if is_done(sweep_dir, r))
+  diverged = diverged_runs(sweep_dir, runs)
+  todo = len(runs) - done - len(diverged)
   packs = f' (in {len(jobs)} packed processes)' if FLAGS.pack_seeds else ''
-  print(f'Sweep {FLAGS.sweep}: {len(runs)} runs, {len(runs) - todo} done, {todo} to '
-        f'do{packs}, in {sweep_dir}', flush=True)
+  failed = f'{len(diverged)} diverged, ' if diverged else ''
+  print(f'Sweep {FLAGS.sweep}: {len(runs)} runs, {done} done, {failed}{todo} to do{packs}, in '
+        f'{sweep_dir}', flush=True)
+  if diverged:
+    print(f'Not rerun, as they diverged: {diverged_list(diverged)}; {RERUN_DIVERGED}.',
+          flush=True)
   if FLAGS.dry_run:
     for _, cmd, _ in jobs:
       print(shlex.join(cmd))
@@ -318,14 +413,9 @@ def main(argv):
                'runs': [{'name': r.name, 'config': r.config, 'overrides': r.override_dict}
                         for r in runs]}, f, indent=2)
   if FLAGS.mode == 'local':
-    unfinished = run_local(jobs, FLAGS.parallel)
-    if unfinished:
-      print(f'{len(unfinished)} runs did not finish: {", ".join(unfinished)}. Rerun the same '
-            'command to resume them.')
-      return 1
-    print(f'All {len(runs)} runs done. Report: python -m fedssa_jax.run.report '
-          f'--sweep_dir={sweep_dir}')
-    return 0
+    text, status = tally(sweep_dir, runs, run_local(jobs, FLAGS.parallel))
+    print(text)
+    return status
   paths = write_jobs(FLAGS.mode, jobs, sweep_dir, FLAGS.slurm_option, FLAGS.tpu_repo)
   jobs_dir = os.path.join(sweep_dir, 'jobs')
   if FLAGS.mode == 'slurm':

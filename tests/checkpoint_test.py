@@ -264,6 +264,10 @@ def test_divergence_stops_the_run_naming_round_clients_and_family(env, tmp_path,
   assert rounds_written(workdir) == 1
   ckpts = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'))
   assert ckpts.steps() == [1] and ckpts.restore_latest().step == 1
+  # diverged.json: the round and the message; a NaN loss is no number (null).
+  diverged = json.load(open(os.path.join(workdir, 'diverged.json')))
+  assert diverged['round'] == 2 and diverged['train_loss'] is None
+  assert diverged['message'].startswith('Training diverged in round 2')
 
 
 def test_a_template_with_numpy_scalars_restores(tmp_path):

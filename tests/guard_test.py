@@ -1,6 +1,7 @@
 """The blow-up guard (guards.check_blowup): it stops a run whose finite loss diverges, naming the
 round, the statistic and the clients, and leaves healthy runs alone. (main_every_method_test.py
 runs every method 3 rounds with the guard at its defaults.)"""
+import json
 import os
 import types
 
@@ -23,7 +24,8 @@ def tiny(**overrides):
 
 @pytest.mark.slow  # a whole run, compiled
 def test_guard_stops_a_run_whose_loss_blows_up(tmp_path, small_ds):
-  """lr=1e3 (gradients clipped at norm 50): the loss is finite but enormous from round 1."""
+  """lr=1e3 (gradients clipped at norm 50): the loss is finite but enormous from round 1. The
+  run leaves diverged.json (a sweep does not rerun it): the round, its loss, the message."""
   with pytest.raises(train.DivergenceError) as e:
     train.train_and_evaluate(tiny(**{'optimizer.lr': 1e3}), str(tmp_path), dataset=small_ds)
   message = str(e.value)
@@ -34,6 +36,10 @@ def test_guard_stops_a_run_whose_loss_blows_up(tmp_path, small_ds):
   assert 'smaller optimizer.lr' in message
   assert not os.path.exists(tmp_path / 'summary.json')
   assert open(tmp_path / 'metrics.jsonl').read() == ''
+  diverged = json.load(open(tmp_path / 'diverged.json'))
+  assert diverged['round'] == 1 and diverged['message'] == message
+  assert diverged['train_loss'] > 1000 and f'{diverged["train_loss"]:.4g}' in message
+  assert not any(f.endswith('.tmp') for f in os.listdir(tmp_path))  # written whole, then moved
 
 
 def fake_round(loss_by_client: dict, round_=7):

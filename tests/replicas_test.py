@@ -134,7 +134,8 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
   for a, b in zip(stopped, whole):
     assert records(a) == records(b)
 
-  # A replica that diverges fails alone: the other finishes, and the error names it.
+  # A replica that diverges fails alone: the other finishes, and the error names it. It leaves
+  # diverged.json; the other's, stale, of an earlier try, goes when the run starts.
   real_check = guards.check_finite
 
   def diverge(sim, state, info, ckpts):
@@ -142,6 +143,9 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
       raise train.DivergenceError('a divergence for the test')
     real_check(sim, state, info, ckpts)
   failing = [str(tmp_path / 'failing' / f'seed{s}') for s in seeds]
+  os.makedirs(failing[0])
+  with open(os.path.join(failing[0], 'diverged.json'), 'w') as f:
+    json.dump({'round': 9, 'train_loss': None, 'message': 'an earlier try'}, f)
   monkeypatch.setattr(guards, 'check_finite', diverge)
   with pytest.raises(train.DivergenceError,
                      match=f'1 of the 2 packed seeds diverged.*Seed {seeds[1]} '):
@@ -150,6 +154,10 @@ def test_packed_run_writes_each_seeds_outputs_and_resumes_after_a_stop(small_ds,
   assert records(failing[0]) == records(whole[0])
   assert os.path.exists(os.path.join(failing[0], 'summary.json'))
   assert not os.path.exists(os.path.join(failing[1], 'summary.json'))
+  assert not os.path.exists(os.path.join(failing[0], 'diverged.json'))
+  diverged = json.load(open(os.path.join(failing[1], 'diverged.json')))
+  assert diverged['round'] == 1 and diverged['message'] == 'a divergence for the test'
+  assert diverged['train_loss'] > 0
 
   # Workdirs at different rounds are refused, naming them.
   with pytest.raises(config_lib.ConfigError, match='different rounds'):

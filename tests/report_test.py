@@ -12,8 +12,9 @@ from fedssa_jax.run import plots, report, runs
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
               accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8),
-              derived=None, sim_seconds=None, summary_extra=None):
-  """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json."""
+              derived=None, sim_seconds=None, summary_extra=None, diverged=None):
+  """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json (or, given
+  `diverged`, diverged.json instead: the run ended with a DivergenceError)."""
   c = config_lib.build(dataset, variants)
   c.method, c.seed = method, seed
   for field, value in (overrides or {}).items():
@@ -33,6 +34,10 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
       if sim_seconds:  # the system section's clock: sim_seconds a round
         record['cum_sim_seconds'] = sim_seconds * (i + 1)
       f.write(json.dumps(record) + '\n')
+  if diverged is not None:
+    with open(os.path.join(d, 'diverged.json'), 'w') as f:
+      json.dump(diverged, f)
+    return d
   summary = {'rounds': len(accs), 'final_mean_accuracy': accs[-1],
              'best_mean_accuracy': max(accs), 'final_client_accuracy': list(clients),
              'target_accuracy': 0.6, 'to_target': to_target, **(summary_extra or {})}
@@ -63,10 +68,16 @@ def sweep(tmp_path):
     for m in ('fedssa', 'fedproto'):
       write_run(root, f'k{k}{m}', method=m, variants='hetero,n100', accs=(acc - 0.01, acc),
                 overrides={'partition.classes_per_client': k})
-  # An unfinished run is listed, not counted.
+  # An unfinished run is listed, not counted; so is one that diverged.
   os.makedirs(os.path.join(root, 'e0'))
   open(os.path.join(root, 'e0', 'config.json'), 'w').write('{}')
+  write_run(root, 'f1', method='fedproto', seed=1, accs=(0.5,), diverged=diverged_at(2))
   return root
+
+
+def diverged_at(round_):
+  return {'round': round_, 'train_loss': 9.1e4,
+          'message': f'Training blew up in round {round_}: the mean train loss 9.1e+04 ...'}
 
 
 def table_row(text, method):
@@ -193,6 +204,44 @@ def test_privacy_budgets_are_columns_of_a_table_against_epsilon(tmp_path):
   assert len(plots) == 2 and all(os.path.exists(os.path.join(out, p)) for p in plots)
 
 
+def test_a_diverged_run_is_a_cell_of_the_privacy_table_and_listed(tmp_path):
+  """A run that diverged (diverged.json, no summary.json) is 'diverged (round N)' in its privacy
+  cell, not '—' (a run never made); a cell where other seeds finished keeps their accuracy; the
+  accuracy tables list it; load_runs keeps its two lists, without it."""
+  root = str(tmp_path)
+  up = lambda e: {'privacy.upload': True, 'privacy.upload_clip': 0.03,
+                  'privacy.upload_noise_multiplier': 0.0, 'privacy.upload_target_epsilon': e}
+  write_run(root, 'ideal', accs=(0.5, 0.80))
+  write_run(root, 'proto', method='fedproto', accs=(0.5, 0.70))
+  write_run(root, 'u1', accs=(0.5, 0.60), overrides=up(1.0),
+            summary_extra={'dp_upload_epsilon': 1.0})
+  write_run(root, 'proto_u1', method='fedproto', accs=(0.1,), overrides=up(1.0),
+            diverged=diverged_at(2))
+  write_run(root, 'proto_u4', method='fedproto', accs=(0.5, 0.65), overrides=up(4.0),
+            summary_extra={'dp_upload_epsilon': 3.9})
+  write_run(root, 'proto_u4s1', method='fedproto', seed=1, accs=(0.2, 0.3), overrides=up(4.0),
+            diverged=diverged_at(3))
+  finished, diverged, unfinished = runs.load_sweep(root)
+  assert sorted(os.path.basename(r.path) for r in diverged) == ['proto_u1', 'proto_u4s1']
+  assert [r.diverged['round'] for r in diverged] == [2, 3] and not unfinished
+  assert all(r.summary == {} and r.method == 'fedproto' for r in diverged)
+  assert runs.load_runs(root) == (finished, [])
+  text = report.privacy_tables(report.privacy_series(finished + diverged))
+  assert '| method | ε = 1 | ε = 4 | ε = ∞ |' in text
+  assert '| fedssa | 60.00 (ε 1) | — | 80.00 |' in text
+  assert '| fedproto | diverged (round 2) | 65.00 (ε 3.9); 1 of 2 seeds diverged (round 3) | ' \
+      '70.00 |' in text
+  assert 'diverged (round N): the cell\'s runs stopped with a DivergenceError' in text
+  accuracy = report.accuracy_tables(runs.by_setting_and_method(finished), diverged)
+  assert ('Diverged, left out (each folder\'s diverged.json says why): fedproto on cifar10 '
+          'N=10, C=100% upload DP, local clip 0.03 ε 1 hetero, seed 0 (round 2); fedproto on '
+          'cifar10 N=10, C=100% upload DP, local clip 0.03 ε 4 hetero, seed 1 (round 3).') \
+      in accuracy
+  # Without diverged runs, neither says a word of them.
+  assert 'diverged' not in report.privacy_tables(report.privacy_series(finished))
+  assert 'Diverged' not in report.accuracy_tables(runs.by_setting_and_method(finished))
+
+
 def test_method_labels_read_each_methods_own_section():
   """A label names the options of its method's own config section (Method.config_section),
   whatever the method, and every registered method has a colour of its own."""
@@ -223,7 +272,9 @@ def test_plots_and_index(sweep):
   index = report.write_report(sweep)
   out = os.path.dirname(index)
   text = open(index).read()
-  assert '10 finished runs in 3 settings; 1 not finished' in text
+  assert ('10 finished runs in 3 settings; 1 diverged (not in the accuracy and cost tables; each '
+          'folder\'s diverged.json says why): ../f1 (round 2); 1 not finished (left out): ../e0.') \
+      in text
   pngs = sorted(f for f in os.listdir(out) if f.endswith('.png'))
   assert 'robustness_k_cifar10_hetero_n100_c0.1.png' in pngs
   assert len([p for p in pngs if p.startswith('rounds_')]) == 3

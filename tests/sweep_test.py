@@ -92,6 +92,7 @@ def test_job_scripts_one_per_run(tmp_path, mode, suffix):
   assert '-m fedssa_jax.main --config=configs/cifar10.py:hetero,n10' in text
   if mode == 'slurm':
     assert '#SBATCH --gres=gpu:1' in text and 'scontrol requeue' in text
+    assert f'[ -f {tmp_path}/{runs[0].name}/diverged.json ] && {{ echo' in text
   else:
     assert 'gcloud compute tpus tpu-vm ssh "$TPU_NAME"' in text and '--worker=all' in text
 
@@ -106,14 +107,21 @@ def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, 
   seen = tmp_path / 'seen'
   ok = [sys.executable, '-c', 'import os, sys; open(sys.argv[1], "w").write('
         'os.getcwd() + "\\n" + os.environ["PYTHONPATH"])', str(seen)]
+  # A run that diverges writes diverged.json and exits 1: it has ended, not failed.
+  diverge = ('import sys; open(sys.argv[1], "w").write(\'{"round": 2}\'); raise SystemExit(1)')
   jobs = [('ok', ok, str(tmp_path / 'ok')),
           ('preempted', [sys.executable, '-c', 'raise SystemExit(75)'], str(tmp_path / 'p')),
-          ('broken', [sys.executable, '-c', 'raise SystemExit(3)'], str(tmp_path / 'b'))]
+          ('broken', [sys.executable, '-c', 'raise SystemExit(3)'], str(tmp_path / 'b')),
+          ('diverged', [sys.executable, '-c', diverge, str(tmp_path / 'd' / 'diverged.json')],
+           str(tmp_path / 'd'))]
   unfinished = sweep.run_local(jobs, parallel=2)
   assert sorted(unfinished) == ['broken', 'preempted']
   out = capsys.readouterr().out
   assert 'preempted: stopped after a checkpoint (rerun the sweep to resume it)' in out
   assert f'broken: FAILED with exit status 3; see {tmp_path}/b/sweep.log' in out
+  assert (f'diverged: diverged in round 2 (see {tmp_path}/d/diverged.json); a rerun would '
+          'diverge again (runs are deterministic); to run one anew, delete its diverged.json') \
+      in out
   # The runs start in the repository root (config paths are relative to it) and import it.
   cwd, pythonpath = seen.read_text().splitlines()
   assert cwd == REPO and pythonpath.split(os.pathsep)[0] == REPO
@@ -180,6 +188,45 @@ def test_pack_seeds_packs_the_runs_that_differ_only_in_their_seed(tmp_path):
   assert (f'--seed_workdirs={os.path.join(sweep_dir, base + "-s0")},'
           f'{os.path.join(sweep_dir, base + "-s1")}') in cmd
   assert not any(c.startswith('--config.seed') for c in cmd)
+
+
+def test_a_diverged_run_has_ended_and_is_not_started_again(tmp_path):
+  """A run whose workdir holds diverged.json (whole) counts as ended: no job runs it, packed or
+  not, and the tally names it with how to run it anew; one cut short is still to do."""
+  runs = sweeps.get_sweep('small')  # fedssa, fedproto, standalone; seeds 0 and 1
+  done, diverged, torn = runs[1], runs[2], runs[3]
+  record = {'round': 2, 'train_loss': 9e4, 'message': 'Training blew up in round 2: ...'}
+  for r, name, text in ((done, 'summary.json', '{}'), (diverged, 'diverged.json',
+                                                         json.dumps(record)),
+                        (torn, 'diverged.json', '{"round": 2, "mess')):
+    (tmp_path / r.name).mkdir()
+    (tmp_path / r.name / name).write_text(text)
+  sweep_dir, _, jobs = sweep.plan('small', str(tmp_path), {}, 'python')
+  assert [name for name, _, _ in jobs] == [r.name for r in runs if r not in (done, diverged)]
+  assert sweep.has_ended(sweep_dir, diverged) and not sweep.has_ended(sweep_dir, torn)
+  assert sweep.diverged_runs(sweep_dir, runs) == [(diverged.name, record)]
+  _, _, packed = sweep.plan('small', str(tmp_path), {}, 'python', pack_seeds=True)
+  workdirs = [w for name, cmd, workdir in packed for w in sweep.job_workdirs(cmd, workdir)]
+  assert sorted(workdirs) == sorted(os.path.join(sweep_dir, r.name) for r in runs
+                                    if r not in (done, diverged))
+  text, status = sweep.tally(sweep_dir, runs, ['a-run'])
+  assert status == 1 and text.endswith(
+      f'\n1 runs diverged, not to be rerun: {diverged.name} (round 2); a rerun would diverge '
+      'again (runs are deterministic); to run one anew, delete its diverged.json (having changed '
+      'what made it diverge) or use a new --sweep_dir.')
+  for r in runs:
+    if r is not diverged:
+      (tmp_path / r.name).mkdir(exist_ok=True)
+      (tmp_path / r.name / 'summary.json').write_text('{}')
+  text, status = sweep.tally(sweep_dir, runs, [])
+  assert status == 0 and text.startswith(
+      f'All 6 runs ended: 5 done, 1 diverged: {diverged.name} (round 2); a rerun would')
+  # A packed job whose one seed diverged while the other finished has ended too.
+  pair = [os.path.join(sweep_dir, r.name) for r in (runs[3], diverged)]
+  assert sweep._diverged_outcome(1, pair).startswith(
+      f'1 of its 2 packed seeds diverged ({diverged.name} in round 2), the others are done')
+  assert sweep._diverged_outcome(3, pair) is None  # another failure
+  assert sweep._diverged_outcome(1, pair[:1]) is None  # no diverged.json: it failed
 
 
 # ----------------------------------------------------------------------------------------------

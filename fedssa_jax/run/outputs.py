@@ -1,11 +1,13 @@
 """What a run writes, seed by seed: metrics.jsonl records, TensorBoard scalars, the console line
-of each round, summary.json, and the progress a checkpoint carries beyond the engine's state.
+of each round, summary.json (or diverged.json), and the progress a checkpoint carries beyond the
+engine's state.
 
 `SeedOutputs` is one seed's outputs and bookkeeping in the round loop (train.py): its workdir,
 checkpointer, metric writer, progress and the evaluation its next one may reuse.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -44,6 +46,9 @@ SUMMARY_FIELDS = (
     'final_client_accuracy', 'target_accuracy', 'to_target', 'cum_up_floats',
     'cum_down_floats', 'cum_client_flops', 'seconds_per_round_steady', 'first_round_seconds',
     'wall_seconds')
+# What a run that ended with a DivergenceError leaves instead of summary.json (docs/outputs.md).
+DIVERGED_FILE = 'diverged.json'
+
 
 def jsonable(x):
   if isinstance(x, (np.integer,)):
@@ -160,10 +165,14 @@ class SeedOutputs:
     return os.path.join(self.workdir, 'metrics.jsonl')
 
   def open(self) -> None:
-    """metrics.jsonl as the progress says, the metric writer, the progress reporter."""
+    """metrics.jsonl as the progress says, the metric writer, the progress reporter. A
+    diverged.json of an earlier try goes: the run starts again, and writes its own if it
+    diverges again (a resume may raise the guard, and then finish)."""
     is_main = jax.process_index() == 0
     if is_main:
       rewrite_metrics(self.metrics_path, self.progress.history)
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(self.workdir, DIVERGED_FILE))
     metric_writers, periodic_actions = clu_writers()
     if metric_writers is None:
       logging.warning('CLU or TensorFlow is not installed: no TensorBoard events; metrics.jsonl '
@@ -187,6 +196,24 @@ class SeedOutputs:
       if jax.process_index() == 0:
         write_record(self.metrics_path, self.writer, record)
     self.last_record = record
+
+  def write_diverged(self, round_: int, error: Exception, train_loss: float) -> None:
+    """diverged.json (from process 0): the round that diverged, the error's message and the
+    round's mean train loss (null when it is not finite). A sweep counts the run as ended, not
+    to be rerun: the same config diverges again. A file that cannot be written is a warning,
+    not a second error in place of the divergence."""
+    if jax.process_index() != 0:
+      return
+    loss = float(train_loss)
+    record = {'round': int(round_), 'train_loss': loss if np.isfinite(loss) else None,
+              'message': str(error)}
+    path = os.path.join(self.workdir, DIVERGED_FILE)
+    try:  # whole or not at all, as summary.json
+      with open(path + '.tmp', 'w') as f:
+        f.write(json.dumps(record, indent=2))
+      os.replace(path + '.tmp', path)
+    except OSError as e:
+      logging.warning('%sCould not write %s: %s', self.prefix, path, e)
 
   def write_summary(self, state, now: float) -> dict:
     """summary.json (from process 0), and the console's last line."""

@@ -3,7 +3,9 @@
   python -m fedssa_jax.run.report --sweep_dir=runs/sweeps/table2
 
 Reads every run folder under `sweep_dir` (any folder holding config.json and summary.json; see
-docs/outputs.md) and writes into `<sweep_dir>/report/`:
+docs/outputs.md) and writes into `<sweep_dir>/report/` (runs that diverged, whose folder holds
+diverged.json instead, are listed in index.md and accuracy.md, and privacy.md shows their cells
+as `diverged (round N)`):
 
 - accuracy.md   per model setting (homogeneous: Table 1, heterogeneous: Table 2), rows methods,
                 columns data set x (N, C) x partition; the final and the best mean test
@@ -43,7 +45,7 @@ from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rou
                                   plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
                                   plot_training_curves, plot_tsne, robustness_series)
 from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key, by_setting_and_method,
-                                 file_part, load_runs, privacy_budget)
+                                 file_part, load_sweep, privacy_budget)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,13 +88,16 @@ ACCURACIES = (('final_mean_accuracy', 'Final', 'the final round\'s'),
               ('best_mean_accuracy', 'Best', 'the best evaluated round\'s'))
 
 
-def accuracy_tables(grouped) -> str:
+def accuracy_tables(grouped, diverged=()) -> str:
   """Per model setting: rows methods, columns settings, the final and the best mean accuracy
-  (%), mean ± std over seeds."""
+  (%), mean ± std over seeds; the `diverged` runs listed above them."""
   out = ['# Mean test accuracy (%)', '',
          'The mean over clients of per-client test accuracy, at the final round and at the '
          'best evaluated round of each run; mean ± sample std over seeds (n seeds in the last '
          'column), the best mean per column in **bold**.', '']
+  if diverged:
+    out += [f'Diverged, left out (each folder\'s diverged.json says why): '
+            f'{diverged_list(diverged)}.', '']
   for key, title, which in ACCURACIES:
     out += _accuracy_tables(grouped, key, f'{title}: {which} mean accuracy')
   return '\n'.join(out)
@@ -123,6 +128,25 @@ def _accuracy_tables(grouped, key: str, title: str) -> list[str]:
     out += [f'## {title}. {MODEL_TITLES[models]}', '',
             markdown_table(['method', *(s.column for s in settings), 'seeds'], rows), '']
   return out
+
+
+def diverged_list(diverged) -> str:
+  """'method on setting, seed s (round N)' of each run that diverged, in table order."""
+  key = lambda r: (r.setting.sort_key(), _method_key(r.method), r.seed)
+  return '; '.join(f'{r.method} on {r.setting.label}, seed {r.seed} (round '
+                   f'{r.diverged.get("round", "?")})' for r in sorted(diverged, key=key))
+
+
+def diverged_cell(rs) -> str:
+  """A table cell's note of its runs that diverged: 'diverged (round 2)'; '1 of 3 seeds diverged
+  (round 2)' where others finished."""
+  failed = [r for r in rs if r.diverged is not None]
+  rounds = sorted({r.diverged.get('round') for r in failed}, key=lambda n: n or 0)
+  where = (f'round{"s" if len(rounds) > 1 else ""} '
+           f'{", ".join("?" if n is None else str(n) for n in rounds)}')
+  if len(failed) == len(rs):
+    return f'diverged ({where})'
+  return f'{len(failed)} of {len(rs)} seeds diverged ({where})'
 
 
 def reached(r: Run, target: float | None = None) -> dict | None:
@@ -207,7 +231,9 @@ def privacy_series(runs) -> dict[tuple, dict[str, dict]]:
   """(setting without the privacy section, mechanism) -> method -> {epsilon: runs}, the
   epsilons of the runs' budgets (their target, or for a noise multiplier given instead, the
   epsilon the first seed's run reached) and math.inf for that setting's runs without
-  differential privacy. Only settings with a private run are kept."""
+  differential privacy. Only settings with a private run are kept. Runs that diverged may be
+  among `runs` (privacy_tables shows them); one with a noise multiplier given that diverged
+  before any record has no epsilon, and no place."""
   plain = collections.defaultdict(list)   # (setting, method) -> runs without DP
   private = collections.defaultdict(lambda: collections.defaultdict(
       lambda: collections.defaultdict(list)))
@@ -218,6 +244,8 @@ def privacy_series(runs) -> dict[tuple, dict[str, dict]]:
       continue
     base = dataclasses.replace(r.setting, privacy='')
     eps = budget.target if budget.target else reached_epsilon(r)
+    if eps is None and r.diverged is not None:
+      continue
     private[(base, budget.mechanism)][r.method][eps].append(r)
   out = {}
   for key in sorted(private, key=lambda k: (k[0].sort_key(), k[1])):
@@ -233,23 +261,30 @@ def privacy_series(runs) -> dict[tuple, dict[str, dict]]:
 
 
 def reached_epsilon(r: Run) -> float | None:
-  """The epsilon a private run's summary reports (its largest client's), None if absent."""
+  """The epsilon a private run's summary reports (its largest client's), or for a run that
+  diverged its last record; None if absent."""
+  reported = r.summary if r.diverged is None else (r.metrics[-1] if r.metrics else {})
   for key in ('dp_epsilon', 'dp_upload_epsilon'):
-    if r.summary.get(key) is not None:
-      return float(r.summary[key])
+    if reported.get(key) is not None:
+      return float(reported[key])
   return None
 
 
 def privacy_tables(series) -> str:
   """Per setting and mechanism: the final mean accuracy (%) at each epsilon, mean ± std over
-  seeds, with the largest epsilon the runs reached; then each method's steady s/round with and
-  without differential privacy."""
+  seeds, with the largest epsilon the runs reached, or 'diverged (round N)' where they diverged;
+  then each method's steady s/round with and without differential privacy."""
   out = ['# Under differential privacy', '',
          'Final mean accuracy (%), mean ± sample std over seeds, at each privacy budget: the '
          'target epsilon the noise was calibrated to (at the runs\' delta), and in brackets the '
          'largest epsilon a run reached (its most exposed client\'s). ε = ∞: the same setting '
          'without differential privacy. s/round: the steady seconds a round, the private runs\' '
          'mean over the budgets against the run without.', '']
+  if any(r.diverged is not None for methods in series.values() for points in methods.values()
+         for rs in points.values() for r in rs):
+    out += ['diverged (round N): the cell\'s runs stopped with a DivergenceError in round N '
+            '(each folder\'s diverged.json says why); where some seeds did not, the accuracy is '
+            'of those.', '']
   for (base, mechanism), methods in series.items():
     budgets = sorted({e for points in methods.values() for e in points})
     rows, speed = [], []
@@ -260,9 +295,15 @@ def privacy_tables(series) -> str:
         if not rs:
           cells.append('—')
           continue
-        text = mean_std([r.summary['final_mean_accuracy'] for r in rs])
-        reached = [x for x in map(reached_epsilon, rs) if x is not None]
-        cells.append(text + (f' (ε {max(reached):.3g})' if reached and e != math.inf else ''))
+        done = [r for r in rs if r.diverged is None]
+        text = ''
+        if done:
+          text = mean_std([r.summary['final_mean_accuracy'] for r in done])
+          reached = [x for x in map(reached_epsilon, done) if x is not None]
+          text += f' (ε {max(reached):.3g})' if reached and e != math.inf else ''
+        if len(done) < len(rs):
+          text += ('; ' if text else '') + diverged_cell(rs)
+        cells.append(text)
       rows.append([m, *cells])
       steady = lambda rs: [r.summary.get('seconds_per_round_steady') for r in rs]
       priv = [t for e, rs in points.items() if e != math.inf for t in steady(rs) if t]
@@ -282,7 +323,7 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
                  target: float | None = None) -> str:
   """Writes the tables, plots and index.md; returns the path of index.md. `target`: the mean
   accuracy of the costs table (default: each run's own target_accuracy)."""
-  runs, unfinished = load_runs(sweep_dir)
+  runs, diverged, unfinished = load_sweep(sweep_dir)
   if not runs:
     raise FileNotFoundError(
         f'No finished runs (folders with config.json and summary.json) under {sweep_dir!r}. '
@@ -292,8 +333,9 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
   grouped = by_setting_and_method(runs)
   rel = lambda p: os.path.relpath(p, out_dir)
 
-  private = privacy_series(runs)
-  texts = [('accuracy.md', accuracy_tables(grouped)), ('costs.md', costs_tables(grouped, target))]
+  private = privacy_series(runs + diverged)
+  texts = [('accuracy.md', accuracy_tables(grouped, diverged)),
+           ('costs.md', costs_tables(grouped, target))]
   if private:
     texts.append(('privacy.md', privacy_tables(private)))
   for name, text in texts:
@@ -301,18 +343,22 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
       f.write(text)
   index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
            f'{len(runs)} finished runs in {len(grouped)} settings'
+           + (f'; {len(diverged)} diverged (not in the accuracy and cost tables; each '
+              'folder\'s diverged.json says why): ' + ', '.join(
+                  f'{rel(r.path)} (round {r.diverged.get("round", "?")})' for r in diverged)
+              if diverged else '')
            + (f'; {len(unfinished)} not finished (left out): '
               + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
            '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
            '- [Communication and computation to the target](costs.md)']
   if private:
-    plots = []
-    for (base, mechanism), methods in private.items():
+    plots = []  # of the finished runs
+    for (base, mechanism), methods in privacy_series(runs).items():
       path = plot_accuracy_vs_epsilon(f'{base.label}, {mechanism}', methods, os.path.join(
           out_dir, f'privacy_{base.slug}_{file_part(mechanism)}.png'))
       plots.append(f'[{base.column}, {mechanism}]({rel(path)})')
-    index.append('- [Under differential privacy](privacy.md); accuracy against epsilon: '
-                 + ', '.join(plots))
+    index.append('- [Under differential privacy](privacy.md)' + (
+        '; accuracy against epsilon: ' + ', '.join(plots) if plots else ''))
   index.append('')
 
   rows = []

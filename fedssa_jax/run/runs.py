@@ -1,5 +1,5 @@
 """A sweep's finished runs, read back from their folders and grouped by setting and method: what
-report.py tabulates and plots.py draws."""
+report.py tabulates and plots.py draws; and its diverged ones, which report.py lists."""
 from __future__ import annotations
 
 import collections
@@ -8,6 +8,7 @@ import json
 import os
 
 from fedssa_jax import config_lib, methods as methods_lib
+from fedssa_jax.run.outputs import DIVERGED_FILE
 
 
 METHOD_ORDER = tuple(methods_lib.METHODS)  # registration order: FedSSA, then the baselines
@@ -75,6 +76,9 @@ class Run:
   setting: Setting
   method: str           # label: the method plus its options that differ from the defaults
   seed: int
+  # A run that diverged: its diverged.json (the round, the message, the train loss); its
+  # summary is then empty and its metrics the rounds before.
+  diverged: dict | None = None
 
 
 def setting_of(config: dict) -> Setting:
@@ -169,28 +173,42 @@ def method_label(config: dict, models: str) -> str:
 
 
 def load_runs(sweep_dir: str) -> tuple[list[Run], list[str]]:
-  """(finished runs, folders with a config.json but no summary.json yet)."""
-  runs, unfinished = [], []
+  """(finished runs, folders with a config.json but neither summary.json nor diverged.json):
+  load_sweep without the runs that diverged."""
+  runs, _, unfinished = load_sweep(sweep_dir)
+  return runs, unfinished
+
+
+def load_sweep(sweep_dir: str) -> tuple[list[Run], list[Run], list[str]]:
+  """(finished runs, runs that diverged, folders with a config.json but neither summary.json nor
+  diverged.json yet). A diverged run has `diverged` set (its diverged.json) and an empty
+  summary."""
+  runs, diverged, unfinished = [], [], []
   for folder, dirs, files in os.walk(sweep_dir):
     dirs[:] = sorted(d for d in dirs if d not in ('checkpoints', 'report', 'jobs'))
     if 'config.json' not in files:
       continue
-    if 'summary.json' not in files:
+    if 'summary.json' in files:
+      with open(os.path.join(folder, 'summary.json')) as f:
+        summary, failed = json.load(f), None
+    elif DIVERGED_FILE in files:
+      with open(os.path.join(folder, DIVERGED_FILE)) as f:
+        summary, failed = {}, json.load(f)
+    else:
       unfinished.append(folder)
       continue
     with open(os.path.join(folder, 'config.json')) as f:
       cfg = json.load(f)
-    with open(os.path.join(folder, 'summary.json')) as f:
-      summary = json.load(f)
     metrics = []
     if 'metrics.jsonl' in files:
       with open(os.path.join(folder, 'metrics.jsonl')) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
     config = cfg['config']
     setting = setting_of(config)
-    runs.append(Run(folder, config, cfg.get('derived', {}), summary, metrics, setting,
-                    method_label(config, setting.models), config['seed']))
-  return runs, unfinished
+    run = Run(folder, config, cfg.get('derived', {}), summary, metrics, setting,
+              method_label(config, setting.models), config['seed'], failed)
+    (runs if failed is None else diverged).append(run)
+  return runs, diverged, unfinished
 
 
 def _method_key(label: str):

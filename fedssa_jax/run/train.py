@@ -6,6 +6,8 @@ Outputs in `workdir` (outputs.py):
 - events.out.*    TensorBoard scalars (CLU metric writer)
 - checkpoints/    orbax checkpoints (checkpoint.py); a rerun in the same workdir resumes
 - summary.json    final/best mean accuracy, costs to target, wall time
+- diverged.json   instead, when the run diverged (DivergenceError): the round, the message and
+                  the train loss; a sweep does not rerun it (outputs.SeedOutputs.write_diverged)
 - representations.npz  with save_representations: every client's test representations
 
 `train_replicas` runs several seeds of one config packed into the same compiled calls, each
@@ -55,8 +57,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   and raises Preempted; the function installs no signal handlers, log handlers or hooks of its
   own. Raises ConfigError, DataError or checkpoint.CheckpointError for
   input that cannot work, workdir_lock.WorkdirLocked if another process runs in `workdir`,
-  DivergenceError on a NaN, inf or a blown-up loss, and checkpoint.CheckpointWriteError when a
-  checkpoint cannot be written.
+  DivergenceError on a NaN, inf or a blown-up loss (once diverged.json is written), and
+  checkpoint.CheckpointWriteError when a checkpoint cannot be written.
   """
   config_lib.validate(config)
   check_workdir_writable(workdir)
@@ -87,8 +89,9 @@ def train_replicas(configs: list, workdirs: list[str], dataset: data.Dataset | N
   metrics.jsonl, summary.json, checkpoints) into its own workdir. Returns their summaries.
 
   Each workdir resumes from its newest checkpoint; they must be at the same round. A seed that
-  diverges stops writing (its last good checkpoint is kept) while the others go on, and
-  DivergenceError names it at the end. One config is the plain run (train_and_evaluate)."""
+  diverges stops writing (its last good checkpoint is kept, and its diverged.json written)
+  while the others go on, and DivergenceError names it at the end. One config is the plain run
+  (train_and_evaluate)."""
   if len(configs) != len(workdirs):
     raise ValueError('train_replicas: one workdir per config.')
   if len(configs) == 1:
@@ -374,13 +377,14 @@ def _budget_reached(sim: simulator.Simulator, rounds_done: int, runs) -> bool:
 
 
 def _evaluate_or_fail(sim, state, i: int, runs, info, t0: float, last: bool) -> None:
-  """_evaluate_and_record of seed i; a seed that diverges is marked failed (the others go on),
-  and DivergenceError is raised once every seed has."""
+  """_evaluate_and_record of seed i; a seed that diverges is marked failed (the others go on)
+  and writes its diverged.json, and DivergenceError is raised once every seed has."""
   run = runs[i]
   try:
     _evaluate_and_record(sim, state, i, run, info, t0, last)
   except DivergenceError as e:
     run.failed = e
+    run.write_diverged(state.round, e, info.train_loss)
     if len(runs) == 1:
       raise
     if all(x.failed is not None for x in runs):
