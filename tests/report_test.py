@@ -26,7 +26,7 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
   d = os.path.join(root, name)
   os.makedirs(d)
   with open(os.path.join(d, 'config.json'), 'w') as f:
-    json.dump({'config': c.to_dict(), 'derived': derived or {}}, f)
+    json.dump({'config': c.to_dict(), 'derived': {'backend': 'cpu', **(derived or {})}}, f)
   with open(os.path.join(d, 'metrics.jsonl'), 'w') as f:
     for i, a in enumerate(accs):
       record = {'round': i + 1, 'mean_accuracy': a, 'cum_floats': 100.0 * (i + 1),
@@ -176,6 +176,9 @@ def test_privacy_budgets_are_columns_of_a_table_against_epsilon(tmp_path):
             summary_extra={**fast(84.0), 'dp_epsilon': 3.99})
   write_run(root, 'sa4', method='standalone', accs=(0.3, 0.55), overrides=dp(4.0),
             summary_extra={**fast(60.0), 'dp_epsilon': 3.97})
+  # A private run on another backend: its s/round is a row of its own, not averaged in.
+  write_run(root, 'sa1', method='standalone', accs=(0.3, 0.50), overrides=dp(1.0),
+            summary_extra={**fast(0.5), 'dp_epsilon': 0.99}, derived={'backend': 'gpu'})
   write_run(root, 'u1', accs=(0.5, 0.70), overrides=up(1.0),
             summary_extra={**fast(7.7), 'dp_upload_epsilon': 1.0})
   # A noise multiplier given instead of a target: its column is the epsilon reached.
@@ -190,10 +193,11 @@ def test_privacy_budgets_are_columns_of_a_table_against_epsilon(tmp_path):
   dpsgd = text.split(', DP-SGD')[1].split('## ')[0]
   assert '| method | ε = 1 | ε = 4 | ε = ∞ |' in dpsgd
   assert '| fedssa | 40.00 (ε 0.998) | 60.00 (ε 3.99) | 81.00 ± 1.41 |' in dpsgd
-  assert '| standalone | — | 55.00 (ε 3.97) | 78.00 |' in dpsgd
-  # s/round: FedSSA's private runs (70 + 84) / 2 = 77 against 7: 11x.
-  assert '| fedssa | 7.0 | 77.0 | 11.00× |' in dpsgd
-  assert '| standalone | 5.0 | 60.0 | 12.00× |' in dpsgd
+  assert '| standalone | 50.00 (ε 0.99) | 55.00 (ε 3.97) | 78.00 |' in dpsgd
+  # s/round: FedSSA's private runs (70 + 84) / 2 = 77 against 7: 11x; each backend apart.
+  assert '| fedssa | cpu | 7.0 | 77.0 | 11.00× |' in dpsgd
+  assert '| standalone | cpu | 5.0 | 60.0 | 12.00× |' in dpsgd
+  assert '| standalone | gpu | — | 0.5 | — |' in dpsgd
   upload = text.split(', upload DP, local')[1]
   assert '| method | ε = 1 | ε = 6.5 | ε = ∞ |' in upload
   assert '| fedssa | 70.00 (ε 1) | 75.00 (ε 6.5) | 81.00 ± 1.41 |' in upload

@@ -270,6 +270,11 @@ def reached_epsilon(r: Run) -> float | None:
   return None
 
 
+def backend_of(r: Run) -> str:
+  """The backend a run ran on ('cpu', 'gpu', 'tpu'; '?' in records from before it was kept)."""
+  return r.derived.get('backend') or '?'
+
+
 def privacy_tables(series) -> str:
   """Per setting and mechanism: the final mean accuracy (%) at each epsilon, mean ± std over
   seeds, with the largest epsilon the runs reached, or 'diverged (round N)' where they diverged;
@@ -279,7 +284,8 @@ def privacy_tables(series) -> str:
          'target epsilon the noise was calibrated to (at the runs\' delta), and in brackets the '
          'largest epsilon a run reached (its most exposed client\'s). ε = ∞: the same setting '
          'without differential privacy. s/round: the steady seconds a round, the private runs\' '
-         'mean over the budgets against the run without.', '']
+         'mean over the budgets against the run without, each backend apart (a run\'s '
+         'config.json, derived.backend).', '']
   if any(r.diverged is not None for methods in series.values() for points in methods.values()
          for rs in points.values() for r in rs):
     out += ['diverged (round N): the cell\'s runs stopped with a DivergenceError in round N '
@@ -305,17 +311,19 @@ def privacy_tables(series) -> str:
           text += ('; ' if text else '') + diverged_cell(rs)
         cells.append(text)
       rows.append([m, *cells])
-      steady = lambda rs: [r.summary.get('seconds_per_round_steady') for r in rs]
-      priv = [t for e, rs in points.items() if e != math.inf for t in steady(rs) if t]
-      base_t = [t for t in steady(points.get(math.inf, [])) if t]
-      if priv:
-        ratio = (f'{np.mean(priv) / np.mean(base_t):.2f}×' if base_t else '—')
-        speed.append([m, f'{np.mean(base_t):.1f}' if base_t else '—', f'{np.mean(priv):.1f}',
-                      ratio])
+      for backend in sorted({backend_of(r) for rs in points.values() for r in rs}):
+        steady = lambda rs: [r.summary.get('seconds_per_round_steady') for r in rs
+                             if backend_of(r) == backend]
+        priv = [t for e, rs in points.items() if e != math.inf for t in steady(rs) if t]
+        base_t = [t for t in steady(points.get(math.inf, [])) if t]
+        if priv:
+          ratio = (f'{np.mean(priv) / np.mean(base_t):.2f}×' if base_t else '—')
+          speed.append([m, backend, f'{np.mean(base_t):.1f}' if base_t else '—',
+                        f'{np.mean(priv):.1f}', ratio])
     names = ['ε = ∞' if e == math.inf else f'ε = {e:.3g}' for e in budgets]
     out += [f'## {base.label}, {mechanism}', '', markdown_table(['method', *names], rows),
-            markdown_table(['method', 's/round, ε = ∞', 's/round, private', 'private / ∞'],
-                           speed), '']
+            markdown_table(['method', 'backend', 's/round, ε = ∞', 's/round, private',
+                            'private / ∞'], speed), '']
   return '\n'.join(out)
 
 
