@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import math
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -427,7 +428,10 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  path = write_report(FLAGS.sweep_dir, FLAGS.out_dir, FLAGS.target)
+  try:
+    path = write_report(FLAGS.sweep_dir, FLAGS.out_dir, FLAGS.target)
+  except FileNotFoundError as e:  # no runs there: the message names the fix, no traceback
+    sys.exit(f'error: {e}')
   print(f'Wrote {path}')
 
 
