@@ -183,7 +183,7 @@ def plot_accuracy_vs_epsilon(title: str, methods, path: str) -> str:
     ax.errorbar(x, y, yerr=err, label=m, marker='o', capsize=3, **styles[m])
   ax.set_xscale('log')
   ticks = finite + [at_inf]
-  ax.set_xticks(ticks, [f'{e:g}' for e in finite] + ['∞'])
+  ax.set_xticks(ticks, [f'{e:.3g}' for e in finite] + ['∞'])
   ax.minorticks_off()
   ax.set(xlabel='ε at the runs\' δ (∞: without differential privacy)',
          ylabel='final mean test accuracy (%)', title=title)
