@@ -211,7 +211,8 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
   """Runs (name, command, workdir) jobs, `parallel` at a time, each logging to
   <workdir>/sweep.log. Returns the names of the runs that did not finish (one that diverged has
   ended: it is not among them). SIGTERM to the launcher is passed on to the runs, which stop
-  after their round, checkpointed."""
+  after their round, checkpointed; so is SIGINT where it would not reach them otherwise
+  (passed_on_signals)."""
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
   if parallel > 1:  # share accelerator memory instead of each process taking 75%
@@ -225,9 +226,9 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
       proc.send_signal(signum)
     raise KeyboardInterrupt
   try:  # the launcher's main thread (signal handlers can be set from no other)
-    previous, installed = signal.signal(signal.SIGTERM, on_sigterm), True
+    previous = {sig: signal.signal(sig, on_sigterm) for sig in passed_on_signals()}
   except ValueError:
-    previous, installed = None, False
+    previous = {}
   try:
     while queue or running:
       while queue and len(running) < parallel:
@@ -260,8 +261,8 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
   except KeyboardInterrupt:
     # The runs got the same SIGINT (or the SIGTERM passed on): each finishes its round,
     # checkpoints and exits 75.
-    if installed:  # a second one may not cut the waits short
-      signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in previous:  # a second one may not cut the waits short
+      signal.signal(sig, signal.SIG_IGN)
     print('Interrupted: waiting for the running runs to checkpoint. Rerun the same command to '
           'resume.', flush=True)
     for name, (proc, log, *_) in running.items():
@@ -270,9 +271,19 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
       unfinished.append(name)
     unfinished += [name for name, _, _ in queue]
   finally:
-    if installed:
-      signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
   return unfinished
+
+
+def passed_on_signals() -> list[int]:
+  """The signals the launcher passes on to its runs: SIGTERM, and SIGINT where the launcher
+  started with SIGINT ignored. A shell without job control starts a background command so
+  (`python launch/sweep.py ... &` in a script): its SIGINT then comes from `kill -INT` to the
+  launcher alone, and without this it would be ignored. From a terminal, Ctrl-C reaches the
+  launcher and its runs together, and the launcher passes nothing on."""
+  ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+  return [signal.SIGTERM] + ([signal.SIGINT] if ignored else [])
 
 
 def _diverged_outcome(rc: int, workdirs: list[str]) -> str | None:

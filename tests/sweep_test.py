@@ -169,6 +169,35 @@ def test_sigterm_to_the_launcher_is_passed_on_to_its_runs(tmp_path, capsys):
   assert not (tmp_path / 'started2').exists()  # the queued run never started
 
 
+def test_sigint_is_passed_on_where_the_launcher_started_ignoring_it(tmp_path, capsys):
+  """A launcher started in the background by a shell without job control starts with SIGINT
+  ignored, and `kill -INT` reaches it alone: it passes SIGINT on as it does SIGTERM, and its
+  runs stop. With SIGINT handled (a terminal's Ctrl-C reaches the runs too), it passes on
+  SIGTERM alone."""
+  import threading  # pylint: disable=g-import-not-at-top
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    assert sweep.passed_on_signals() == [signal.SIGTERM]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    assert sweep.passed_on_signals() == [signal.SIGTERM, signal.SIGINT]
+    run = ('import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(75)); '
+           'open(sys.argv[1], "w").close(); time.sleep(120)')
+    jobs = [('r0', [sys.executable, '-c', run, str(tmp_path / 'started')], str(tmp_path / 'r0'))]
+
+    def interrupt_once_it_runs():
+      while not (tmp_path / 'started').exists():
+        time.sleep(0.05)
+      os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt_once_it_runs, daemon=True).start()
+    start = time.time()
+    assert sweep.run_local(jobs, parallel=1) == ['r0']
+    assert time.time() - start < 60  # the run ended on the signal, not after its sleep
+    assert 'Interrupted' in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # as the launcher found it
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_pack_seeds_packs_the_runs_that_differ_only_in_their_seed(tmp_path):
   run_dir = tmp_path / 'cifar10-hetero-n10-E1-R2-fedssa-s1'
   run_dir.mkdir()
