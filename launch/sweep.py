@@ -289,7 +289,8 @@ def passed_on_signals() -> list[int]:
 def _diverged_outcome(rc: int, workdirs: list[str]) -> str | None:
   """The status line of a job that ended with a DivergenceError: some of its runs wrote
   diverged.json and the others (packed seeds go on without the one that diverged) their
-  summary.json. None for any other end."""
+  summary.json. None for any other end. What to do about it (RERUN_DIVERGED) is said once, in
+  the launcher's last words (tally), not on every such line."""
   if rc != EXIT_FAILED:
     return None
   records = [(w, divergence(w)) for w in workdirs]
@@ -299,10 +300,10 @@ def _diverged_outcome(rc: int, workdirs: list[str]) -> str | None:
   if len(records) == 1:
     (w, record), = records
     return (f'diverged in round {record.get("round", "?")} (see '
-            f'{os.path.join(w, DIVERGED_FILE)}); {RERUN_DIVERGED}')
+            f'{os.path.join(w, DIVERGED_FILE)})')
   failed = [f'{os.path.basename(w)} in round {r.get("round", "?")}' for w, r in records if r]
   return (f'{len(failed)} of its {len(records)} packed seeds diverged ({", ".join(failed)}), '
-          f'the others are done; {RERUN_DIVERGED}')
+          'the others are done')
 
 
 def _outcome(rc: int, workdir: str) -> str:
