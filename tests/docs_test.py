@@ -65,3 +65,18 @@ def test_no_page_points_outside_the_repository(page):
   with open(page, encoding='utf-8') as f:
     text = f.read()
   assert '../shared' not in text and 'shared/spec' not in text, os.path.relpath(page, ROOT)
+
+
+ALL_PAGES = sorted({*PAGES, *glob.glob(os.path.join(ROOT, 'docs', '**', '*.md'), recursive=True)})
+
+
+@pytest.mark.parametrize('page', ALL_PAGES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_commands_name_real_modules(page):
+  """Every `python -m fedssa_jax...` a page gives (in code blocks too) names a module of the
+  package, so a reader who copies the command does not meet 'No module named ...'."""
+  with open(page, encoding='utf-8') as f:
+    modules = re.findall(r'python3? -m (fedssa_jax[\w.]*)', f.read())
+  missing = [m for m in modules
+             if not os.path.exists(os.path.join(ROOT, *m.split('.')) + '.py')
+             and not os.path.exists(os.path.join(ROOT, *m.split('.'), '__init__.py'))]
+  assert not missing, f'{os.path.relpath(page, ROOT)}: no such module {sorted(set(missing))}'
