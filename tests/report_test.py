@@ -208,6 +208,34 @@ def test_privacy_budgets_are_columns_of_a_table_against_epsilon(tmp_path):
   assert len(plots) == 2 and all(os.path.exists(os.path.join(out, p)) for p in plots)
 
 
+def test_runs_of_one_setting_on_two_partitions_are_flagged(tmp_path, capsys):
+  """A setting's run without DP made on other data (another partition fingerprint) than its
+  private runs: every page and the console say so, naming both fingerprints and the runs'
+  data_dir; another seed's runs, or runs on one partition, are not flagged."""
+  root = str(tmp_path)
+  dp = {'privacy.dp_sgd': True, 'privacy.noise_multiplier': 0.0, 'privacy.target_epsilon': 4.0}
+  fp = lambda f: {'partition_fingerprint': f}
+  write_run(root, 'ideal', method='fd', derived=fp('aaaa'), overrides={'data_dir': '/d/tfds'})
+  write_run(root, 'dp', method='fd', derived=fp('bbbb'), overrides={**dp, 'data_dir': '/d/x.npz'},
+            summary_extra={'dp_epsilon': 4.0})
+  write_run(root, 'dp2', derived=fp('bbbb'), overrides={**dp, 'data_dir': '/d/x.npz'},
+            summary_extra={'dp_epsilon': 4.0})
+  write_run(root, 'other_seed', seed=1, derived=fp('cccc'))
+  out = os.path.dirname(report.write_report(root))
+  err = capsys.readouterr().err
+  assert err.count('different partitions') == 1
+  for page in ('index.md', 'accuracy.md', 'costs.md', 'privacy.md'):
+    text = open(os.path.join(out, page)).read()
+    assert text.startswith('# ') and text.count('different partitions') == 1, page
+    line = [l for l in text.split('\n') if l.startswith('- cifar10')]
+    assert len(line) == 1 and 'seed 0: 2 partitions' in line[0], page
+    assert 'bbbb (2 runs: dp, dp2; data_dir /d/x.npz)' in line[0], line[0]
+    assert 'aaaa (1 run: ideal; data_dir /d/tfds)' in line[0], line[0]
+  # One partition per (setting, seed): nothing to say.
+  assert report.partition_mismatches(
+      [r for r in runs.load_runs(root)[0] if os.path.basename(r.path) != 'ideal']) == []
+
+
 def test_a_diverged_run_is_a_cell_of_the_privacy_table_and_listed(tmp_path):
   """A run that diverged (diverged.json, no summary.json) is 'diverged (round N)' in its privacy
   cell, not '—' (a run never made); a cell where other seeds finished keeps their accuracy; the

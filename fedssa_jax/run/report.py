@@ -25,6 +25,10 @@ as `diverged (round N)`):
                 representations (runs with save_representations=True);
 - index.md      links to all of them.
 
+Runs of one setting and seed that hold different partitions (their config.json's
+derived.partition_fingerprint: other data, or the same data set from a source in another
+order) are named in a warning at the top of every page and on the console.
+
 A setting is read from each run's config.json; a method's label adds its own options that
 differ from the defaults (e.g. `fedssa (mu0=0.0)` for the ablation), so that variations are
 rows of their own.
@@ -225,6 +229,50 @@ def costs_tables(grouped, target: float | None = None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 # ----------------------------------------------------------------------------------------------
+# Runs that should share a federation
+# ----------------------------------------------------------------------------------------------
+
+def partition_mismatches(runs) -> list[str]:
+  """One line for each (setting, seed) whose runs hold more than one partition (their
+  config.json's derived.partition_fingerprint). The system and privacy sections leave the
+  partition alone, so a setting's runs with and without them should share it; runs that do not
+  were made on other data (the same data set from another source, e.g. an .npz and a TFDS
+  data_dir, whose images come in other orders) or other code, and a table that sets them side
+  by side compares two federations."""
+  groups = collections.defaultdict(lambda: collections.defaultdict(list))
+  for r in runs:
+    fp = r.derived.get('partition_fingerprint')
+    if fp:
+      base = dataclasses.replace(r.setting, system='', privacy='')
+      groups[(base, r.seed)][fp].append(r)
+  lines = []
+  for (base, seed), by_fp in sorted(groups.items(), key=lambda kv: (kv[0][0].sort_key(),
+                                                                    kv[0][1])):
+    if len(by_fp) > 1:
+      parts = [f'{fp} ({len(rs)} run{"s" if len(rs) > 1 else ""}: '
+               + ', '.join(os.path.basename(r.path) for r in rs[:3])
+               + (', ...' if len(rs) > 3 else '') + f'; data_dir {data_dirs(rs)})'
+               for fp, rs in sorted(by_fp.items(), key=lambda kv: -len(kv[1]))]
+      lines.append(f'{base.label}, seed {seed}: {len(by_fp)} partitions, '
+                   + '; '.join(parts))
+  return lines
+
+
+def data_dirs(rs) -> str:
+  return ', '.join(sorted({str(r.config.get('data_dir')) for r in rs}))
+
+
+def mismatch_note(lines) -> list[str]:
+  """The warning a report's pages open with where `partition_mismatches` found some."""
+  if not lines:
+    return []
+  return ['**Warning: runs of one setting and seed hold different partitions** (config.json, '
+          'derived.partition_fingerprint), so the tables set different federations side by '
+          'side. Rerun one side on the other\'s data (data_dir) before comparing them:', '',
+          *[f'- {line}' for line in lines], '']
+
+
+# ----------------------------------------------------------------------------------------------
 # Differential privacy
 # ----------------------------------------------------------------------------------------------
 
@@ -343,13 +391,19 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
   rel = lambda p: os.path.relpath(p, out_dir)
 
   private = privacy_series(runs + diverged)
+  mismatches = partition_mismatches(runs + diverged)
+  for line in mismatches:
+    print(f'warning: runs of one setting and seed hold different partitions: {line}',
+          file=sys.stderr)
+  note = mismatch_note(mismatches)
   texts = [('accuracy.md', accuracy_tables(grouped, diverged)),
            ('costs.md', costs_tables(grouped, target))]
   if private:
     texts.append(('privacy.md', privacy_tables(private)))
   for name, text in texts:
+    title, _, rest = text.partition('\n')  # the note goes under each page's title
     with open(os.path.join(out_dir, name), 'w') as f:
-      f.write(text)
+      f.write('\n'.join([title, '', *note]) + rest if note else text)
   index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
            f'{len(runs)} finished runs in {len(grouped)} settings'
            + (f'; {len(diverged)} diverged (not in the accuracy and cost tables; each '
@@ -358,6 +412,7 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
               if diverged else '')
            + (f'; {len(unfinished)} not finished (left out): '
               + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
+           *note,
            '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
            '- [Communication and computation to the target](costs.md)']
   if private:
