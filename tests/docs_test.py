@@ -73,7 +73,7 @@ def test_commands_name_real_modules(page):
   """Every `python -m fedssa_jax...` a page gives (in code blocks too) names a module of the
   package, so a reader who copies the command does not meet 'No module named ...'."""
   with open(page, encoding='utf-8') as f:
-    modules = re.findall(r'python3? -m (fedssa_jax[\w.]*)', f.read())
+    modules = re.findall(r'python3? -m (fedssa_jax(?:\.\w+)*)', f.read())
   missing = [m for m in modules
              if not os.path.exists(os.path.join(ROOT, *m.split('.')) + '.py')
              and not os.path.exists(os.path.join(ROOT, *m.split('.'), '__init__.py'))]

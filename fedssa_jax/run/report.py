@@ -77,11 +77,6 @@ def mean_std(values, scale: float = 100.0, digits: int = 2) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading runs
-# ----------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------
 # Tables
 # ----------------------------------------------------------------------------------------------
 
@@ -220,15 +215,6 @@ def costs_tables(grouped, target: float | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Plots (matplotlib and scikit-learn are imported only here)
-# ----------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------
-# The report
-# ----------------------------------------------------------------------------------------------
-
-# ----------------------------------------------------------------------------------------------
 # Runs that should share a federation
 # ----------------------------------------------------------------------------------------------
 
@@ -251,15 +237,12 @@ def partition_mismatches(runs) -> list[str]:
     if len(by_fp) > 1:
       parts = [f'{fp} ({len(rs)} run{"s" if len(rs) > 1 else ""}: '
                + ', '.join(os.path.basename(r.path) for r in rs[:3])
-               + (', ...' if len(rs) > 3 else '') + f'; data_dir {data_dirs(rs)})'
+               + (', ...' if len(rs) > 3 else '') + '; data_dir '
+               + ', '.join(sorted({str(r.config.get('data_dir')) for r in rs})) + ')'
                for fp, rs in sorted(by_fp.items(), key=lambda kv: -len(kv[1]))]
       lines.append(f'{base.label}, seed {seed}: {len(by_fp)} partitions, '
                    + '; '.join(parts))
   return lines
-
-
-def data_dirs(rs) -> str:
-  return ', '.join(sorted({str(r.config.get('data_dir')) for r in rs}))
 
 
 def mismatch_note(lines) -> list[str]:
@@ -375,6 +358,10 @@ def privacy_tables(series) -> str:
                             'private / ∞'], speed), '']
   return '\n'.join(out)
 
+
+# ----------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------
 
 def write_report(sweep_dir: str, out_dir: str | None = None,
                  target: float | None = None) -> str:
