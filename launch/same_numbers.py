@@ -2,8 +2,9 @@
 
 Runs a 5-round `configs/cifar10.py:hetero,n10,tiny` run (5 clients, 3 a round, batch 16) of each
 of the twelve methods, alone and with seeds 0, 1 and 2 packed (`--seeds`), plus FedSSA from the
-host and disk population stores and on a two-device mesh, each as its own `python -m
-fedssa_jax.main` process, into `--out`. With `--reference`, a folder an
+host and disk population stores and on a two-device mesh, and runs with the `system` section's
+every kind and with privacy on (DP-SGD, upload DP local and central, and all of it composed),
+each as its own `python -m fedssa_jax.main` process, into `--out`. With `--reference`, a folder an
 earlier commit's run of this script wrote, it then compares every run's `metrics.jsonl` records
 and `summary.json` with the reference's, timings aside, and exits 1 on any difference.
 
@@ -54,6 +55,35 @@ RUNS['fedssa-host'] = ({'method': 'fedssa', 'population_store': 'host'}, {})
 RUNS['fedssa-disk'] = ({'method': 'fedssa', 'population_store': 'disk'}, {})
 RUNS['fedssa-mesh2'] = ({'method': 'fedssa', 'engine.mesh_devices': 2},
                         {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+# The federation (the system section, each kind) and privacy (DP-SGD; upload DP in both modes),
+# each on its own and composed, through the path every upload takes from client to server.
+RUNS['fedssa-availability'] = ({'method': 'fedssa', 'system.availability': 0.7,
+                                'system.availability_spread': 0.2}, {})
+RUNS['fedssa-dropout'] = ({'method': 'fedssa', 'system.dropout': 0.4}, {})
+RUNS['fedssa-stragglers'] = ({'method': 'fedssa', 'system.straggler_rate': 0.6,
+                              'system.min_work': 0.2}, {})
+RUNS['fedssa-upload-loss'] = ({'method': 'fedssa', 'system.upload_loss': 0.4}, {})
+RUNS['fedproto-upload-loss'] = ({'method': 'fedproto', 'system.upload_loss': 0.4}, {})
+RUNS['fedssa-clock'] = ({'method': 'fedssa', 'system.device_tiers': 'three_tiers',
+                         'system.deadline': 1.0, 'system.client_seconds': True}, {})
+RUNS['fedssa-devices'] = ({'method': 'fedssa', 'system.device_tiers': 'three_tiers',
+                           'system.tier_assignment': 'model'}, {})
+RUNS['fedssa-dp-sgd'] = ({'method': 'fedssa', 'privacy.dp_sgd': True}, {})
+RUNS['fml-dp-sgd'] = ({'method': 'fml', 'privacy.dp_sgd': True}, {})
+RUNS['fedssa-dp-sgd-target'] = ({'method': 'fedssa', 'privacy.dp_sgd': True,
+                                 'privacy.noise_multiplier': 0, 'privacy.target_epsilon': 8},
+                                {})
+RUNS['fedssa-upload-local'] = ({'method': 'fedssa', 'privacy.upload': True}, {})
+RUNS['fd-upload-local'] = ({'method': 'fd', 'privacy.upload': True}, {})
+RUNS['fedssa-upload-central'] = ({'method': 'fedssa', 'privacy.upload': True,
+                                  'privacy.upload_mode': 'central'}, {})
+RUNS['fedgh-upload-central'] = ({'method': 'fedgh', 'privacy.upload': True,
+                                 'privacy.upload_mode': 'central'}, {})
+RUNS['fedssa-everything'] = ({'method': 'fedssa', 'system.availability': 0.8,
+                              'system.dropout': 0.2, 'system.straggler_rate': 0.5,
+                              'system.upload_loss': 0.3, 'system.device_tiers': 'three_tiers',
+                              'system.deadline': 1.0, 'privacy.dp_sgd': True,
+                              'privacy.upload': True, 'privacy.upload_mode': 'central'}, {})
 
 
 def outputs(name: str, workdir: str) -> list[str]:
