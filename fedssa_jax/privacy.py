@@ -63,18 +63,13 @@ import optax
 from fedssa_jax.errors import ConfigError, require, require_one_of
 from fedssa_jax.methods import aggregation
 from fedssa_jax.models import ghost
+from fedssa_jax.streams import SERVER_UPLOAD_ID, Stream
 
 ACCOUNTANTS = ('rdp', 'pld')
 PER_EXAMPLE = ('auto', 'vmap')  # privacy.per_example
 UPLOAD_MODES = ('local', 'central')
-# The run's key stream of the upload noise, beside engine/schedule.py's streams 0-8 and
-# system.py's 9-10: client k's noise of round t from fold_in(fold_in(fold_in(root key,
-# STREAM_UPLOAD), t), k); the server's (central) from fold_in(its round key, STREAM_UPLOAD).
-STREAM_UPLOAD = 11
 # P(a Poisson batch holds more than `max_batch` samples), per step, at the automatic bound.
 TRUNCATION_TAIL = 1e-12
-# A step's key streams (folded into the step's key, beside training.DROPOUT_STREAM = 1 << 16).
-SAMPLE_STREAM, NOISE_STREAM = 1 << 17, 1 << 18
 # The largest noise multiplier calibration may choose.
 MAX_NOISE_MULTIPLIER = 1e3
 
@@ -404,16 +399,15 @@ class UploadDP:
 
 
 def upload_keys(root_key, round_index, client_ids):
-  """Each client's key of its upload noise in round `round_index` (STREAM_UPLOAD)."""
-  round_key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_UPLOAD), round_index)
+  """Each client's key of its upload noise in round `round_index`: fold_in(fold_in(fold_in(root
+  key, Stream.UPLOAD), round), client id)."""
+  round_key = jax.random.fold_in(jax.random.fold_in(root_key, Stream.UPLOAD), round_index)
   return jax.vmap(lambda c: jax.random.fold_in(round_key, c))(client_ids)
 
 
-SERVER_UPLOAD_ID = 1 << 30  # the server's place beside the client ids in the upload stream
-
-
 def server_upload_key(root_key, round_index):
-  """The server's key of its central noise in round `round_index` (STREAM_UPLOAD)."""
+  """The server's key of its central noise in round `round_index` (Stream.UPLOAD, at
+  streams.SERVER_UPLOAD_ID)."""
   return upload_keys(root_key, round_index, jnp.array([SERVER_UPLOAD_ID]))[0]
 
 

@@ -39,14 +39,10 @@ import numpy as np
 from flax import struct
 
 from fedssa_jax.errors import ConfigError, require, require_one_of
+from fedssa_jax.streams import ProfileDraw, Stream, SystemDraw
 
 BYTES_PER_FLOAT = 4  # uploads and downloads are float32
 
-# The run's streams for system draws, after the engine's nine (engine/schedule.py):
-# per round, fold (seed, STREAM_SYSTEM, round, kind); per run, (seed, STREAM_SYSTEM_PROFILE, kind).
-STREAM_SYSTEM, STREAM_SYSTEM_PROFILE = 9, 10
-ONLINE, DROPOUT, STRAGGLER, WORK, UPLOAD_LOSS = range(5)   # per-round kinds
-AVAILABILITY, TIERS = range(2)                               # per-run kinds
 
 # Illustrative device tiers (not measurements): name, training FLOP/s, download and upload
 # bytes/s, share of the clients. Slowest first.
@@ -255,7 +251,7 @@ class System:
     if s.availability_spread > 0:
       m, sd = s.availability, s.availability_spread
       kappa = m * (1 - m) / sd ** 2 - 1
-      return _rng(seed, STREAM_SYSTEM_PROFILE, AVAILABILITY).beta(m * kappa, (1 - m) * kappa, n)
+      return _rng(seed, Stream.SYSTEM_PROFILE, ProfileDraw.AVAILABILITY).beta(m * kappa, (1 - m) * kappa, n)
     return np.full(n, float(s.availability))
 
   def _devices(self, seed: int, model_flops: np.ndarray) -> np.ndarray:
@@ -270,7 +266,7 @@ class System:
     if s.tier_assignment == 'model':  # cheapest models first, ties by client id
       order = np.lexsort((np.arange(n), model_flops))
     else:
-      order = _rng(seed, STREAM_SYSTEM_PROFILE, TIERS).permutation(n)
+      order = _rng(seed, Stream.SYSTEM_PROFILE, ProfileDraw.TIERS).permutation(n)
     out = np.empty((n, 3))
     start = 0
     for t, c in zip(tiers, counts):
@@ -284,13 +280,13 @@ class System:
     do not depend on the others'."""
     s, n = self.config, self.num_clients
     p = self.trace[:, t % self.trace.shape[1]] if self.trace is not None else self.p_online[seed]
-    straggler = _rng(seed, STREAM_SYSTEM, t, STRAGGLER).random(n) < s.straggler_rate
-    f = s.min_work + (1 - s.min_work) * _rng(seed, STREAM_SYSTEM, t, WORK).random(n)
+    straggler = _rng(seed, Stream.SYSTEM, t, SystemDraw.STRAGGLER).random(n) < s.straggler_rate
+    f = s.min_work + (1 - s.min_work) * _rng(seed, Stream.SYSTEM, t, SystemDraw.WORK).random(n)
     return RoundDraws(
-        online=_rng(seed, STREAM_SYSTEM, t, ONLINE).random(n) < p,
-        dropped=_rng(seed, STREAM_SYSTEM, t, DROPOUT).random(n) < s.dropout,
+        online=_rng(seed, Stream.SYSTEM, t, SystemDraw.ONLINE).random(n) < p,
+        dropped=_rng(seed, Stream.SYSTEM, t, SystemDraw.DROPOUT).random(n) < s.dropout,
         work=np.where(straggler, f, 1.0).astype(np.float32),
-        lost=_rng(seed, STREAM_SYSTEM, t, UPLOAD_LOSS).random(n) < s.upload_loss)
+        lost=_rng(seed, Stream.SYSTEM, t, SystemDraw.UPLOAD_LOSS).random(n) < s.upload_loss)
 
   def device_inputs(self, seeds, train_flops: np.ndarray) -> SystemInputs:
     """What a chunk's call takes of the devices, the same every round ([R, N] arrays; the
@@ -307,7 +303,7 @@ class System:
 
 
 def _rng(seed: int, *path: int) -> np.random.Generator:
-  return np.random.default_rng([seed, *path])
+  return np.random.default_rng([seed, *map(int, path)])
 
 
 def _apportion(shares, n: int) -> list[int]:

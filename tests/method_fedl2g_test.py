@@ -15,7 +15,7 @@ from fedssa_jax import config_lib
 
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import simulator, snapshots, training
-from fedssa_jax.engine.schedule import STREAM_STUDY
+from fedssa_jax.streams import Stream
 from fedssa_jax.engine.state import ChunkInputs
 from fedssa_jax.methods import base, fedl2g
 
@@ -260,8 +260,8 @@ def test_local_round_holds_the_quiz_out_and_skips_warmup_training():
     # The meta step's output is the upload (FedL2G's payload is acc.after_training).
     np.testing.assert_array_equal(np.asarray(payload.row), rows)
     np.testing.assert_array_equal(np.asarray(payload.n), n)
-    study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_STUDY), t)
-    for k in range(3):  # the study batch's key: (STREAM_STUDY, round, client id)
+    study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.STUDY), t)
+    for k in range(3):  # the study batch's key: (Stream.STUDY, round, client id)
       np.testing.assert_array_equal(np.asarray(payload.key[k]), np.asarray(
           jax.random.key_data(jax.random.fold_in(study_round, k))))
     np.testing.assert_array_equal(np.asarray(payload.present), np.tile(np.arange(C) < 2,

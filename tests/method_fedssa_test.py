@@ -12,6 +12,7 @@ from fedssa_jax import config_lib, models
 
 from fedssa_jax.engine import schedule, snapshots, training
 from fedssa_jax.methods import base, fedssa
+from fedssa_jax.streams import Stream
 
 from conftest import aggregate, client_view, make_small_sim, params_of, rounds, synthetic_dataset
 
@@ -133,7 +134,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
   params = [params_of(sim, state.population.params, k) for k in range(n)]
   for p in params[1:]:  # init_scope 'family': every client starts from the family's one model
     jax.tree.map(np.testing.assert_array_equal, p, params[0])
-  server_key = jax.random.fold_in(sim.root_keys[0], schedule.STREAM_SERVER)
+  server_key = jax.random.fold_in(sim.root_keys[0], Stream.SERVER)
   glob = np.array(models.init_header(server_key, s, sim.config.model.feature_dim))
   g, data_ = sim.groups[0], sim.seed_data[0]
   train = jax.jit(functools.partial(training.local_train, apply_fn=g.model.apply,
@@ -150,7 +151,7 @@ def test_whole_rounds_equal_a_plain_per_client_loop(small_sim, fusion):
         rows[c] = mu * rows[c] + (glob[c] if fusion == 'reference' else (1 - mu) * glob[c])
         down += 501
       key = jax.random.fold_in(
-          jax.random.fold_in(jax.random.fold_in(sim.root_keys[0], schedule.STREAM_TRAIN), t), k)
+          jax.random.fold_in(jax.random.fold_in(sim.root_keys[0], Stream.TRAIN), t), k)
       trained, _, _ = train({'model': models.with_header_rows(params[k], rows)}, (), key,
                             data_.train_idx[k], data_.train_n[k], data_)
       params[k] = jax.tree.map(np.asarray, trained['model'])

@@ -33,6 +33,7 @@ from fedssa_jax.engine import training
 from fedssa_jax.errors import ConfigError
 from fedssa_jax.models import ghost
 from fedssa_jax.methods import standalone
+from fedssa_jax.streams import StepStream
 from fedssa_jax.run import train
 
 
@@ -359,7 +360,7 @@ def plain_dp_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
     for s in range(-(-n // b)):
       steps += 1
       step_key = jax.random.fold_in(k_aug, s)
-      u = np.asarray(jax.random.uniform(jax.random.fold_in(step_key, privacy.SAMPLE_STREAM),
+      u = np.asarray(jax.random.uniform(jax.random.fold_in(step_key, StepStream.POISSON),
                                         (padded,)))
       taken = np.flatnonzero((u < q) & (np.arange(padded) < n))
       total = jax.tree.map(np.zeros_like, params)
@@ -369,7 +370,7 @@ def plain_dp_sgd(params, key, idx_row, n, ds, apply_fn, cfg):
         total = jax.tree.map(lambda t, v: t + np.asarray(v) * min(1.0, dp.clip_norm / norm),
                              total, g)
       leaves, tree = jax.tree.flatten(total)
-      noise_key = jax.random.fold_in(step_key, privacy.NOISE_STREAM)
+      noise_key = jax.random.fold_in(step_key, StepStream.NOISE)
       g = jax.tree.unflatten(tree, [
           (v + dp.noise_multiplier * dp.clip_norm * np.asarray(
               jax.random.normal(jax.random.fold_in(noise_key, i), v.shape))) / min(n, b)

@@ -18,10 +18,9 @@ from fedssa_jax import data, methods, models, privacy
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine import schedule, training
 from fedssa_jax.engine.placement import Placement
-from fedssa_jax.engine.schedule import (STREAM_CLIENT_STATE, STREAM_FAMILY_INIT, STREAM_INIT,
-                                        STREAM_SERVER)
 from fedssa_jax.engine.state import ServerState
 from fedssa_jax.errors import ConfigError
+from fedssa_jax.streams import Stream
 from fedssa_jax.types import PyTree
 
 
@@ -132,18 +131,18 @@ class Initial:
     slots, key = np.asarray(slots), self.keys[seed_index]
     if self.init_scope == 'family':
       family_ids = np.full(len(slots), models.all_family_names().index(g.family))
-      return _stacked_init(g.model)(client_keys(key, STREAM_FAMILY_INIT,
+      return _stacked_init(g.model)(client_keys(key, Stream.FAMILY_INIT,
                                                 jnp.asarray(family_ids)))
-    return _stacked_init(g.model)(client_keys(key, STREAM_INIT, jnp.asarray(g.members[slots])))
+    return _stacked_init(g.model)(client_keys(key, Stream.INIT, jnp.asarray(g.members[slots])))
 
   def client_state(self, cids, seed_index: int) -> PyTree:
     return self._client_state(client_keys(
-        self.keys[seed_index], STREAM_CLIENT_STATE, jnp.asarray(np.asarray(cids))))
+        self.keys[seed_index], Stream.CLIENT_STATE, jnp.asarray(np.asarray(cids))))
 
   def servers(self, seen: np.ndarray) -> ServerState:
     """Every seed's initial server state, stacked; `seen` [R, N, C] the seeds' masks."""
     return self.placement.stack_seeds([
-        self._server(jax.random.fold_in(key, STREAM_SERVER),
+        self._server(jax.random.fold_in(key, Stream.SERVER),
                      self.placement.replicate(jnp.asarray(s)))
         for key, s in zip(self.keys, seen)])
 

@@ -21,15 +21,8 @@ import numpy as np
 
 from fedssa_jax import models
 from fedssa_jax.engine.placement import Placement
+from fedssa_jax.streams import Stream
 
-# A run's independent random streams, each derived from its seed. STREAM_INIT draws a client's
-# own initial model (model.init_scope='client', keyed by client id); STREAM_FAMILY_INIT a
-# family's shared one ('family', keyed by the family's index in models.FAMILY_NAMES);
-# STREAM_AGGREGATE the server rule's key of each round; STREAM_STUDY the study batch of a
-# method's step after training (Method.after_training), keyed by round and client id. The system
-# section's draws take the next two (fedssa_jax/system.py: STREAM_SYSTEM, STREAM_SYSTEM_PROFILE).
-(STREAM_INIT, STREAM_SAMPLE, STREAM_TRAIN, STREAM_SERVER, STREAM_CLIENT_STATE, STREAM_EVAL,
- STREAM_FAMILY_INIT, STREAM_AGGREGATE, STREAM_STUDY) = range(9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +57,7 @@ def sample_cohort(seed: int, round_index: int, num_clients: int, k: int,
   """The round's participants, sorted; a pure function of (seed, round). `online` [N] (the
   system section's availability): drawn among the online clients only, all of them if fewer
   than K are; with every client online, the same cohort as without."""
-  rng = np.random.default_rng([seed, STREAM_SAMPLE, round_index])
+  rng = np.random.default_rng([seed, Stream.SAMPLE, round_index])
   if online is None:
     return np.sort(rng.choice(num_clients, size=k, replace=False))
   ids = np.flatnonzero(online)
@@ -77,7 +70,7 @@ def eval_subset(seed: int, test_n: np.ndarray, eval_clients: int) -> np.ndarray 
   candidates = np.flatnonzero(test_n > 0)
   if not eval_clients or eval_clients >= len(candidates):
     return None
-  rng = np.random.default_rng([seed, STREAM_EVAL])
+  rng = np.random.default_rng([seed, Stream.EVAL])
   return np.sort(rng.choice(candidates, size=eval_clients, replace=False))
 
 

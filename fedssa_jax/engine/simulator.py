@@ -42,9 +42,8 @@ from fedssa_jax.engine import costs, evaluation, parts, schedule, training
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
 from fedssa_jax.engine.population import make_store
-from fedssa_jax.engine.schedule import (STREAM_AGGREGATE, STREAM_CLIENT_STATE,  # noqa: F401
-                                 STREAM_FAMILY_INIT, STREAM_INIT, STREAM_SERVER, STREAM_STUDY,
-                                 STREAM_TRAIN, cohort_size, sample_cohort)
+from fedssa_jax.engine.schedule import cohort_size, sample_cohort
+from fedssa_jax.streams import Stream
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
                                      RoundInfo, RunState, ServerState, SystemRound)
 
@@ -78,7 +77,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   view = methods.ClientView(id=ids, seen=inputs.seen[ids], num_samples=n, round=t)
   view_axes = methods.ClientView(id=0, seen=0, num_samples=0, round=None)
   down = jax.vmap(method.download, in_axes=(0, 0, None, view_axes))(params, state, server, view)
-  round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_TRAIN), t)
+  round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.TRAIN), t)
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
   when = method.forward_pass
   forward = lambda p: jax.vmap(pass_one, in_axes=(0, 0, 0, None))(
@@ -104,7 +103,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   if when == 'after':
     passed = forward(trainable['model'])
   if after_one is not None:  # keyed by round and client, as the training shuffles
-    study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, STREAM_STUDY), t)
+    study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.STUDY), t)
     study_keys = jax.vmap(lambda c: jax.random.fold_in(study_round, c))(ids)
     after, study_count, quiz_count = jax.vmap(
         after_one, in_axes=(0, 0, 0, 0, 0, None, view_axes))(
@@ -446,7 +445,7 @@ def _mark(participants, ids, received):
 
 def aggregate_seed(method: methods.Method, server, participants, round_index, root_key, *,
                    keep_when_empty: bool = False, central_std: float = 0.0) -> methods.Aggregated:
-  """One seed's server rule, with its key of the round (STREAM_AGGREGATE). `keep_when_empty`
+  """One seed's server rule, with its key of the round (Stream.AGGREGATE). `keep_when_empty`
   (the system section on, where a round may receive nothing): a round without a received
   upload leaves the server state as it was, and costs the server nothing. `central_std`
   (central client-level DP): the noise the method adds first to the round's sum of uploads."""
@@ -454,7 +453,7 @@ def aggregate_seed(method: methods.Method, server, participants, round_index, ro
   if central_std:
     server = method.central_noise(server, privacy.server_upload_key(root_key, round_index),
                                   central_std)
-  key = jax.random.fold_in(jax.random.fold_in(root_key, STREAM_AGGREGATE), round_index)
+  key = jax.random.fold_in(jax.random.fold_in(root_key, Stream.AGGREGATE), round_index)
   agg = method.server_aggregate(server, participants, round_index, key)
   if not keep_when_empty:
     return agg

@@ -26,6 +26,7 @@ from flax import struct
 from fedssa_jax import models, privacy, system
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.streams import StepStream
 from fedssa_jax.types import PyTree
 
 
@@ -71,11 +72,6 @@ class TrainStats:
   def zeros(cls) -> TrainStats:
     return cls(correct=jnp.zeros((), jnp.int32), loss_sum=jnp.zeros((), jnp.float32),
                samples=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32))
-
-
-# A step's dropout key (a model with dropout: models.StatefulModel) is fold_in(the step's
-# augmentation key, DROPOUT_STREAM), apart from its views' keys (fold_in(step key, view)).
-DROPOUT_STREAM = 1 << 16
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -212,7 +208,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
       pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
       valid = step * b + jnp.arange(b) < n
     else:
-      pos, valid = privacy.poisson_batch(jax.random.fold_in(step_key, privacy.SAMPLE_STREAM), n,
+      pos, valid = privacy.poisson_batch(jax.random.fold_in(step_key, StepStream.POISSON), n,
                                          padded_len, q, dp.max_batch)
     idx = idx_pad[pos]
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
@@ -223,7 +219,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
     if dp is not None:
       loss, correct, acc_update, grads = privacy.noisy_clipped_grads(
           loss_of, trainable, views, y, valid,
-          jax.random.fold_in(step_key, privacy.NOISE_STREAM), denom, clip_norm=dp.clip_norm,
+          jax.random.fold_in(step_key, StepStream.NOISE), denom, clip_norm=dp.clip_norm,
           noise_multiplier=dp.noise_multiplier, pass_size=dp.pass_size,
           per_example=dp.per_example, ghost_pass=dp.ghost_pass)
     elif model_state is None:
@@ -231,7 +227,7 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
                                                      y, valid, micro_batch=m)
     else:
       loss, correct, acc_update, grads, model_state = stateful_batch_grads(
-          method, train_apply, model_state, jax.random.fold_in(step_key, DROPOUT_STREAM), ctx,
+          method, train_apply, model_state, jax.random.fold_in(step_key, StepStream.DROPOUT), ctx,
           trainable, views, y, valid)
     new_trainable, new_opt_state = {}, {}
     for part in trainable:  # one optimizer per model
