@@ -1,6 +1,8 @@
 """The documentation's links: every relative link in README.md and docs/*.md names a file of the
 repository (and, with a #fragment, a heading of it), and no page sends readers outside the
-repository (a clone has no ../shared); the pages under docs/ (the runs' READMEs) are checked too."""
+repository (a clone has no ../shared); the pages under docs/ (the runs' READMEs) are checked too.
+The README is an entry point: short, with a link to every page of docs/; the variants it names
+are documented in docs/configuration.md, every one of them."""
 import glob
 import os
 import re
@@ -78,3 +80,29 @@ def test_commands_name_real_modules(page):
              if not os.path.exists(os.path.join(ROOT, *m.split('.')) + '.py')
              and not os.path.exists(os.path.join(ROOT, *m.split('.'), '__init__.py'))]
   assert not missing, f'{os.path.relpath(page, ROOT)}: no such module {sorted(set(missing))}'
+
+
+def test_readme_is_an_entry_point():
+  """README.md stays short (at most 13 kB) and links every page of docs/: the detail lives
+  there, and a reader finds each page from the README's map."""
+  path = os.path.join(ROOT, 'README.md')
+  assert os.path.getsize(path) <= 13_000, f'README.md is {os.path.getsize(path)} bytes'
+  linked = {os.path.normpath(t.partition('#')[0]) for t in links(path)}
+  pages = {os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 'docs', '*.md'))}
+  assert not pages - linked, f'README.md does not link {sorted(pages - linked)}'
+
+
+def test_every_variant_is_documented():
+  """Every variant config_lib.apply_variant knows has its row in configuration.md's table of
+  variants (the table the README points to)."""
+  from fedssa_jax import config_lib  # pylint: disable=import-outside-toplevel
+  try:
+    config_lib.apply_variant(config_lib.base_config('cifar10'), 'no-such-variant')
+  except ValueError as e:
+    known = re.search(r'known: (.*)\.$', str(e)).group(1).split(', ')
+  with open(os.path.join(ROOT, 'docs', 'configuration.md'), encoding='utf-8') as f:
+    text = f.read()
+  table = text[text.index('## Variants'):].split('\n## ')[0]
+  rows = [line for line in table.split('\n') if line.startswith('| `')]
+  documented = {v for line in rows for v in re.findall(r'`(\w+)`', line.split(' | ')[0])}
+  assert len(known) > 10 and not set(known) - documented, sorted(set(known) - documented)
