@@ -2,7 +2,8 @@
 repository (and, with a #fragment, a heading of it), and no page sends readers outside the
 repository (a clone has no ../shared); the pages under docs/ (the runs' READMEs) are checked too.
 The README is an entry point: short, with a link to every page of docs/; the variants it names
-are documented in docs/configuration.md, every one of them."""
+are documented in docs/configuration.md, every one of them; and the layers that
+docs/architecture.md and the package docstring list are those tests/layers_test.py checks."""
 import glob
 import os
 import re
@@ -106,3 +107,22 @@ def test_every_variant_is_documented():
   rows = [line for line in table.split('\n') if line.startswith('| `')]
   documented = {v for line in rows for v in re.findall(r'`(\w+)`', line.split(' | ')[0])}
   assert len(known) > 10 and not set(known) - documented, sorted(set(known) - documented)
+
+
+def test_layer_lists_follow_the_checker():
+  """docs/architecture.md and the package docstring list the layers that tests/layers_test.py
+  checks, in its order."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      'layers_test', os.path.join(ROOT, 'tests', 'layers_test.py'))
+  checker = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(checker)
+  want = [sorted(names) for names in checker.LAYERS]
+  with open(os.path.join(ROOT, 'docs', 'architecture.md'), encoding='utf-8') as f:
+    text = f.read()
+  order = re.search(r'`tests/layers_test.py` checks it[^:]*: (.*?)\.\n', text, re.S).group(1)
+  assert [sorted(re.findall(r'`(\w+)/?`', part)) for part in re.split(r'\s+<\s+', order)] == want, order
+  with open(os.path.join(ROOT, 'fedssa_jax', '__init__.py'), encoding='utf-8') as f:
+    doc = f.read().split('"""')[1]
+  rows = re.findall(r'^    (\w[\w, ]*?)\s{2,}', doc, re.M)
+  assert [sorted(r.split(', ')) for r in rows] == want, rows
