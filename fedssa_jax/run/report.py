@@ -49,8 +49,9 @@ from fedssa_jax.engine import evaluation
 from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rounds,
                                   plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
                                   plot_training_curves, plot_tsne, robustness_series)
-from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key, by_setting_and_method,
-                                 file_part, load_sweep, privacy_budget)
+from fedssa_jax.run.runs import (REFERENCE_METHOD, _method_key, backend_of, by_setting_and_method,
+                                 file_part, has_clock, load_sweep, privacy_budget, reached,
+                                 reached_epsilon)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,28 +150,10 @@ def diverged_cell(rs) -> str:
   return f'{len(failed)} of {len(rs)} seeds diverged ({where})'
 
 
-def reached(r: Run, target: float | None = None) -> dict | None:
-  """The run's costs at the first evaluated round whose mean accuracy reaches `target` (round,
-  cum_floats, cum_client_flops), from its history; None if it never did. Without `target`,
-  the run's own (summary.json, at its config's target_accuracy)."""
-  if target is None:
-    return r.summary.get('to_target')
-  for x in r.metrics:
-    if x.get('mean_accuracy') is not None and x['mean_accuracy'] >= target:
-      return {k: x[k] for k in ('round', 'cum_floats', 'cum_client_flops', 'cum_sim_seconds')
-              if k in x}
-  return None
-
-
 def _to_target(rs, key, target=None):
   """Mean over the seeds that reached the target of their cost `key`, and how many did."""
   vals = [c[key] for c in (reached(r, target) for r in rs) if c and key in c]
   return (float(np.mean(vals)) if vals else None), len(vals)
-
-
-def has_clock(r: Run) -> bool:
-  """Whether the run's records carry the system section's simulated seconds."""
-  return any('cum_sim_seconds' in x for x in r.metrics)
 
 
 def ratio_text(baseline, reference) -> str:
@@ -290,21 +273,6 @@ def privacy_series(runs) -> dict[tuple, dict[str, dict]]:
       methods[m] = {e: sorted(points[e], key=lambda r: r.seed) for e in sorted(points)}
     out[key] = methods
   return out
-
-
-def reached_epsilon(r: Run) -> float | None:
-  """The epsilon a private run's summary reports (its largest client's), or for a run that
-  diverged its last record; None if absent."""
-  reported = r.summary if r.diverged is None else (r.metrics[-1] if r.metrics else {})
-  for key in ('dp_epsilon', 'dp_upload_epsilon'):
-    if reported.get(key) is not None:
-      return float(reported[key])
-  return None
-
-
-def backend_of(r: Run) -> str:
-  """The backend a run ran on ('cpu', 'gpu', 'tpu'; '?' in records from before it was kept)."""
-  return r.derived.get('backend') or '?'
 
 
 def privacy_tables(series) -> str:
