@@ -43,6 +43,11 @@ DATASET_DEFAULTS = {
 # set target_accuracy for cost reports that matter).
 OTHER_DATASET_DEFAULTS = dict(classes_per_client=2, target_accuracy=0.8)
 
+# The names population_store takes: those of engine/population.py's STORES, which says what each
+# store can do. The config sits below the engine (it cannot import the registry), so the names
+# are here again; tests/code_shape_test.py checks that the two agree.
+POPULATION_STORES = ('device', 'host', 'disk')
+
 
 def dataset_defaults(dataset: str) -> dict:
   """classes_per_client and target_accuracy of `dataset` (DATASET_DEFAULTS, or the others')."""
@@ -354,7 +359,7 @@ def _check_run(c: ml_collections.ConfigDict) -> None:
   require(c.eval_clients <= n,
           f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
           f'most {n}, or to 0 to evaluate all of them.')
-  require_one_of('population_store', c.population_store, ('device', 'host', 'disk'))
+  require_one_of('population_store', c.population_store, POPULATION_STORES)
   require(0 < c.target_accuracy <= 1,
           f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '
           'a fraction (0.8 is 80%).')

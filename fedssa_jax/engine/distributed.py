@@ -190,12 +190,26 @@ def initialize(s: Settings) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 def _coordination_client():
-  """The jax.distributed client (a JAX internal; None where it has moved or is not started)."""
+  """The client of the coordination service that `jax.distributed.initialize` started, whose
+  key-value store the Watchdog writes and reads; None in a process that started none.
+
+  The package's one access to JAX's internals (`jax._src`; tests/code_shape_test.py keeps it the
+  only one): JAX 0.10 gives no public handle on that key-value store (`jax.distributed` has
+  initialize, is_initialized and shutdown; `multihost_utils.live_devices` tells which processes
+  the service still sees, not a heartbeat or how a process ended). It reads
+  `jax._src.distributed.global_state.client`, which tests/jax_internals_test.py checks is there.
+  Where a JAX release has moved it, a multi-process run goes on without the Watchdog, and says
+  so, rather than failing.
+  """
   try:
     from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  except ImportError:
+    return jax_distributed.global_state.client
+  except (ImportError, AttributeError) as e:
+    if jax.distributed.is_initialized():
+      logging.warning('No watchdog on the other processes: JAX %s keeps its coordination '
+                      'client elsewhere (%s). A lost process may leave this one waiting until '
+                      "JAX's own heartbeat check stops it.", jax.__version__, e)
     return None
-  return getattr(getattr(jax_distributed, 'global_state', None), 'client', None)
 
 
 class Watchdog:

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedssa_jax import data, methods, models, privacy
 from fedssa_jax.data.partition import DeviceData
-from fedssa_jax.engine import schedule, training
+from fedssa_jax.engine import population, schedule, training
 from fedssa_jax.engine.placement import Placement
 from fedssa_jax.engine.state import ServerState
 from fedssa_jax.errors import ConfigError
@@ -59,11 +59,11 @@ def check_seeds(config, seeds, widths) -> None:
   """Raises ConfigError, naming the fix, if `seeds` of `config` cannot run packed."""
   if len(set(seeds)) != len(seeds):
     raise ConfigError(f'Packed seeds must differ, got {list(seeds)}.')
-  if len(seeds) > 1 and config.population_store != 'device':
+  if len(seeds) > 1 and not population.store_class(config.population_store).packs_seeds:
     raise ConfigError(
-        f"Packed seeds (--seeds) need population_store='device', not "
-        f'{config.population_store!r}: drop --config.population_store, or run the seeds one by '
-        'one (one command per seed, without --seeds).')
+        f'Packed seeds (--seeds) need {population.either(population.stores(packs_seeds=True))}, '
+        f'not {config.population_store!r}: drop --config.population_store, or run the seeds one '
+        'by one (one command per seed, without --seeds).')
   # local_train's shuffles stay those of each seed alone when the training index rows are
   # padded to a common width: training.epoch_order draws uniform numbers over the padded length,
   # and with jax_threefry_partitionable (the default since JAX 0.5) the first n of a longer

@@ -85,10 +85,19 @@ class Store:
   evaluates them (evaluation.py), with the members' client state as a sixth argument for a
   method whose evaluation reads it (`with_state`); a store wraps each into the jitted calls that
   bring its rows to them.
+
+  A store declares what it can do in the class attributes below, and the rest of the package
+  asks them (`store_class(name).packs_seeds`), never its name: a new store is a class and an
+  entry of STORES.
   """
+  name = ''                # the config's population_store
+  packs_seeds = False      # holds several seeds' populations at once (packed seeds, --seeds)
+  spans_processes = False  # splits the population over the processes of a multi-process run
+  needs_directory = False  # keeps files in the run's folder (`directory`)
 
   def __init__(self, placement: Placement, groups: list, num_clients: int, num_seeds: int,
                init_group: Callable, init_client_state: Callable, directory: str | None = None):
+    self._check(num_seeds, directory)
     self.placement = placement
     self.groups = groups
     self.num_clients = num_clients
@@ -96,6 +105,25 @@ class Store:
     self.init_group = init_group
     self.init_client_state = init_client_state
     self.directory = directory  # the run's folder for the population (the disk store's files)
+
+  @classmethod
+  def _check(cls, num_seeds: int, directory: str | None) -> None:
+    """Raises ConfigError, naming the stores that can, if this store cannot hold the run."""
+    if num_seeds != 1 and not cls.packs_seeds:
+      raise ConfigError(
+          f"population_store={cls.name!r} holds one seed's population; packed seeds need "
+          f'{either(stores(packs_seeds=True))}.')
+    if jax.process_count() > 1 and not cls.spans_processes:
+      raise ConfigError(
+          f'population_store={cls.name!r} runs in one process; across {jax.process_count()} '
+          f'processes use {either(stores(spans_processes=True))}, which splits the population '
+          "over the processes' devices (each holds its own shards), or run one process per "
+          'machine.')
+    if directory is None and cls.needs_directory:
+      raise ConfigError(
+          f"population_store={cls.name!r} keeps the population in the run's workdir: give the "
+          f'Simulator a workdir, or use the '
+          f'{" or ".join(stores(needs_directory=False))} store.')
 
   # --- the population ---------------------------------------------------------------------------
   def initial(self, fresh: bool = True) -> Population:
@@ -169,6 +197,9 @@ class DeviceStore(Store):
   """Every group's parameters and the per-client state as device arrays [R, rows, ...], the
   client axis padded to a multiple of the device count and sharded along `clients`
   (placement.py)."""
+  name = 'device'
+  packs_seeds = True
+  spans_processes = True
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -254,20 +285,11 @@ class _RowStore(Store):
   reads each chunk's rows and puts them on the device, the jitted call trains them (the same
   step as on the device), and the host writes them back, reading the next chunk while this one
   trains. The store keeps its tables; the population it gives out is a handle on them
-  (state.Tables), valid until the store next writes or replaces them."""
-  name = ''
+  (state.Tables), valid until the store next writes or replaces them. It holds one seed, in one
+  process (the capabilities `Store` declares are all off)."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    if self.num_seeds != 1:
-      raise ConfigError(
-          f"population_store={self.name!r} holds one seed's population; packed seeds need "
-          "population_store='device'.")
-    if jax.process_count() > 1:
-      raise ConfigError(
-          f'population_store={self.name!r} runs in one process; across {jax.process_count()} '
-          "processes use population_store='device', which splits the population over the "
-          "processes' devices (each holds its own shards), or run one process per machine.")
     self._number = next(_STORE_NUMBERS)
     self._rows = None  # its tables: (one per group, the client state's), once made
     self._handle = None  # the Tables that names them now
@@ -403,13 +425,7 @@ class DiskStore(_RowStore):
   """Memory-mapped, copy-on-write slot files in `directory` (`DiskRows`). Rows never written
   read as their initial values, made on demand."""
   name = 'disk'
-
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    if self.directory is None:
-      raise ConfigError(
-          "population_store='disk' keeps the population in the run's workdir: give the "
-          'Simulator a workdir, or use the device or host store.')
+  needs_directory = True
 
   def initial(self, fresh=True):
     if fresh:  # what a run without a checkpoint left
@@ -446,8 +462,28 @@ class DiskStore(_RowStore):
       table.retain(kept_steps)
 
 
-STORES = {'device': DeviceStore, 'host': HostStore, 'disk': DiskStore}
+# The registry: outside this module, a store is asked what it can do, never its name.
+STORES = {s.name: s for s in (DeviceStore, HostStore, DiskStore)}
+
+
+def store_class(name: str) -> type[Store]:
+  """The store of the config's `population_store`, whose class attributes say what it can do."""
+  if name not in STORES:
+    raise ConfigError(f'Unknown population_store {name!r}; choose one of {sorted(STORES)}.')
+  return STORES[name]
+
+
+def stores(**capabilities: bool) -> list[str]:
+  """The names of the stores whose capabilities have these values, e.g.
+  `stores(packs_seeds=True)`, in STORES's order."""
+  return [name for name, s in STORES.items()
+          if all(getattr(s, c) == v for c, v in capabilities.items())]
+
+
+def either(names: list[str]) -> str:
+  """The settings that would do, for a message: "population_store='a' or population_store='b'"."""
+  return ' or '.join(f'population_store={n!r}' for n in names)
 
 
 def make_store(name: str, *args, directory: str | None = None) -> Store:
-  return STORES[name](*args, directory=directory)
+  return store_class(name)(*args, directory=directory)

@@ -49,8 +49,9 @@ from fedssa_jax.engine import evaluation
 from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rounds,
                                   plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
                                   plot_training_curves, plot_tsne, robustness_series)
-from fedssa_jax.run.runs import (REFERENCE_METHOD, Run, _method_key, by_setting_and_method,
-                                 file_part, load_sweep, privacy_budget)
+from fedssa_jax.run.runs import (REFERENCE_METHOD, _method_key, backend_of, by_setting_and_method,
+                                 file_part, has_clock, load_sweep, privacy_budget, reached,
+                                 reached_epsilon)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,28 +150,10 @@ def diverged_cell(rs) -> str:
   return f'{len(failed)} of {len(rs)} seeds diverged ({where})'
 
 
-def reached(r: Run, target: float | None = None) -> dict | None:
-  """The run's costs at the first evaluated round whose mean accuracy reaches `target` (round,
-  cum_floats, cum_client_flops), from its history; None if it never did. Without `target`,
-  the run's own (summary.json, at its config's target_accuracy)."""
-  if target is None:
-    return r.summary.get('to_target')
-  for x in r.metrics:
-    if x.get('mean_accuracy') is not None and x['mean_accuracy'] >= target:
-      return {k: x[k] for k in ('round', 'cum_floats', 'cum_client_flops', 'cum_sim_seconds')
-              if k in x}
-  return None
-
-
 def _to_target(rs, key, target=None):
   """Mean over the seeds that reached the target of their cost `key`, and how many did."""
   vals = [c[key] for c in (reached(r, target) for r in rs) if c and key in c]
   return (float(np.mean(vals)) if vals else None), len(vals)
-
-
-def has_clock(r: Run) -> bool:
-  """Whether the run's records carry the system section's simulated seconds."""
-  return any('cum_sim_seconds' in x for x in r.metrics)
 
 
 def ratio_text(baseline, reference) -> str:
@@ -292,21 +275,6 @@ def privacy_series(runs) -> dict[tuple, dict[str, dict]]:
   return out
 
 
-def reached_epsilon(r: Run) -> float | None:
-  """The epsilon a private run's summary reports (its largest client's), or for a run that
-  diverged its last record; None if absent."""
-  reported = r.summary if r.diverged is None else (r.metrics[-1] if r.metrics else {})
-  for key in ('dp_epsilon', 'dp_upload_epsilon'):
-    if reported.get(key) is not None:
-      return float(reported[key])
-  return None
-
-
-def backend_of(r: Run) -> str:
-  """The backend a run ran on ('cpu', 'gpu', 'tpu'; '?' in records from before it was kept)."""
-  return r.derived.get('backend') or '?'
-
-
 def privacy_tables(series) -> str:
   """Per setting and mechanism: the final mean accuracy (%) at each epsilon, mean ± std over
   seeds, with the largest epsilon the runs reached, or 'diverged (round N)' where they diverged;
@@ -375,7 +343,6 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
   out_dir = out_dir or os.path.join(sweep_dir, 'report')
   os.makedirs(out_dir, exist_ok=True)
   grouped = by_setting_and_method(runs)
-  rel = lambda p: os.path.relpath(p, out_dir)
 
   private = privacy_series(runs + diverged)
   mismatches = partition_mismatches(runs + diverged)
@@ -391,55 +358,86 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
     title, _, rest = text.partition('\n')  # the note goes under each page's title
     with open(os.path.join(out_dir, name), 'w') as f:
       f.write('\n'.join([title, '', *note]) + rest if note else text)
-  index = [f'# Report of {os.path.abspath(sweep_dir)}', '',
-           f'{len(runs)} finished runs in {len(grouped)} settings'
-           + (f'; {len(diverged)} diverged (not in the accuracy and cost tables; each '
-              'folder\'s diverged.json says why): ' + ', '.join(
-                  f'{rel(r.path)} (round {r.diverged.get("round", "?")})' for r in diverged)
-              if diverged else '')
-           + (f'; {len(unfinished)} not finished (left out): '
-              + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
-           *note,
-           '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
-           '- [Communication and computation to the target](costs.md)']
-  if private:
-    plots = []  # of the finished runs
-    for (base, mechanism), methods in privacy_series(runs).items():
-      path = plot_accuracy_vs_epsilon(f'{base.label}, {mechanism}', methods, os.path.join(
-          out_dir, f'privacy_{base.slug}_{file_part(mechanism)}.png'))
-      plots.append(f'[{base.column}, {mechanism}]({rel(path)})')
-    index.append('- [Under differential privacy](privacy.md)' + (
-        '; accuracy against epsilon: ' + ', '.join(plots) if plots else ''))
-  index.append('')
 
+  index = _index_head(sweep_dir, out_dir, runs, grouped, diverged, unfinished, note)
+  if private:
+    index.append(_privacy_link(runs, out_dir))
+  index += ['', *_settings_section(grouped, out_dir), *_robustness_section(grouped, out_dir),
+            *_tsne_section(runs, out_dir)]
+  path = os.path.join(out_dir, 'index.md')
+  with open(path, 'w') as f:
+    f.write('\n'.join(index))
+  return path
+
+
+def _index_head(sweep_dir, out_dir, runs, grouped, diverged, unfinished, note) -> list[str]:
+  """index.md's title, its count of runs (naming those that diverged or did not finish), the
+  partition `note`, and the links to the tables."""
+  rel = lambda p: os.path.relpath(p, out_dir)
+  return [f'# Report of {os.path.abspath(sweep_dir)}', '',
+          f'{len(runs)} finished runs in {len(grouped)} settings'
+          + (f'; {len(diverged)} diverged (not in the accuracy and cost tables; each '
+             'folder\'s diverged.json says why): ' + ', '.join(
+                 f'{rel(r.path)} (round {r.diverged.get("round", "?")})' for r in diverged)
+             if diverged else '')
+          + (f'; {len(unfinished)} not finished (left out): '
+             + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
+          *note,
+          '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
+          '- [Communication and computation to the target](costs.md)']
+
+
+def _privacy_link(runs, out_dir) -> str:
+  """index.md's link to privacy.md, with a plot of accuracy against epsilon per setting and
+  mechanism of the finished `runs`."""
+  plots = []
+  for (base, mechanism), methods in privacy_series(runs).items():
+    path = plot_accuracy_vs_epsilon(f'{base.label}, {mechanism}', methods, os.path.join(
+        out_dir, f'privacy_{base.slug}_{file_part(mechanism)}.png'))
+    plots.append(f'[{base.column}, {mechanism}]({os.path.relpath(path, out_dir)})')
+  return '- [Under differential privacy](privacy.md)' + (
+      '; accuracy against epsilon: ' + ', '.join(plots) if plots else '')
+
+
+def _settings_section(grouped, out_dir) -> list[str]:
+  """index.md's table of the settings, a row each linking its plots (drawn here)."""
+  rel = lambda p: f'[png]({os.path.relpath(p, out_dir)})'
+  png = lambda kind, s: os.path.join(out_dir, f'{kind}_{s.slug}.png')
   rows = []
   for s, methods in grouped.items():
     rounds = sorted({r.summary['rounds'] for rs in methods.values() for r in rs})
-    curves = plot_accuracy_vs_rounds(s, methods, os.path.join(out_dir, f'rounds_{s.slug}.png'))
-    boxes = plot_client_boxes(s, methods, os.path.join(out_dir, f'boxes_{s.slug}.png'))
-    training = plot_training_curves(s, methods, os.path.join(out_dir, f'training_{s.slug}.png'))
+    curves = plot_accuracy_vs_rounds(s, methods, png('rounds', s))
+    boxes = plot_client_boxes(s, methods, png('boxes', s))
+    training = plot_training_curves(s, methods, png('training', s))
     clock = any(has_clock(r) for rs in methods.values() for r in rs)
-    sim = '—'
-    if clock:
-      path = plot_accuracy_vs_sim_time(s, methods, os.path.join(out_dir, f'simtime_{s.slug}.png'))
-      sim = f'[png]({rel(path)})'
-    rows.append([s.label, len(methods), '/'.join(map(str, rounds)), f'[png]({rel(curves)})',
-                 f'[png]({rel(boxes)})', f'[png]({rel(training)})', sim])
-  index += ['## Per setting', '', markdown_table(
+    sim = rel(plot_accuracy_vs_sim_time(s, methods, png('simtime', s))) if clock else '—'
+    rows.append([s.label, len(methods), '/'.join(map(str, rounds)), rel(curves), rel(boxes),
+                 rel(training), sim])
+  return ['## Per setting', '', markdown_table(
       ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes',
        'accuracy, train loss and header norms', 'accuracy against simulated time'], rows)]
 
-  robust = robustness_series(grouped)
-  if robust:
-    index += ['## Robustness', '']
-    for key, methods in robust.items():
-      dataset, models, n, c, axis = key
-      path = plot_robustness(key, methods, os.path.join(
-          out_dir, f'robustness_{axis}_{dataset}_{models}_n{n}_c{c:g}.png'))
-      index.append(f'- [{dataset} {models} N={n}, C={c * 100:g}%, against '
-                   f'{"classes per client" if axis == "k" else "Dirichlet γ"}]({rel(path)})')
-    index.append('')
 
+def _robustness_section(grouped, out_dir) -> list[str]:
+  """index.md's links to the robustness plots (drawn here), if any setting varies only in
+  classes per client or Dirichlet gamma."""
+  robust = robustness_series(grouped)
+  if not robust:
+    return []
+  out = ['## Robustness', '']
+  for key, methods in robust.items():
+    dataset, models, n, c, axis = key
+    path = plot_robustness(key, methods, os.path.join(
+        out_dir, f'robustness_{axis}_{dataset}_{models}_n{n}_c{c:g}.png'))
+    out.append(f'- [{dataset} {models} N={n}, C={c * 100:g}%, against '
+               f'{"classes per client" if axis == "k" else "Dirichlet γ"}]'
+               f'({os.path.relpath(path, out_dir)})')
+  return out + ['']
+
+
+def _tsne_section(runs, out_dir) -> list[str]:
+  """index.md's links to a t-SNE panel (drawn here) per setting and seed whose runs saved their
+  test representations, if any did."""
   tsne = collections.defaultdict(dict)  # (setting, seed) -> method -> saved arrays
   families = collections.defaultdict(dict)  # (setting, seed) -> method -> each client's family
   for r in runs:
@@ -448,20 +446,16 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
       tsne[(r.setting, r.seed)][r.method] = dict(np.load(path))
       if 'client_family' in r.derived:
         families[(r.setting, r.seed)][r.method] = r.derived['client_family']
-  if tsne:
-    index += ['## t-SNE of the test representations', '']
-    for (s, seed), reps in sorted(tsne.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1])):
-      reps = dict(sorted(reps.items(), key=lambda kv: _method_key(kv[0])))
-      path = plot_tsne(f'{s.label}, seed {seed}', reps,
-                       os.path.join(out_dir, f'tsne_{s.slug}_s{seed}.png'),
-                       families=families[(s, seed)])
-      index.append(f'- [{s.label}, seed {seed}: {", ".join(reps)}]({rel(path)})')
-    index.append('')
-
-  path = os.path.join(out_dir, 'index.md')
-  with open(path, 'w') as f:
-    f.write('\n'.join(index))
-  return path
+  if not tsne:
+    return []
+  out = ['## t-SNE of the test representations', '']
+  for (s, seed), reps in sorted(tsne.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1])):
+    reps = dict(sorted(reps.items(), key=lambda kv: _method_key(kv[0])))
+    path = plot_tsne(f'{s.label}, seed {seed}', reps,
+                     os.path.join(out_dir, f'tsne_{s.slug}_s{seed}.png'),
+                     families=families[(s, seed)])
+    out.append(f'- [{s.label}, seed {seed}: {", ".join(reps)}]({os.path.relpath(path, out_dir)})')
+  return out + ['']
 
 
 FLAGS = flags.FLAGS

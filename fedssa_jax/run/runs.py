@@ -1,5 +1,6 @@
 """A sweep's finished runs, read back from their folders and grouped by setting and method: what
-report.py tabulates and plots.py draws; and its diverged ones, which report.py lists."""
+report.py tabulates and plots.py draws; and its diverged ones, which report.py lists; and what a
+run's records say: the costs and the epsilon it reached, its clock, its backend."""
 from __future__ import annotations
 
 import collections
@@ -79,6 +80,39 @@ class Run:
   # A run that diverged: its diverged.json (the round, the message, the train loss); its
   # summary is then empty and its metrics the rounds before.
   diverged: dict | None = None
+
+
+def reached(r: Run, target: float | None = None) -> dict | None:
+  """The run's costs at the first evaluated round whose mean accuracy reaches `target` (round,
+  cum_floats, cum_client_flops), from its history; None if it never did. Without `target`,
+  the run's own (summary.json, at its config's target_accuracy)."""
+  if target is None:
+    return r.summary.get('to_target')
+  for x in r.metrics:
+    if x.get('mean_accuracy') is not None and x['mean_accuracy'] >= target:
+      return {k: x[k] for k in ('round', 'cum_floats', 'cum_client_flops', 'cum_sim_seconds')
+              if k in x}
+  return None
+
+
+def has_clock(r: Run) -> bool:
+  """Whether the run's records carry the system section's simulated seconds."""
+  return any('cum_sim_seconds' in x for x in r.metrics)
+
+
+def reached_epsilon(r: Run) -> float | None:
+  """The epsilon a private run's summary reports (its largest client's), or for a run that
+  diverged its last record; None if absent."""
+  reported = r.summary if r.diverged is None else (r.metrics[-1] if r.metrics else {})
+  for key in ('dp_epsilon', 'dp_upload_epsilon'):
+    if reported.get(key) is not None:
+      return float(reported[key])
+  return None
+
+
+def backend_of(r: Run) -> str:
+  """The backend a run ran on ('cpu', 'gpu', 'tpu'; '?' in records from before it was kept)."""
+  return r.derived.get('backend') or '?'
 
 
 def setting_of(config: dict) -> Setting:
