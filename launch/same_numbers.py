@@ -76,14 +76,16 @@ RUNS['fedssa-dp-sgd-target'] = ({'method': 'fedssa', 'privacy.dp_sgd': True,
 RUNS['fedssa-upload-local'] = ({'method': 'fedssa', 'privacy.upload': True}, {})
 RUNS['fd-upload-local'] = ({'method': 'fd', 'privacy.upload': True}, {})
 RUNS['fedssa-upload-central'] = ({'method': 'fedssa', 'privacy.upload': True,
-                                  'privacy.upload_mode': 'central'}, {})
+                                  'privacy.upload_mode': 'central',
+                                  'fedssa.scope': 'participants'}, {})
 RUNS['fedgh-upload-central'] = ({'method': 'fedgh', 'privacy.upload': True,
                                  'privacy.upload_mode': 'central'}, {})
 RUNS['fedssa-everything'] = ({'method': 'fedssa', 'system.availability': 0.8,
                               'system.dropout': 0.2, 'system.straggler_rate': 0.5,
                               'system.upload_loss': 0.3, 'system.device_tiers': 'three_tiers',
                               'system.deadline': 1.0, 'privacy.dp_sgd': True,
-                              'privacy.upload': True, 'privacy.upload_mode': 'central'}, {})
+                              'privacy.upload': True, 'privacy.upload_mode': 'central',
+                              'fedssa.scope': 'participants'}, {})
 
 
 def outputs(name: str, workdir: str) -> list[str]:
