@@ -3,22 +3,23 @@
 Between a client's `Method.upload` and the server's rule, an upload may be clipped and noised
 (the privacy section's client-level DP), lost or late (the system section), and the server's sum
 of the uploads noised before the rule. The engine does not branch on which of these are on: it
-builds the path once from the config (`Uplink.build`) and calls its three ends, each step of which has
-an identity default that traces nothing, so that a run with everything off takes the same path
-and computes exactly what it always did.
+builds the path once from the config (`Uplink.build`) and calls its three ends, whose steps
+each have an identity default that traces nothing, so that a run with everything off takes the
+same path and computes exactly what it always did.
 
 1. `Uplink.send` (the client end, in the round's call, engine/simulator.py's local_round): the
    `client` step on each client's upload, vmapped over the chunk's clients. `AsSent` (identity)
    passes it as it is; `Privatize` (upload DP) clips the method's private fields
    (Method.private_upload) around its reference (Method.upload_reference) and, in local mode,
    noises them (privacy.privatize_upload), and reports each upload's norm before the clip.
-2. `Uplink.receive` (the arrival, in the same call, train_chunk): the `federation` step says which
-   uploads arrive, and the server receives those (Method.server_receive). `Ideal` (the system
-   section off): every trained client's. `Drawn` (the system section on, fedssa_jax/system.py):
-   not those lost, nor with a clock those later than the deadline (`arrivals`). The same step
-   holds the federation's other parts of the round: the host's draws and the cohort (`draw`),
-   what the calls take of the devices and the draws (`devices`, `inputs`), a straggler's share of its steps (`work`, read by
-   local training), and the round's record (`record`).
+2. `Uplink.receive` (the arrival, in the same call, train_chunk): the `federation` step says
+   which uploads arrive, and the server receives those (Method.server_receive). `Ideal` (the
+   system section off): every trained client's. `Drawn` (the system section on,
+   fedssa_jax/system.py): not those lost, nor with a clock those later than the deadline
+   (`arrivals`). The same step holds the federation's other parts of the round: the host's
+   draws and the cohort (`draw`), what the calls take of the devices and the draws (`devices`,
+   `inputs`), a straggler's share of its steps (`work`, which local training reads), and the
+   round's record (`record`).
 3. `Uplink.aggregate` (the server end, once a round under jit): the `before_rule` step on the
    server state (`CentralNoise`: central upload DP's noise on the round's sum of the clipped
    uploads, Method.central_noise), the method's rule over the clients whose uploads arrived
