@@ -27,7 +27,7 @@ class Stream(enum.IntEnum):
   CLIENT_STATE = 4    # engine/parts.py: a client's initial method state, by id
   EVAL = 5            # engine/schedule.py: the subset of clients evaluated (eval_clients)
   FAMILY_INIT = 6     # engine/parts.py: a family's shared initial model (init_scope 'family')
-  AGGREGATE = 7       # engine/simulator.py: the server rule's key, by round
+  AGGREGATE = 7       # engine/uplink.py: the server rule's key, by round
   STUDY = 8           # engine/simulator.py: the study batch of a step after training, by
                       # round and client id (Method.after_training)
   SYSTEM = 9          # system.py: the federation's draws, by round and SystemDraw

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fedssa_jax import config_lib, methods, models, system
-from fedssa_jax.engine import schedule, simulator
+from fedssa_jax.engine import schedule, simulator, uplink
 from fedssa_jax.engine.state import ClientStats
 from fedssa_jax.engine.training import TrainStats
 from fedssa_jax.errors import ConfigError
@@ -186,7 +186,7 @@ def test_a_three_client_round_s_simulated_time_by_hand():
                        samples=samples.astype(jnp.int32), steps=jnp.zeros(4, jnp.int32)),
       down_floats=jnp.array([1000., 2000., 0., 0.]), up_floats=jnp.array([500., 500., 1e6, 0.]),
       extra_flops=jnp.array([0., 1e9, 0., 0.]))
-  seconds, received = simulator.arrivals(sys_in, jnp.arange(4), jnp.array([1, 1, 1, 0], bool),
+  seconds, received = uplink.arrivals(sys_in, jnp.arange(4), jnp.array([1, 1, 1, 0], bool),
                                          stats)
   # Client 0: 4*1000/1e6 + 1e6*1000/1e9 + 4*500/5e5 = 0.004 + 1 + 0.004.
   # Client 1: 4*2000/1e6 + (2e6*5000 + 1e9)/2e9 + 4*500/5e5 = 0.008 + 5.5 + 0.004.
@@ -195,7 +195,7 @@ def test_a_three_client_round_s_simulated_time_by_hand():
   np.testing.assert_array_equal(received, [True, False, True, False])
   assert system.round_seconds(np.asarray(seconds[:3]), 20.0) == pytest.approx(12.0)
   late = sys_in.replace(deadline=jnp.asarray(10.0))
-  _, received = simulator.arrivals(late, jnp.arange(4), jnp.array([1, 1, 1, 0], bool), stats)
+  _, received = uplink.arrivals(late, jnp.arange(4), jnp.array([1, 1, 1, 0], bool), stats)
   np.testing.assert_array_equal(received, [True, False, False, False])
   assert system.round_seconds(np.asarray(seconds[:3]), 10.0) == 10.0   # waits to the deadline
   assert system.round_seconds(np.zeros(0), 10.0) == 0.0
@@ -231,8 +231,9 @@ def test_a_round_whose_uploads_are_all_lost_leaves_every_method_s_server_as_it_w
   rng = np.random.default_rng(0)
 
   # Jitted, as the engine runs them (and compiled once, not op by op).
-  agg = jax.jit(lambda server, participants, t: simulator.aggregate_seed(
-      method, server, participants, t, jax.random.PRNGKey(0), keep_when_empty=True).server)
+  path = uplink.Uplink(after_rule=uplink.KeepWhenEmpty())
+  agg = jax.jit(lambda server, participants, t: path.aggregate(
+      method, server, participants, t, jax.random.PRNGKey(0)).server)
   receive = jax.jit(method.server_receive)
 
   if payload_shape is not None:  # a round that arrives: clients 0, 1 and 2

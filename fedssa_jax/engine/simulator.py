@@ -9,17 +9,23 @@ state [R, ...], the costs [R]. A round (`Simulator.run_round`):
    of a group holds chunk j of every seed;
 2. trains each chunk in one jitted call (`train_chunk` around `local_round`): the method's
    download, local training of every client under `vmap` with the method's loss, the upload,
-   the server's receipt of the uploads; the population store brings the chunk's rows to the
-   call and takes them back. The call is vmapped over the seeds, each with its own rows,
-   server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed it
-   runs on the seed's slice, computing exactly what a run without the axis did;
-3. runs the method's server rule, per seed, under jit;
+   the server's receipt of the uploads that arrive; the population store brings the chunk's
+   rows to the call and takes them back. The call is vmapped over the seeds, each with its own
+   rows, server, seen-class masks, training indices and root key (`ChunkInputs`); with one seed
+   it runs on the seed's slice, computing exactly what a run without the axis did;
+3. runs the method's server rule over the clients whose uploads arrived, per seed, under jit;
 4. adds up each seed's floats, FLOPs and training statistics (`ChunkStats` into `RoundInfo`).
 
-With the `system` section on (fedssa_jax/system.py), step 1 draws the federation too (who is
-online, drops out, straggles, loses its upload), step 2's call takes the draws as data
-(`ChunkInputs.system`) and hands the server only the uploads that arrive (`arrivals`), and step
-3 aggregates those; a round that receives nothing leaves the server as it was.
+The federation (the `system` section, fedssa_jax/system.py) and client-level DP on the uploads
+(the privacy section's upload) act on the path of the uploads from client to server, `Uplink`
+(uplink.py), which the Simulator builds once from the config and the round calls without
+knowing which of its steps are on: in step 1 the federation's draws (who is online, drops out,
+straggles, loses its upload: `Uplink.federation.draw`), in step 2 a straggler's share of its
+steps (`.work`), each upload's clip and local noise (`Uplink.send`) and which uploads arrive
+(`Uplink.receive`: not those lost or late), in step 3 central noise on the server's sum before
+the rule and, with the system section on, a round that received nothing leaving the server as
+it was (`Uplink.aggregate`). With all of them off, every step is the identity. DP-SGD acts
+inside local training (training.py).
 
 Shapes never depend on the round, so each family compiles its training call once. Dummy clients
 train on zero samples (every step is a no-op), and their scatter and upload are dropped, so they
@@ -42,10 +48,11 @@ from fedssa_jax.engine import costs, evaluation, parts, schedule, training
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
 from fedssa_jax.engine.population import make_store
-from fedssa_jax.engine.schedule import cohort_size, sample_cohort
-from fedssa_jax.streams import Stream
+from fedssa_jax.engine.schedule import cohort_size
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
-                                     RoundInfo, RunState, ServerState, SystemRound)
+                                     RoundInfo, RunState, ServerState)
+from fedssa_jax.engine.uplink import VIEW_AXES, Uplink
+from fedssa_jax.streams import Stream
 
 
 # Under a mesh, each device trains its share of a chunk's clients (local_round's arguments).
@@ -58,8 +65,7 @@ LOCAL_SPECS = (SHARDED, SHARDED, REPLICATED,
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
                 train_one: Callable, pass_one: Callable | None = None,
                 pass_flops_per_sample: float = 0.0, after_one: Callable | None = None,
-                step_flops_per_sample: float = 0.0,
-                upload_dp: privacy.UploadDP | None = None):
+                step_flops_per_sample: float = 0.0, uplink: Uplink = Uplink()):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   training.local_train for the family's model; `pass_one`, training.forward_pass_sums for its
@@ -69,14 +75,14 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   `method.after_training_steps` CE training steps of `step_flops_per_sample` FLOPs per study
   and quiz sample. Without them (the default), nothing of them is traced; nor of the held-out
   split (`method.held_out_samples`) at 0, nor of the training switch (`method.trains`) at its
-  default. `upload_dp` (client-level DP, the privacy section's upload): each upload's private
-  fields clipped, and noised in local mode (privacy.privatize_upload)."""
+  default. `uplink`, the path of the uploads (uplink.py): its federation step gives each
+  client's share of its steps (a straggler's), and its client step takes each upload (client-level
+  DP's clip and local noise); by default (the ideal federation, no DP) neither traces anything."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
   view = methods.ClientView(id=ids, seen=inputs.seen[ids], num_samples=n, round=t)
-  view_axes = methods.ClientView(id=0, seen=0, num_samples=0, round=None)
-  down = jax.vmap(method.download, in_axes=(0, 0, None, view_axes))(params, state, server, view)
+  down = jax.vmap(method.download, in_axes=(0, 0, None, VIEW_AXES))(params, state, server, view)
   round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.TRAIN), t)
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
   when = method.forward_pass
@@ -95,8 +101,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     split_n, split_rows = n, rows
   trains = method.trains(t)
   train_n = split_n if trains is True else jnp.where(trains, split_n, 0)
-  # With the system section, each client's share of its steps (a straggler's f) too.
-  work = () if inputs.system is None else (inputs.system.work[ids],)
+  work = uplink.federation.work(inputs)  # with the system section, a straggler's f
   in_axes = (0, 0, 0, 0, 0, None) + (0,) * len(work)
   trainable, loss_sums, stats = jax.vmap(train_one, in_axes=in_axes)(
       {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_, *work)
@@ -106,18 +111,12 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.STUDY), t)
     study_keys = jax.vmap(lambda c: jax.random.fold_in(study_round, c))(ids)
     after, study_count, quiz_count = jax.vmap(
-        after_one, in_axes=(0, 0, 0, 0, 0, None, view_axes))(
+        after_one, in_axes=(0, 0, 0, 0, 0, None, VIEW_AXES))(
             trainable, down.ctx, study_keys, data_.train_idx[ids], n, data_, view)
   acc = methods.Accumulated(loss=loss_sums, forward_pass=passed, after_training=after)
-  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, view_axes))(
+  up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, VIEW_AXES))(
       trainable, acc, down.ctx, state, view)
-  payload, upload_norm = up.payload, None
-  if upload_dp is not None:
-    reference = jax.vmap(method.upload_reference, in_axes=(None, 0, view_axes))(
-        server, down, view)
-    payload, upload_norm = jax.vmap(functools.partial(
-        privacy.privatize_upload, fields=upload_dp.fields, clip_norm=upload_dp.clip_norm,
-        std=upload_dp.std))(payload, reference, privacy.upload_keys(inputs.root_key, t, ids))
+  payload, upload_norm = uplink.send(method, up.payload, server, down, view, inputs.root_key)
   extra_flops = down.flops + up.flops
   if after_one is not None:  # the step: CE training steps' FLOPs per study and quiz sample
     per_study, per_quiz = method.after_training_steps
@@ -131,17 +130,13 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
 
 
 def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
-                local: Callable):
+                local: Callable, uplink: Uplink = Uplink()):
   """One chunk of a group, on its rows: `local` (local_round, per device under a mesh), then
-  the server's receipt of the uploads, and the chunk's statistics. Returns (params, state,
-  server, ChunkStats); the store's call brings the rows and takes them back."""
+  the server's receipt of the uploads that arrive (`uplink`'s, uplink.py), and the chunk's
+  statistics. Returns (params, state, server, ChunkStats); the store's call brings the rows and
+  takes them back."""
   new_params, new_state, payload, stats = local(params, state, server, inputs)
-  if inputs.system is None:  # the ideal federation: every trained client's upload arrives
-    received, reported, seconds = inputs.active, None, None
-  else:  # lost uploads, and with a clock those past the deadline, do not
-    seconds, received = arrivals(inputs.system, inputs.ids, inputs.active, stats)
-    reported = received
-  server = method.server_receive(server, inputs.ids, payload, received)
+  server, received, seconds = uplink.receive(method, server, inputs, payload, stats)
   # Which trained clients hold a NaN or inf in their parameters (the divergence guard).
   nonfinite = jnp.stack([
       ~jnp.isfinite(l).reshape(l.shape[0], -1).all(axis=1)
@@ -149,29 +144,19 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
   ]).any(axis=0) & inputs.active
   norms = jax.vmap(method.trained_norms)(new_params, inputs.seen[inputs.ids])
   return new_params, new_state, server, ChunkStats(clients=stats, nonfinite=nonfinite,
-                                                   norms=norms, received=reported,
+                                                   norms=norms, received=received,
                                                    seconds=seconds)
-
-
-def arrivals(sys_in: system.SystemInputs, ids, active, stats: ClientStats):
-  """(each client's simulated seconds, whether the server receives its upload): a trained
-  client's upload arrives unless it is lost or later than the deadline."""
-  flops = sys_in.train_flops[ids] * stats.train.samples.astype(jnp.float32) + stats.extra_flops
-  seconds = jnp.where(active, system.client_seconds(sys_in, ids, stats.down_floats,
-                                                    stats.up_floats, flops), 0.0)
-  return seconds, active & ~sys_in.lost[ids] & (seconds <= sys_in.deadline)
 
 
 def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
              flops: costs.Flops, placement: Placement, max_train: int,
-             eval_batch_size: int, upload_dp: privacy.UploadDP | None = None) -> Callable:
+             eval_batch_size: int, uplink: Uplink = Uplink()) -> Callable:
   """`train_chunk` for group `g`'s model, one seed's (the store vmaps it over the seeds), with
-  the method's forward pass and step after training where it asks for them, and client-level
-  DP on the uploads with `upload_dp`. `max_train`: the longest training index row."""
+  the method's forward pass and step after training where it asks for them, and the uploads'
+  path `uplink`. `max_train`: the longest training index row."""
   train_one = functools.partial(training.local_train, apply_fn=g.model.apply, cfg=train_cfg,
                                 method=method, train_apply=getattr(g.model, 'train_apply', None))
-  local = functools.partial(local_round, method=method, train_one=train_one,
-                            upload_dp=upload_dp)
+  local = functools.partial(local_round, method=method, train_one=train_one, uplink=uplink)
   if method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
     raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
                      f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
@@ -189,7 +174,7 @@ def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
         local, after_one=functools.partial(training.after_training, apply_fn=g.model.apply,
                                            cfg=train_cfg, method=method),
         step_flops_per_sample=flops.model(g.family))
-  return functools.partial(train_chunk, method=method,
+  return functools.partial(train_chunk, method=method, uplink=uplink,
                            local=placement.per_device(local, LOCAL_SPECS))
 
 
@@ -243,31 +228,27 @@ class Simulator:
     self.system = (system.System(config.system, self.num_clients, self.seeds,
                                  self.flops.per_client)
                    if system.enabled(config.system) else None)
-    # What the calls take of the devices, once; each round adds its draws (train_chunks).
-    self._system_devices = None if self.system is None else place.replicate(jax.tree.map(
-        jnp.asarray, self.system.device_inputs(self.seeds, self.flops.per_client)))
     self.initial = parts.Initial(config, self.method, keys, place)
     self.store = make_store(
         config.population_store, place, self.groups, self.num_clients, r,
         self.initial.group, self.initial.client_state,
         directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
-    # Client-level DP on the uploads: its accountant (None: off), and what the calls take.
+    # Client-level DP on the uploads: its accountant (None: off).
     self.upload_privacy = (privacy.UploadAccountant(config.privacy, self.num_clients, self.k,
                                                     config.num_rounds)
                            if privacy.upload_enabled(config.privacy) else None)
-    upload_dp, central_std = None, 0.0
-    if self.upload_privacy is not None:
-      upload_dp = privacy.UploadDP(
-          fields=tuple(self.method.private_upload), clip_norm=float(config.privacy.upload_clip),
-          std=0.0 if self.upload_privacy.central else self.upload_privacy.std)
-      central_std = self.upload_privacy.std if self.upload_privacy.central else 0.0
+    # The path of the uploads from client to server, with the federation's and privacy's steps
+    # that are on (uplink.py), and what the calls take of the devices, once (each round adds
+    # its draws: train_chunks).
+    self.uplink = Uplink.build(config, self.method, self.upload_privacy)
+    self._system_devices = self.uplink.federation.devices(self.system, self.seeds,
+                                                          self.flops.per_client, place)
     self._train_calls = [self.store.train_call(g, chunk_fn(
         g, self.method, self.train_cfg, self.flops, place, self.data.train_idx.shape[-1],
-        config.eval_batch_size, upload_dp)) for g in self.groups]
+        config.eval_batch_size, self.uplink)) for g in self.groups]
     self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
-        functools.partial(aggregate_seed, self.method, keep_when_empty=self.system is not None,
-                          central_std=central_std),
-        r, (0, 0, None, 0))(*a), sharded=False), donate_argnums=0)
+        functools.partial(self.uplink.aggregate, self.method), r, (0, 0, None, 0))(*a),
+        sharded=False), donate_argnums=0)
     self.evaluator = evaluation.Evaluator(
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
         self.slot_of, eval_batch_size=config.eval_batch_size,
@@ -295,15 +276,10 @@ class Simulator:
     population, server, chunk_stats = self.train_chunks(
         state.population, state.server, chunks, t, [draws for draws, _, _ in rounds])
     self.phase('train', population, server)
-    if self.system is None:
-      participants = np.zeros((self.num_seeds, self.num_clients), bool)
-      for i, c in enumerate(cohorts):
-        participants[i, c] = True
-      participants = jnp.asarray(participants)
-    else:  # the clients whose uploads the server received, as the chunks found them
-      participants = jnp.zeros((self.num_seeds, self.num_clients), bool)
-      for c, stats in zip(chunks, chunk_stats):
-        participants = _mark(participants, jnp.asarray(c.ids, jnp.int32), stats.received)
+    # The clients whose uploads the server received, as the chunks found them.
+    participants = jnp.zeros((self.num_seeds, self.num_clients), bool)
+    for c, stats in zip(chunks, chunk_stats):
+      participants = _mark(participants, jnp.asarray(c.ids, jnp.int32), stats.received)
     agg = self._aggregate(server, participants, jnp.asarray(t, jnp.int32), self.root_keys)
     server = agg.server
     self.phase('aggregate', server)
@@ -328,13 +304,8 @@ class Simulator:
                  ) -> tuple[system.RoundDraws | None, np.ndarray, np.ndarray]:
     """Round `t` of a seed: (the system section's draws, or None when it is off; the sampled
     clients; those of them that train, the cohort), a pure function of (seed, t)."""
-    seed = self.seeds[seed_index]
-    if self.system is None:
-      sampled = sample_cohort(seed, t, self.num_clients, self.k)
-      return None, sampled, sampled
-    draws = self.system.round_draws(seed, t)
-    sampled = sample_cohort(seed, t, self.num_clients, self.k, draws.online)
-    return draws, sampled, draws.cohort(sampled)
+    return self.uplink.federation.draw(self.system, self.seeds[seed_index], t,
+                                       self.num_clients, self.k)
 
   def chunks(self, cohort: np.ndarray, per_call: int | None = None,
              seed_index: int = 0) -> list:
@@ -360,14 +331,10 @@ class Simulator:
     """Trains round `t`'s `chunks`, with each seed's system draws (`draws`, the system section
     on). Returns (the new population, the server, [the statistics of each chunk]); `population`
     and `server` are used up."""
-    sys_in = None
-    if self.system is not None:
-      sys_in = self._system_devices.replace(**self.placement.replicate(
-          {'work': jnp.asarray(np.stack([d.work for d in draws])),
-           'lost': jnp.asarray(np.stack([d.lost for d in draws]))}))
     inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
                          round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys,
-                         system=sys_in)
+                         system=self.uplink.federation.inputs(self._system_devices, draws,
+                                                              self.placement))
     return self.store.train(population, server, chunks, self._train_calls, inputs)
 
   def _round_info(self, cohort: np.ndarray, chunks, chunk_stats: list[ChunkStats],
@@ -399,26 +366,8 @@ class Simulator:
         header_norm_max=float(s.norms.max.max(initial=0.0)),  # 0 for a round without clients
         header_norm_mean=float(s.norms.sum.sum() / max(s.norms.count.sum(), 1)),
         server_flops=0.0, server_metrics={},  # the server's: run_round fills them in
-        system=None if self.system is None else self._system_round(cohort, s, *federation),
-        upload_norms=(None if s.clients.upload_norm is None
-                      else np.asarray(s.clients.upload_norm, np.float64)))
-
-  def _system_round(self, cohort, s: ChunkStats, draws: system.RoundDraws,
-                    sampled: np.ndarray, _) -> SystemRound:
-    """A round's federation, for its record: `s` the cohort's statistics."""
-    received = s.received.astype(bool)
-    lost = draws.lost[cohort]
-    straggler = draws.work[cohort] < 1
-    seconds = round_seconds = None
-    if self.system.clock:
-      seconds = np.asarray(s.seconds, np.float64)
-      round_seconds = system.round_seconds(seconds, self.system.deadline)
-    return SystemRound(
-        online=int(draws.online.sum()), sampled=sampled,
-        dropped=sampled[draws.dropped[sampled]], stragglers=cohort[straggler],
-        work=draws.work[cohort][straggler], lost=cohort[lost],
-        late=cohort[~received & ~lost], received=cohort[received], seconds=seconds,
-        round_seconds=round_seconds)
+        system=self.uplink.federation.record(self.system, cohort, s, *federation),
+        upload_norms=jax.tree.map(lambda v: np.asarray(v, np.float64), s.clients.upload_norm))
 
   # ------------------------------------------------------------------------------------------
   # Evaluation (evaluation.py)
@@ -441,23 +390,3 @@ def _mark(participants, ids, received):
   a dummy slot (not received) never clears a client that was."""
   rows = jnp.arange(ids.shape[0])[:, None]
   return participants | jnp.zeros_like(participants).at[rows, ids].max(received)
-
-
-def aggregate_seed(method: methods.Method, server, participants, round_index, root_key, *,
-                   keep_when_empty: bool = False, central_std: float = 0.0) -> methods.Aggregated:
-  """One seed's server rule, with its key of the round (Stream.AGGREGATE). `keep_when_empty`
-  (the system section on, where a round may receive nothing): a round without a received
-  upload leaves the server state as it was, and costs the server nothing. `central_std`
-  (central client-level DP): the noise the method adds first to the round's sum of uploads."""
-  original = server
-  if central_std:
-    server = method.central_noise(server, privacy.server_upload_key(root_key, round_index),
-                                  central_std)
-  key = jax.random.fold_in(jax.random.fold_in(root_key, Stream.AGGREGATE), round_index)
-  agg = method.server_aggregate(server, participants, round_index, key)
-  if not keep_when_empty:
-    return agg
-  any_ = participants.any()
-  return agg._replace(server=jax.tree.map(lambda new, old: jnp.where(any_, new, old),
-                                          agg.server, original),
-                      flops=jnp.where(any_, agg.flops, 0.0))

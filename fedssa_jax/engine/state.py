@@ -120,8 +120,9 @@ class ChunkStats:
   clients: ClientStats
   nonfinite: jax.Array     # whether its parameters hold a NaN or inf after training
   norms: Norms             # the method's norms of its trained model (Method.trained_norms)
-  # With the system section on (fedssa_jax/system.py), else None: whether the server received
-  # its upload (not lost, not late), and its simulated seconds.
+  # Whether the server received its upload (the uplink's federation step: every trained
+  # client's, or with the system section on, not lost nor late), and with the system section
+  # on, its simulated seconds (None without it).
   received: jax.Array | None = None
   seconds: jax.Array | None = None
 

@@ -156,6 +156,91 @@ def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key
   return loss, correct, acc_update, grads, new_state
 
 
+# ----------------------------------------------------------------------------------------------
+# A local step's parts, each chosen once from the settings (local_train)
+# ----------------------------------------------------------------------------------------------
+def shuffled_batches(cfg: TrainConfig, n, padded_len: int):
+  """Epochs of batches over the training split: (`order_of(key)`, each epoch's order of the
+  positions, a new shuffle or with `cfg.fixed_order` the stored order; `positions(order, step,
+  step_key)`, a step's (positions, valid): the order's step-th batch, valid below n)."""
+  b = cfg.batch_size
+
+  def order_of(key):
+    return jnp.arange(padded_len) if cfg.fixed_order else epoch_order(key, n, padded_len)
+
+  def positions(order, step, step_key):
+    del step_key
+    return jax.lax.dynamic_slice(order, (step * b,), (b,)), step * b + jnp.arange(b) < n
+  return order_of, positions
+
+
+def poisson_batches(cfg: TrainConfig, n, padded_len: int):
+  """DP-SGD's batches (`cfg.dp`), as shuffled_batches's: no epoch order, and each step a
+  Poisson sample of rate min(1, B / n) drawn from its key (privacy.poisson_batch)."""
+  q = privacy.sampling_rate(cfg.batch_size, n)
+
+  def positions(order, step, step_key):
+    del order, step
+    return privacy.poisson_batch(jax.random.fold_in(step_key, StepStream.POISSON), n,
+                                 padded_len, q, cfg.dp.max_batch)
+  return (lambda key: None), positions
+
+
+def step_gradient(cfg: TrainConfig, method, apply_fn: Callable, train_apply: Callable | None,
+                  ctx: PyTree, n, model_state: PyTree):
+  """A step's gradient: (`grads_of(trainable, model_state, step_key, views, y, valid)`, which
+  returns (loss, #correct, accumulator update, gradient, model state); `counted(count)`, the
+  steps a step of `count` valid samples counts). DP-SGD's (`cfg.dp`): the noised mean of the
+  clipped per-example gradients (privacy.noisy_clipped_grads), every step counted, the noise
+  being added whether or not the batch holds a sample. Else a model with batch statistics':
+  its whole batch in one pass (stateful_batch_grads); or the plain one, in passes of
+  `cfg.micro_batch` rows for a loss that is a mean of per-sample terms (batch_grads)."""
+  b, dp = cfg.batch_size, cfg.dp
+  if model_state is not None and train_apply is None:
+    raise ValueError('A model with batch statistics trains with its train_apply.')
+  # Micro-batches only for a loss that is a mean of per-sample terms, on a model whose batch
+  # statistics (if any) would not then change.
+  per_sample = method.per_sample_loss and model_state is None
+  m = cfg.micro_batch if cfg.micro_batch and per_sample else b
+  if b % m:
+    raise ValueError(f'engine.micro_batch={m} must divide batch_size={b}.')
+  if dp is not None:
+    if model_state is not None:
+      raise ValueError('DP-SGD needs per-example gradients, which batch statistics prevent.')
+    denom = jnp.maximum(jnp.minimum(n, b), 1).astype(jnp.float32)  # q n, the expected batch
+    loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
+
+    def noisy(trainable, model_state, step_key, views, y, valid):
+      return (*privacy.noisy_clipped_grads(
+          loss_of, trainable, views, y, valid, jax.random.fold_in(step_key, StepStream.NOISE),
+          denom, clip_norm=dp.clip_norm, noise_multiplier=dp.noise_multiplier,
+          pass_size=dp.pass_size, per_example=dp.per_example, ghost_pass=dp.ghost_pass),
+              model_state)
+    return noisy, lambda count: 1
+  if model_state is not None:
+    def stateful(trainable, model_state, step_key, views, y, valid):
+      return stateful_batch_grads(method, train_apply, model_state,
+                                  jax.random.fold_in(step_key, StepStream.DROPOUT), ctx,
+                                  trainable, views, y, valid)
+    return stateful, lambda count: count > 0
+
+  def plain(trainable, model_state, step_key, views, y, valid):
+    del step_key
+    return (*batch_grads(method, apply_fn, ctx, trainable, views, y, valid, micro_batch=m),
+            model_state)
+  return plain, lambda count: count > 0
+
+
+def epoch_steps(steps, work, epochs: int) -> Callable:
+  """The steps epoch e runs: all its `steps`; or for a straggler running a fraction `work` of
+  the round's E `steps` (the system section's), those among its first floor(work E steps)
+  (system.step_bound), then none."""
+  if work is None:
+    return lambda e: steps
+  bound = system.step_bound(work, epochs * steps)
+  return lambda e: jnp.clip(bound - e * steps, 0, steps)
+
+
 def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Array,
                 n: jax.Array, data: DeviceData, work: jax.Array | None = None, *,
                 apply_fn: Callable, cfg: TrainConfig, method,
@@ -177,6 +262,9 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   rate min(1, B / n) from its key, and its gradient is the noised mean of the clipped
   per-example gradients (privacy.noisy_clipped_grads); every step counts in `stats.steps`,
   the noise being added whether or not the batch holds a sample.
+
+  These are chosen once from the settings, not at each step: the batches (shuffled_batches,
+  poisson_batches), the gradient (step_gradient) and the epochs' steps (epoch_steps).
   """
   tx = make_optimizer(cfg)
   b = cfg.batch_size
@@ -184,51 +272,24 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   idx_pad = jnp.pad(train_idx, (0, padded_len - train_idx.shape[0]))
   steps = n // b if cfg.drop_last else (n + b - 1) // b
   params, model_state = models.split_state(trainable['model'])
-  if model_state is not None and train_apply is None:
-    raise ValueError('A model with batch statistics trains with its train_apply.')
   trainable = {**trainable, 'model': params}
-  # Micro-batches only for a loss that is a mean of per-sample terms, on a model whose batch
-  # statistics (if any) would not then change.
-  per_sample = method.per_sample_loss and model_state is None
-  m = cfg.micro_batch if cfg.micro_batch and per_sample else b
-  if b % m:
-    raise ValueError(f'engine.micro_batch={m} must divide batch_size={b}.')
-  dp = cfg.dp
-  if dp is not None:
-    if model_state is not None:
-      raise ValueError('DP-SGD needs per-example gradients, which batch statistics prevent.')
-    q = privacy.sampling_rate(b, n)
-    denom = jnp.maximum(jnp.minimum(n, b), 1).astype(jnp.float32)  # q n, the expected batch
-    loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
+  # The step's parts, chosen once: its batch, its gradient, and the epochs' steps.
+  order_of, positions = (shuffled_batches if cfg.dp is None else poisson_batches)(
+      cfg, n, padded_len)
+  grads_of, counted = step_gradient(cfg, method, apply_fn, train_apply, ctx, n, model_state)
+  steps_of = epoch_steps(steps, work, cfg.local_epochs)
 
   def grad_step(step, carry, order, aug_key):
     (trainable, model_state), opt_state, acc, stats = carry
     step_key = jax.random.fold_in(aug_key, step)
-    if dp is None:
-      pos = jax.lax.dynamic_slice(order, (step * b,), (b,))
-      valid = step * b + jnp.arange(b) < n
-    else:
-      pos, valid = privacy.poisson_batch(jax.random.fold_in(step_key, StepStream.POISSON), n,
-                                         padded_len, q, dp.max_batch)
+    pos, valid = positions(order, step, step_key)
     idx = idx_pad[pos]
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
     views = tuple(
         augment.augment_batch(step_key if v == 0 else jax.random.fold_in(step_key, v), x)
         if cfg.augment else x for v in range(method.num_views))
-    y = data.labels[idx]
-    if dp is not None:
-      loss, correct, acc_update, grads = privacy.noisy_clipped_grads(
-          loss_of, trainable, views, y, valid,
-          jax.random.fold_in(step_key, StepStream.NOISE), denom, clip_norm=dp.clip_norm,
-          noise_multiplier=dp.noise_multiplier, pass_size=dp.pass_size,
-          per_example=dp.per_example, ghost_pass=dp.ghost_pass)
-    elif model_state is None:
-      loss, correct, acc_update, grads = batch_grads(method, apply_fn, ctx, trainable, views,
-                                                     y, valid, micro_batch=m)
-    else:
-      loss, correct, acc_update, grads, model_state = stateful_batch_grads(
-          method, train_apply, model_state, jax.random.fold_in(step_key, StepStream.DROPOUT), ctx,
-          trainable, views, y, valid)
+    loss, correct, acc_update, grads, model_state = grads_of(
+        trainable, model_state, step_key, views, data.labels[idx], valid)
     new_trainable, new_opt_state = {}, {}
     for part in trainable:  # one optimizer per model
       updates, new_opt_state[part] = tx.update(grads[part], opt_state[part], trainable[part])
@@ -236,19 +297,13 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
     acc = jax.tree_util.tree_map(jnp.add, acc, acc_update)
     count = valid.sum()
     stats = TrainStats(correct=stats.correct + correct, loss_sum=stats.loss_sum + loss * count,
-                       samples=stats.samples + count,
-                       steps=stats.steps + (1 if dp is not None else (count > 0)))
+                       samples=stats.samples + count, steps=stats.steps + counted(count))
     return (new_trainable, model_state), new_opt_state, acc, stats
-
-  if work is not None:  # a straggler's bound on the steps of the whole round
-    bound = system.step_bound(work, cfg.local_epochs * steps)
 
   def epoch(e, carry):
     k_order, k_aug = jax.random.split(jax.random.fold_in(key, e))
-    order = None if dp is not None else (
-        jnp.arange(padded_len) if cfg.fixed_order else epoch_order(k_order, n, padded_len))
-    epoch_steps = steps if work is None else jnp.clip(bound - e * steps, 0, steps)
-    return jax.lax.fori_loop(0, epoch_steps, lambda s, c: grad_step(s, c, order, k_aug), carry)
+    order = order_of(k_order)
+    return jax.lax.fori_loop(0, steps_of(e), lambda s, c: grad_step(s, c, order, k_aug), carry)
 
   opt_state = {part: tx.init(p) for part, p in trainable.items()}
   (trainable, model_state), _, acc, stats = jax.lax.fori_loop(
