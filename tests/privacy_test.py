@@ -1,4 +1,4 @@
-"""Differential privacy (fedssa_jax/privacy.py): DP-SGD in local training, client-level DP on
+"""Differential privacy (fedssa_jax/privacy/): DP-SGD in local training, client-level DP on
 the uploads, and their accountants.
 
 Fast: the config's checks; the Poisson batch (positions, rates); per-example clipping and the
