@@ -83,6 +83,14 @@ def test_a_model_with_batch_statistics_is_refused():
     privacy.check_models(section(), {'resnet18'})
 
 
+def test_the_methods_that_upload_what_dp_sgd_does_not_cover_declare_it():
+  from fedssa_jax import methods
+  declared = {name: cls.dp_sgd_uncovered for name, cls in methods.METHODS.items()
+              if cls.dp_sgd_uncovered is not None}
+  assert sorted(declared) == ['fd', 'fedgh', 'fedl2g', 'fedproto', 'fedtgp']
+  assert declared['fedgh'] == 'its prototypes, from a forward pass over the training data'
+
+
 # --- The batch and the gradient -------------------------------------------------------------
 def test_a_poisson_batch_takes_each_valid_position_at_rate_q():
   n, padded, q, rows = 30, 40, 0.2, 24

@@ -28,7 +28,7 @@ The guarantee is sample-level, for each client's training data, and covers what 
 from the trained models alone (FedSSA's and LG-FedAvg's header rows, FML's meme, FedMRL's
 shared model). What a method computes from the data outside the gradient steps (FD's logits,
 the prototypes of FedProto, FedTGP and FedGH, FedL2G's step after training) is not covered:
-`uncovered_uploads` names it, and the run warns.
+the method declares it (`Method.dp_sgd_uncovered`), and the run warns.
 
 With `privacy.upload` on, each client's upload is protected as a whole (client-level DP):
 
@@ -54,9 +54,9 @@ The package, by job (its names are all here too, as `privacy.<name>`):
 from fedssa_jax.privacy.accountants import (MAX_NOISE_MULTIPLIER, Accountant, UploadAccountant,
                                             calibrate, dp_sgd_event, epsilon, new_accountant,
                                             upload_epsilon, upload_event)
-from fedssa_jax.privacy.config import (ACCOUNTANTS, PER_EXAMPLE, UNCOVERED, UPLOAD_MODES,
-                                       check_config, check_models, check_upload, default_config,
-                                       enabled, uncovered_uploads, upload_enabled)
+from fedssa_jax.privacy.config import (ACCOUNTANTS, PER_EXAMPLE, UPLOAD_MODES, check_config,
+                                       check_models, check_upload, default_config, enabled,
+                                       upload_enabled)
 from fedssa_jax.privacy.dp_sgd import (DPSGD, dp_sgd_settings, ghost_covers, noisy_clipped_grads,
                                        pass_size_for)
 from fedssa_jax.privacy.mechanisms import (TRUNCATION_TAIL, UploadDP, add_noise, clip_factor,

@@ -13,15 +13,6 @@ ACCOUNTANTS = ('rdp', 'pld')  # privacy.accountant
 PER_EXAMPLE = ('auto', 'vmap')  # privacy.per_example
 UPLOAD_MODES = ('local', 'central')  # privacy.upload_mode
 
-# What each method uploads that is computed from the training data outside the DP-SGD steps.
-UNCOVERED = {
-    'fd': "its class-mean logits, summed over the training batches' forward passes",
-    'fedproto': "its prototypes, summed over the training batches' forward passes",
-    'fedtgp': 'its prototypes, from a forward pass over the training data',
-    'fedgh': 'its prototypes, from a forward pass over the training data',
-    'fedl2g': 'its guiding rows, from a gradient step on a study batch and the quiz set',
-}
-
 
 def default_config() -> ml_collections.ConfigDict:
   p = ml_collections.ConfigDict()
@@ -139,8 +130,3 @@ def check_models(p: ml_collections.ConfigDict, families_with_state) -> None:
         'privacy.dp_sgd needs per-example gradients, which models with batch norm do not give: '
         f'{", ".join(sorted(families_with_state))}. Use families without it (the five CNNs '
         'cnn1..cnn5, or fedavgcnn), or turn privacy.dp_sgd off.')
-
-
-def uncovered_uploads(method: str) -> str | None:
-  """What `method` uploads that DP-SGD does not cover (None: every upload is covered)."""
-  return UNCOVERED.get(method)
