@@ -106,7 +106,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   # simulated clock): off by default; fedssa_jax/system.py, docs/configuration.md.
   c.system = system.default_config()
   # Differential privacy (DP-SGD in local training and its accountant): off by default;
-  # fedssa_jax/privacy.py, docs/configuration.md.
+  # fedssa_jax/privacy/, docs/configuration.md.
   c.privacy = privacy.default_config()
   c.engine = _engine_config()
   return c

@@ -173,9 +173,9 @@ def capturing_round_infos(monkeypatch):
   infos = {}
   log_round = outputs.log_round
 
-  def capture(config, rounds_done, record, info, round_times, prefix=''):
+  def capture(config, rounds_done, record, info, round_times, prefix='', *rest):
     infos.setdefault((bool(prefix), config.seed), []).append(info)  # a replica: 'seed S: '
-    return log_round(config, rounds_done, record, info, round_times, prefix)
+    return log_round(config, rounds_done, record, info, round_times, prefix, *rest)
   monkeypatch.setattr(outputs, 'log_round', capture)
   return infos
 

@@ -1,4 +1,4 @@
-"""Differential privacy (fedssa_jax/privacy.py): DP-SGD in local training, client-level DP on
+"""Differential privacy (fedssa_jax/privacy/): DP-SGD in local training, client-level DP on
 the uploads, and their accountants.
 
 Fast: the config's checks; the Poisson batch (positions, rates); per-example clipping and the
@@ -34,7 +34,7 @@ from fedssa_jax.errors import ConfigError
 from fedssa_jax.models import ghost
 from fedssa_jax.methods import standalone
 from fedssa_jax.streams import StepStream
-from fedssa_jax.run import train
+from fedssa_jax.run import observers, train
 
 
 def section(**fields):
@@ -81,6 +81,14 @@ def test_a_model_with_batch_statistics_is_refused():
   privacy.check_models(privacy.default_config(), {'resnet18'})  # off: allowed
   with pytest.raises(ConfigError, match='batch norm do not give: resnet18'):
     privacy.check_models(section(), {'resnet18'})
+
+
+def test_the_methods_that_upload_what_dp_sgd_does_not_cover_declare_it():
+  from fedssa_jax import methods
+  declared = {name: cls.dp_sgd_uncovered for name, cls in methods.METHODS.items()
+              if cls.dp_sgd_uncovered is not None}
+  assert sorted(declared) == ['fd', 'fedgh', 'fedl2g', 'fedproto', 'fedtgp']
+  assert declared['fedgh'] == 'its prototypes, from a forward pass over the training data'
 
 
 # --- The batch and the gradient -------------------------------------------------------------
@@ -473,11 +481,38 @@ def records(workdir):
     return [json.loads(l) for l in f]
 
 
+class RoundCounter(observers.Observer):
+  """An observer of the test's own, beside the accountants: it counts the rounds it sees and
+  the participants, and adds the counts to every output."""
+  name = 'round_counter'
+
+  def initial(self):
+    return {'rounds': 0, 'participants': 0}
+
+  def observe(self, i, info, state):
+    return {'rounds': state['rounds'] + 1, 'participants': state['participants'] + len(info.cohort)}
+
+  def record(self, i, info, state):
+    return {'observed_rounds': state['rounds'], 'observed_participants': state['participants']}
+
+  def summary(self, state, history):
+    return {'observed_rounds': state['rounds']}
+
+  def derived(self, i):
+    return {'observed_seed_index': i}
+
+
 @pytest.mark.slow  # whole runs, compiled
-def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, small_ds):
+def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, small_ds,
+                                                                      monkeypatch):
+  # The loop reaches the accountants only through its observers, as it reaches any other.
+  accountants = observers.watching
+  monkeypatch.setattr(observers, 'watching', lambda sim: [*accountants(sim), RoundCounter()])
   whole = str(tmp_path / 'whole')
   summary = train.train_and_evaluate(tiny(), whole, dataset=small_ds)
   recs = records(whole)
+  assert [r['observed_rounds'] for r in recs] == [1, 2, 3] and summary['observed_rounds'] == 3
+  assert recs[-1]['observed_participants'] == sum(len(r['participants']) for r in recs)
   eps = [r['dp_epsilon'] for r in recs]
   assert len(eps) == 3 and 0 < eps[0] <= eps[1] <= eps[2]
   assert summary['dp_epsilon'] == eps[-1] and not summary['privacy_budget_reached']
@@ -492,7 +527,7 @@ def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, 
         privacy.upload_epsilon('rdp', 2.0, int(sent.max()), 1e-5), rel=1e-12)
   assert summary['dp_upload_epsilon'] == recs[-1]['dp_upload_epsilon']
   assert all(0 <= r['dp_upload_clipped'] <= 1 and r['dp_upload_norm_median'] > 0 for r in recs)
-  assert derived['dp_upload_noise_multiplier'] == 2.0
+  assert derived['dp_upload_noise_multiplier'] == 2.0 and derived['observed_seed_index'] == 0
 
   # Stopped after round 1 and resumed: the same records.
   split = str(tmp_path / 'split')
@@ -500,7 +535,7 @@ def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, 
   train.train_and_evaluate(tiny(), split, dataset=small_ds)
   for a, b in zip(records(split), recs):
     for k in ('dp_epsilon', 'dp_upload_epsilon', 'mean_accuracy', 'train_loss',
-              'participants'):
+              'participants', 'observed_rounds', 'observed_participants'):
       assert a[k] == b[k], k
 
   # A budget between round 1's epsilon and round 3's ends the run before a round could pass it.

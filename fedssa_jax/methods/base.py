@@ -270,6 +270,11 @@ class Method:
   # jointly (less `upload_reference`) and noises; the payload's other fields (class counts,
   # weights, which rows are sent) go as they are. () (the default): nothing to protect.
   private_upload: tuple[str, ...] = ()
+  # What DP-SGD (privacy.dp_sgd) does not cover: a clause naming what the method uploads that it
+  # computes from the training data outside the DP-SGD steps (a forward pass's sums, a step
+  # after training), which the run's warning quotes; None (the default): every upload is
+  # computed from the trained models alone, and epsilon covers it.
+  dp_sgd_uncovered: str | None = None
   # Where central client-level DP noises the round's sum of the clipped uploads
   # (`central_noise`): 'inbox', the server's `aggregation.Inbox`, noised in place; 'noise', a
   # server field of the sum's shape that `server_aggregate` adds to its own sum; None (the

@@ -75,6 +75,7 @@ class FD(base.Method):
   per_sample_loss = True  # CE plus a per-sample distillation term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('logits',)  # its class-mean logits (`has`, the classes it holds, is sent)
+  dp_sgd_uncovered = "its class-mean logits, summed over the training batches' forward passes"
   central_noise_into = 'noise'
 
   @classmethod

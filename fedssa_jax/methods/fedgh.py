@@ -60,6 +60,7 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedgh'
   per_sample_loss = True  # plain cross-entropy
   ghost_norms = True  # the loss reads the parameters only through the model's apply
+  dp_sgd_uncovered = 'its prototypes, from a forward pass over the training data'
   eval_reads_server = True  # eval_params: H_g (False with eval='post_train', set in __init__)
 
   @classmethod

@@ -135,6 +135,7 @@ class FedL2G(base.Method):
   per_sample_loss = True  # CE plus a per-sample guiding term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('grad',)  # the meta-gradient rows (`present`, which are sent, goes as is)
+  dp_sgd_uncovered = 'its guiding rows, from a gradient step on a study batch and the quiz set'
   # The meta step: the inner gradient and phi's JVP on the study batch (1 + 2/3 CE training
   # steps per sample), the quiz loss's gradient at theta' (1 per quiz sample).
   after_training_steps = (5.0 / 3.0, 1.0)

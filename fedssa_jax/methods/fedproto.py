@@ -51,6 +51,7 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedproto'
   per_sample_loss = True  # CE plus a per-sample prototype term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
+  dp_sgd_uncovered = "its prototypes, summed over the training batches' forward passes"
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes
 

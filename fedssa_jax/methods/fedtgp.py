@@ -105,6 +105,7 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedtgp'
   per_sample_loss = True  # CE plus a per-sample prototype term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
+  dp_sgd_uncovered = 'its prototypes, from a forward pass over the training data'
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes P^
 

@@ -1,8 +1,8 @@
 """Per-example gradient norms without per-example gradients ("ghost" norms), for DP-SGD.
 
-DP-SGD clips each example's gradient to a norm (fedssa_jax/privacy.py). Building every example's
-gradient of a dense layer writes a weight-sized array per example; its squared norm needs only
-the layer's input a and output cotangent g: for one example (a batch of one row),
+DP-SGD clips each example's gradient to a norm (fedssa_jax/privacy/dp_sgd.py). Building every
+example's gradient of a dense layer writes a weight-sized array per example; its squared norm
+needs only the layer's input a and output cotangent g: for one example (a batch of one row),
 ‖∂L/∂W‖² = ‖a‖²‖g‖² and ‖∂L/∂b‖² = ‖g‖². A 5x5 convolution's kernel gradient is small, so it is
 built per example from the input's patches, ‖Σ_p patch_p g_pᵀ‖² + ‖Σ_p g_p‖².
 

@@ -13,7 +13,7 @@ Prints one table per section and writes all figures as JSON:
   round 1), peak memory;
 - padding: the share of padded training work at `:hetero,n100`, pathological and Dirichlet
   0.1 / 0.5, under the backend's chunking;
-- dp_sgd: DP-SGD's local training (per-example gradients, clipped and noised: privacy.py)
+- dp_sgd: DP-SGD's local training (per-example gradients, clipped and noised: privacy/dp_sgd.py)
   against plain training of the same family, batch and steps, in seconds and in the compiled
   program's temporary memory (XLA's memory analysis), with each example's gradient built and
   with ghost norms.

@@ -18,7 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedssa_jax.run import checkpoint
+from fedssa_jax.run import checkpoint, observers
 
 
 def clu_writers() -> tuple[Any, Any]:
@@ -74,19 +74,20 @@ class Progress:
   compile_rounds: list = dataclasses.field(default_factory=list)
   elapsed_seconds: float = 0.0  # wall time of the run so far, over all its processes
   best_train_loss: float | None = None  # the lowest round train loss so far (the blow-up guard)
-  sim_seconds: float = 0.0  # simulated seconds so far (the system section's clock)
-  # DP-SGD (the privacy section): each client's DP-SGD steps so far, and whether the run ended
-  # before num_rounds because a further round could exceed privacy.target_epsilon.
-  dp_steps: list = dataclasses.field(default_factory=list)
-  budget_reached: bool = False
-  # Client-level DP on the uploads: each client's uploads sent so far (local mode), or the
-  # rounds run, the same for every client (central mode).
-  upload_releases: list = dataclasses.field(default_factory=list)
+  # The run's observers' states, by name (run/observers.py: the system section's clock, the
+  # accountants), this seed's; an observer that is off has none.
+  observers: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
-  def from_checkpoint(cls, saved: dict) -> Progress:
-    # Fields added since a checkpoint was written take their defaults.
-    return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+  def from_checkpoint(cls, saved: dict, watching=()) -> Progress:
+    """The progress a checkpoint saved, with the states of the observers `watching` (those of
+    others left out, an observer's initial state where it saved none)."""
+    # Fields added since a checkpoint was written take their defaults; one written before the
+    # observers held their states at its top level.
+    progress = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+    states = saved['observers'] if 'observers' in saved else observers.old_layout(saved)
+    progress.observers = observers.initial_states(watching, states)
+    return progress
 
 
 def first_reaching(history: list[dict], target: float) -> dict | None:
@@ -98,7 +99,8 @@ def first_reaching(history: list[dict], target: float) -> dict | None:
   return None
 
 
-def make_summary(config, state, progress: Progress) -> dict:
+def make_summary(config, state, progress: Progress, watching=()) -> dict:
+  """summary.json's fields, and those of the observers `watching` (run/observers.py)."""
   history, times = progress.history, progress.round_times
   accs = [r['mean_accuracy'] for r in history]
   steady = [t for i, t in enumerate(times) if i not in progress.compile_rounds]
@@ -120,18 +122,8 @@ def make_summary(config, state, progress: Progress) -> dict:
                                   else (times[0] if times else None),
       'first_round_seconds': times[0] if times else None,
       'wall_seconds': progress.elapsed_seconds,
-      # With the system section's clock: the simulated seconds of the run.
-      **({'cum_sim_seconds': progress.sim_seconds} if history and 'cum_sim_seconds' in history[-1]
-         else {}),
-      # With DP-SGD: the run's final epsilon (its largest client's), and whether the privacy
-      # budget ended it before num_rounds.
-      **({'dp_epsilon': history[-1]['dp_epsilon'], 'dp_delta': config.privacy.delta,
-          'privacy_budget_reached': progress.budget_reached}
-         if history and 'dp_epsilon' in history[-1] else {}),
-      # With client-level DP on the uploads: the run's final epsilon (its largest client's).
-      **({'dp_upload_epsilon': history[-1]['dp_upload_epsilon'],
-          'dp_delta': config.privacy.delta}
-         if history and 'dp_upload_epsilon' in history[-1] else {}),
+      **{k: v for o in watching
+         for k, v in o.summary(progress.observers[o.name], history).items()},
   }
 
 
@@ -158,6 +150,7 @@ class SeedOutputs:
   report_progress: Callable = lambda step: None  # rounds per second and an ETA
   last_ev: Any = None  # the last evaluation: later ones evaluate only the clients trained since
   last_record: dict | None = None  # the record of its last round (None: not evaluated)
+  observers: list = dataclasses.field(default_factory=list)  # the run's (observers.watching)
   failed: Exception | None = None  # a packed seed that diverged (the others go on)
 
   @property
@@ -218,7 +211,7 @@ class SeedOutputs:
   def write_summary(self, state, now: float) -> dict:
     """summary.json (from process 0), and the console's last line."""
     self.progress.elapsed_seconds = now - self.start
-    summary = make_summary(self.config, state, self.progress)
+    summary = make_summary(self.config, state, self.progress, self.observers)
     if jax.process_index() == 0:  # whole or not at all: a sweep skips a run that has one
       path = os.path.join(self.workdir, 'summary.json')
       with open(path + '.tmp', 'w') as f:
@@ -232,13 +225,10 @@ class SeedOutputs:
     return summary
 
 
-def record(sim, state, info, ev, sim_seconds: float = 0.0,
-           epsilons: np.ndarray | None = None,
-           upload_epsilons: np.ndarray | None = None) -> dict:
+def record(sim, state, info, ev, observed: dict | None = None) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
-  evaluation `ev`; `sim_seconds`, the simulated seconds so far (the system section's clock);
-  `epsilons` [N], each client's epsilon so far (DP-SGD, the privacy section), and
-  `upload_epsilons` [N], of client-level DP on the uploads."""
+  evaluation `ev`, and last the fields of the run's observers, `observed` (the system section's,
+  the accountants': run/observers.py)."""
   evaluated = ev.evaluated
   acc = ev.accuracy[evaluated]
   cohort = info.cohort
@@ -268,46 +258,8 @@ def record(sim, state, info, ev, sim_seconds: float = 0.0,
       # The server's FLOPs and scalar diagnostics of the round (methods.Aggregated).
       'server_flops': info.server_flops,
       'server_metrics': dict(info.server_metrics),
-      **({} if info.system is None else system_fields(sim, info.system, sim_seconds)),
-      **({} if epsilons is None else privacy_fields(epsilons)),
-      **({} if upload_epsilons is None else privacy_fields(upload_epsilons, 'dp_upload_epsilon')),
-      **({} if info.upload_norms is None else
-         upload_norm_fields(info.upload_norms, sim.config.privacy.upload_clip)),
+      **(observed or {}),
   }
-
-
-def upload_norm_fields(norms: np.ndarray, clip: float) -> dict:
-  """A record's diagnostic of the uploads' clip (client-level DP): the median of the round's
-  upload norms before the clip, and the share of them the clip shortened. A simulator's view for
-  choosing privacy.upload_clip, not something the server sees."""
-  return {'dp_upload_norm_median': float(np.median(norms)) if len(norms) else 0.0,
-          'dp_upload_clipped': float((norms > clip).mean()) if len(norms) else 0.0}
-
-
-def privacy_fields(epsilons: np.ndarray, name: str = 'dp_epsilon') -> dict:
-  """A record's fields of DP-SGD (or, with `name`, of the uploads): the run's epsilon (its
-  largest client's: every client's data is at least that private) and the mean over the clients
-  that spent any."""
-  spent = epsilons[epsilons > 0]
-  return {name: float(epsilons.max(initial=0.0)),
-          f'{name}_mean': float(spent.mean()) if len(spent) else 0.0}
-
-
-def system_fields(sim, s, sim_seconds: float) -> dict:
-  """A record's fields of the federation (the system section on): who was online, sampled,
-  dropped out, straggled, lost or was late with an upload, and with a clock, the simulated
-  seconds."""
-  out = {
-      'online': s.online, 'sampled': s.sampled.tolist(), 'dropped': s.dropped.tolist(),
-      'stragglers': s.stragglers.tolist(), 'straggler_work': s.work.tolist(),
-      'lost_uploads': s.lost.tolist(), 'late_uploads': s.late.tolist(),
-      'received': s.received.tolist(),
-  }
-  if s.round_seconds is not None:
-    out.update(sim_seconds=s.round_seconds, cum_sim_seconds=sim_seconds)
-    if sim.config.system.client_seconds:
-      out['client_sim_seconds'] = s.seconds.tolist()
-  return out
 
 
 class NoEvents:
@@ -331,17 +283,13 @@ def write_record(metrics_path, writer, record) -> None:
   writer.write_scalars(record['round'], scalars)
 
 
-def log_round(config, rounds_done, record, info, round_times, prefix='') -> None:
+def log_round(config, rounds_done, record, info, round_times, prefix='', observed='') -> None:
+  """The round's console line; `observed`: what the run's observers add to it (', 3/5 uploads
+  received, epsilon 1.2')."""
   # The ETA leaves out the first round, which compiles.
   steady = np.mean(round_times[1:]) if len(round_times) > 1 else round_times[-1]
   eta = steady * (config.num_rounds - rounds_done)
   acc_text = f'mean acc {record["mean_accuracy"]:.4f}' if record else 'not evaluated'
-  s = info.system
-  fed = '' if s is None else f', {len(s.received)}/{len(s.sampled)} uploads received'
-  if record and 'dp_epsilon' in record:
-    fed += f', epsilon {record["dp_epsilon"]:.3g}'
-  if record and 'dp_upload_epsilon' in record:
-    fed += f', upload epsilon {record["dp_upload_epsilon"]:.3g}'
   logging.info('%sround %d/%d: %s, train loss %.4f%s, %.2f s/round, ETA %.0f s', prefix,
-               rounds_done, config.num_rounds, acc_text, info.train_loss, fed, round_times[-1],
-               eta)
+               rounds_done, config.num_rounds, acc_text, info.train_loss, observed,
+               round_times[-1], eta)

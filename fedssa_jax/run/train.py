@@ -13,7 +13,9 @@ Outputs in `workdir` (outputs.py):
 `train_replicas` runs several seeds of one config packed into the same compiled calls, each
 writing into its own workdir what it would write alone. Both go through one loop
 (`_run_rounds`): a Simulator of R >= 1 seeds, one `run_round` per round, then for each seed the
-guards, its evaluation, its record and its checkpoint.
+guards, its evaluation, its record and its checkpoint. What follows the rounds beside the engine
+(the system section's clock, the privacy accountants) are the run's observers (observers.py),
+each seed's states of which its progress and checkpoint carry.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import numpy as np
 from fedssa_jax import config_lib, data, privacy
 from fedssa_jax.engine import distributed, parts, simulator, snapshots
 from fedssa_jax.engine.rows import DamagedRows
-from fedssa_jax.run import checkpoint, guards, outputs, workdir_lock
+from fedssa_jax.run import checkpoint, guards, observers, outputs, workdir_lock
 from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
 from fedssa_jax.errors import ConfigError, DataError
 
@@ -153,13 +155,14 @@ def _train_seeds(configs, workdirs, dataset, stop) -> list[dict]:
   ckpts = [checkpoint.Checkpointer(os.path.join(w, 'checkpoints'), c.checkpoint_keep)
            for c, w in zip(configs, workdirs)]
   try:
-    sim, metas, fresh = _simulator(configs, workdirs, dataset, ckpts)
-    state, progresses = _initial_state(sim, ckpts, workdirs, fresh)
+    sim, watching, metas, fresh = _simulator(configs, workdirs, dataset, ckpts)
+    state, progresses = _initial_state(sim, watching, ckpts, workdirs, fresh)
     packed = len(configs) > 1
     runs = [outputs.SeedOutputs(
         config=c, workdir=w, ckpts=k, progress=p, meta=m,
         # The run's wall time continues from the checkpoint's (the time after it is lost).
-        start=process_start - p.elapsed_seconds, prefix=f'seed {c.seed}: ' if packed else '')
+        start=process_start - p.elapsed_seconds, prefix=f'seed {c.seed}: ' if packed else '',
+        observers=watching)
             for c, w, k, p, m in zip(configs, workdirs, ckpts, progresses, metas)]
     state = _run_rounds(sim, state, runs, stop)
     for i, run in enumerate(runs):
@@ -182,7 +185,8 @@ def _train_seeds(configs, workdirs, dataset, stop) -> list[dict]:
 
 def _simulator(configs, workdirs, dataset, ckpts):
   """Checks, data and the Simulator of every seed; writes each seed's config.json. Returns
-  (the Simulator, each seed's checkpoint.run_meta, whether no seed has a checkpoint)."""
+  (the Simulator, its observers, each seed's checkpoint.run_meta, whether no seed has a
+  checkpoint)."""
   latest = []
   for config, k in zip(configs, ckpts):  # a resume that would change a run is refused first
     latest.append(k.latest_meta())
@@ -205,24 +209,26 @@ def _simulator(configs, workdirs, dataset, ckpts):
           f'({meta[1]["partition_fingerprint"]}): data_dir={c.data_dir!r} holds other data than '
           'the run started with. Point --config.data_dir at that data, or use a new --workdir.')
   sim = simulator.Simulator(c0, ds, cds, workdir=workdirs[0], seeds=[c.seed for c in configs])
+  watching = observers.watching(sim)
   for i, (config, workdir, cd) in enumerate(zip(configs, workdirs, cds)):
     if jax.process_index() == 0:
       with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(json.dumps({'config': config.to_dict(), 'derived': _derived(sim, cd, i)},
+        f.write(json.dumps({'config': config.to_dict(),
+                            'derived': _derived(sim, watching, cd, i)},
                            indent=2, default=outputs.jsonable))
   logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
                ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
-  uncovered = sim.privacy is not None and privacy.uncovered_uploads(c0.method)
+  uncovered = privacy.enabled(c0.privacy) and sim.method.dp_sgd_uncovered
   if uncovered:
     logging.warning('privacy.dp_sgd: epsilon covers the clients\' models, not what %s uploads '
                     'of the data outside the DP-SGD steps: %s (docs/algorithm.md §11).',
                     c0.method, uncovered)
-  return (sim, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)],
+  return (sim, watching, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)],
           all(meta is None for meta in latest))
 
 
-def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
-  """What config.json records of seed i's run beyond its config."""
+def _derived(sim: simulator.Simulator, watching, cd: data.ClientData, i: int) -> dict:
+  """What config.json records of seed i's run beyond its config, the observers' facts last."""
   evaluated = sim.evaluated_ids[i]
   return {
       'cohort_size': sim.k,
@@ -235,27 +241,14 @@ def _derived(sim: simulator.Simulator, cd: data.ClientData, i: int) -> dict:
       'eval_client_ids': 'all' if len(evaluated) == sim.num_clients else evaluated,
       'backend': jax.default_backend(),
       'jax_version': jax.__version__,
-      # The system section's clock: each client's device (FLOP/s, download and upload bytes/s),
-      # and with availability_spread its own probability of being online.
-      **({} if sim.system is None or not sim.system.clock else
-         {'client_device': sim.system.devices[sim.seeds[i]].tolist()}),
-      **({} if sim.system is None or not sim.config.system.availability_spread else
-         {'client_p_online': sim.system.p_online[sim.seeds[i]].tolist()}),
-      # DP-SGD: its noise multiplier (given or calibrated), each client's Poisson rate and the
-      # rows a batch may hold.
-      **({} if sim.privacy is None else {
-          'dp_noise_multiplier': sim.privacy.noise_multiplier,
-          'dp_sampling_rate': sim.privacy.q[i].tolist(),
-          'dp_max_batch': sim.train_cfg.dp.max_batch}),
-      # Client-level DP on the uploads: its noise multiplier (given or calibrated).
-      **({} if sim.upload_privacy is None else {
-          'dp_upload_noise_multiplier': sim.upload_privacy.noise_multiplier}),
+      **{k: v for o in watching for k, v in o.derived(i).items()},
   }
 
 
-def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
+def _initial_state(sim: simulator.Simulator, watching, ckpts, workdirs, fresh: bool):
   """Every seed's state, restored from its newest checkpoint (all of the same round), or fresh;
-  and each one's outputs.Progress. `fresh`: no seed has a checkpoint (read once, before)."""
+  and each one's outputs.Progress, with its observers' states (of `watching`). `fresh`: no seed
+  has a checkpoint (read once, before)."""
   state = sim.init_state(fresh=fresh)
   restored = [k.restore_latest(template=snapshots.saved(sim.store, state, i))
               for i, k in enumerate(ckpts)]
@@ -268,7 +261,7 @@ def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
         '. Resume each alone (one command per --workdir, without --seeds), or start the '
         'pack in a new --workdir.')
   if restored[0] is None:
-    return state, [outputs.Progress() for _ in ckpts]
+    return state, [outputs.Progress(observers=observers.initial_states(watching)) for _ in ckpts]
   del state  # the fresh state's buffers go before the restored one is placed
   while True:
     try:
@@ -282,7 +275,7 @@ def _initial_state(sim: simulator.Simulator, ckpts, workdirs, fresh: bool):
     k.discard_after(r.step)
     snapshots.after_checkpoint(sim.store, state, k.steps())
     logging.info('Resuming after round %d from %s.', r.step, k.directory)
-  return state, [outputs.Progress.from_checkpoint(r.progress) for r in restored]
+  return state, [outputs.Progress.from_checkpoint(r.progress, watching) for r in restored]
 
 
 def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs], stop):
@@ -293,18 +286,18 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
   config = runs[0].config
   for run in runs:
     run.open()
-  ended = _budget_reached(sim, state.round, runs)  # a resumed run whose budget is spent
+  ended = _observers_stop(state.round, runs)  # a resumed run whose privacy budget is spent
   while state.round < config.num_rounds and not ended:
     t0 = time.time()
     state, infos = sim.run_round(state)
     jax.block_until_ready((state.population, state.server))
     shared = time.time() - t0  # the round's training, shared by the seeds
-    for run, info in zip(runs, infos):
-      if sim.privacy is not None and run.failed is None:
-        run.progress.dp_steps = _dp_steps(sim, run.progress, info)
-      if sim.upload_privacy is not None and run.failed is None:
-        run.progress.upload_releases = _upload_releases(sim, run.progress, info)
-    ended = _budget_reached(sim, state.round, runs)
+    for i, (run, info) in enumerate(zip(runs, infos)):
+      if run.failed is None:
+        states = run.progress.observers
+        for o in run.observers:
+          states[o.name] = o.observe(i, info, states[o.name])
+    ended = _observers_stop(state.round, runs)
     last = state.round == config.num_rounds or ended
     for i, (run, info) in enumerate(zip(runs, infos)):
       if run.failed is None:
@@ -322,7 +315,8 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
         snapshots.after_checkpoint(sim.store, state, run.ckpts.steps())
       run.report_progress(state.round)
       outputs.log_round(run.config, state.round, run.last_record, info,
-                        run.progress.round_times, run.prefix)
+                        run.progress.round_times, run.prefix,
+                        ''.join(o.console(info, run.last_record) for o in run.observers))
     if stopping and not last:
       for run in runs:
         run.writer.flush()
@@ -336,44 +330,14 @@ def _run_rounds(sim: simulator.Simulator, state, runs: list[outputs.SeedOutputs]
   return state
 
 
-def _dp_steps(sim: simulator.Simulator, progress: outputs.Progress, info) -> list:
-  """Each client's DP-SGD steps so far, with the round of `info`."""
-  steps = np.array(progress.dp_steps or [0] * sim.num_clients, np.int64)
-  steps[info.cohort] += np.asarray(info.train_steps, np.int64)
-  return steps.tolist()
-
-
-def _upload_releases(sim: simulator.Simulator, progress: outputs.Progress, info) -> list:
-  """Each client's releases of client-level DP so far, with the round of `info`: the uploads it
-  sent (local mode; every trained client sends, whether or not the upload arrives), or the
-  rounds (central mode: each round releases the noised sum once)."""
-  releases = np.array(progress.upload_releases or [0] * sim.num_clients, np.int64)
-  if sim.upload_privacy.central:
-    releases += 1
-  else:
-    releases[info.cohort] += 1
-  return releases.tolist()
-
-
-def _budget_reached(sim: simulator.Simulator, rounds_done: int, runs) -> bool:
-  """Whether round `rounds_done` + 1 could take a client past privacy.target_epsilon (DP-SGD
-  with a given noise multiplier): then the run ends after `rounds_done` rounds (each seed's
-  progress notes it)."""
-  if sim.privacy is None or not sim.privacy.target or rounds_done >= runs[0].config.num_rounds:
+def _observers_stop(rounds_done: int, runs) -> bool:
+  """Whether an observer ends the run after `rounds_done` rounds, before num_rounds (DP-SGD's
+  privacy budget), asked with the states of the seeds that go on."""
+  if rounds_done >= runs[0].config.num_rounds:
     return False
-  live = [(i, run) for i, run in enumerate(runs) if run.failed is None]
-  worst = [sim.privacy.next_round_exceeds(i, run.progress.dp_steps or [0] * sim.num_clients,
-                                          sim.cohort(rounds_done, i)) for i, run in live]
-  if all(w is None for w in worst):
-    return False
-  for run in runs:
-    run.progress.budget_reached = True
-  logging.warning(
-      'Privacy budget: round %d could take a client to epsilon %.4g, past privacy.'
-      'target_epsilon=%g; the run ends after round %d of %d.', rounds_done + 1,
-      max(w for w in worst if w is not None), sim.privacy.target, rounds_done,
-      runs[0].config.num_rounds)
-  return True
+  live = {i: run for i, run in enumerate(runs) if run.failed is None}
+  return any([o.stops(rounds_done, {i: run.progress.observers[o.name] for i, run in live.items()})
+              for o in runs[0].observers])  # each asked
 
 
 def _evaluate_or_fail(sim, state, i: int, runs, info, t0: float, last: bool) -> None:
@@ -402,15 +366,12 @@ def _evaluate_and_record(sim: simulator.Simulator, state, i: int, run: outputs.S
   guards.check_finite(sim, state, info, run.ckpts)
   guards.check_blowup(config, sim, state, info, progress.best_train_loss, run.ckpts)
   progress.best_train_loss = guards.best_train_loss(progress.best_train_loss, info)
-  if info.system is not None and info.system.round_seconds is not None:
-    progress.sim_seconds += info.system.round_seconds
   record = None
   if state.round % config.eval_every == 0 or last:
     run.last_ev = sim.evaluate(state, previous=run.last_ev, seed_index=i)
-    record = outputs.record(
-        sim, state.replace(costs=state.costs.of(i)), info, run.last_ev, progress.sim_seconds,
-        None if sim.privacy is None else sim.privacy.epsilons(i, progress.dp_steps),
-        None if sim.upload_privacy is None else
-        sim.upload_privacy.epsilons(progress.upload_releases))
+    observed = {k: v for o in run.observers
+                for k, v in o.record(i, info, progress.observers[o.name]).items()}
+    record = outputs.record(sim, state.replace(costs=state.costs.of(i)), info, run.last_ev,
+                            observed)
   now = time.time()
   run.add_record(record, now - t0, now)

@@ -1,0 +1,64 @@
+"""Differential privacy: DP-SGD in every client's local training, client-level DP on the
+uploads, and their accountants (docs/algorithm.md §11).
+
+The `privacy` config section is off by default (`enabled` is False), and then nothing here runs:
+a run's numbers are what they always were. With `privacy.dp_sgd` on:
+
+1. **Batches by Poisson sampling.** Each of a client's S = E ceil(n_k / B) local steps takes each
+   of its n_k training samples independently with probability q_k = min(1, B / n_k), drawn from
+   the step's key (`poisson_batch`). A batch holds B samples on average; the compiled program
+   holds `max_batch` rows of it, a bound that a batch exceeds with probability below
+   TRUNCATION_TAIL (then the extra samples are left out of that step).
+2. **Per-example clipping and noise.** Each selected sample's gradient, over every model the
+   client trains (its own, and FML's meme, FedMRL's small model, ...), is clipped to the global
+   norm C (`clip_norm`); the clipped gradients are summed, Gaussian noise of standard deviation
+   sigma C (`noise_multiplier` sigma) is added to every coordinate, and the sum is divided by the
+   expected batch size q_k n_k (`noisy_clipped_grads`). The optimizer (momentum, weight decay,
+   its own norm clip) then treats that as the step's gradient: post-processing. Each example's
+   norm comes from ghost norms where they are exact (`per_example` 'auto': models/ghost.py,
+   `ghost_covers`, Method.ghost_norms), else from the example's gradient, built.
+3. **The accountant** (`Accountant`, Google's `dp_accounting`): a client's S steps of a round
+   are S Poisson-sampled Gaussian mechanisms of rate q_k and noise sigma; its epsilon at `delta`
+   composes every step it ran so far (RDP by default, or PLD). A run's epsilon is the largest
+   over its clients. With `target_epsilon`, noise_multiplier 0 calibrates sigma so that every
+   client ends within the target having trained every round; a given sigma instead ends the run
+   before a round that could take a client past the target.
+
+The guarantee is sample-level, for each client's training data, and covers what is computed
+from the trained models alone (FedSSA's and LG-FedAvg's header rows, FML's meme, FedMRL's
+shared model). What a method computes from the data outside the gradient steps (FD's logits,
+the prototypes of FedProto, FedTGP and FedGH, FedL2G's step after training) is not covered:
+the method declares it (`Method.dp_sgd_uncovered`), and the run warns.
+
+With `privacy.upload` on, each client's upload is protected as a whole (client-level DP):
+
+4. **Clip and noise the upload.** The payload's fields that carry what the client computed from
+   its data (`Method.private_upload`: header rows, prototypes, logits, a model), less a value the
+   server already knows (`Method.upload_reference`: the global model the client downloaded; else
+   zero), are clipped jointly to the global norm C_u (`upload_clip`) (`privatize_upload`). In
+   `upload_mode` 'local' the client adds N(0, (z C_u)^2) to every coordinate before it sends;
+   in 'central' the server adds it once to the round's sum of the clipped uploads, and divides
+   by a count that reveals nothing of who took part (the method's `central_noise`).
+5. **Their accountant** (`UploadAccountant`): replacing one client's data moves its clipped
+   upload by at most 2 C_u, so each release is a Gaussian mechanism of noise multiplier z / 2.
+   Local: a client's epsilon composes the uploads it sent. Central: each round is that mechanism
+   on a cohort of K of the N clients drawn without replacement (RDP, replace-one neighbours);
+   the population's epsilon composes the rounds.
+
+The package, by job (its names are all here too, as `privacy.<name>`):
+- config.py       the section: its defaults, `enabled` / `upload_enabled`, and its checks
+- mechanisms.py   Poisson batches, the clip and the noise, and the upload transform with its keys
+- dp_sgd.py       DP-SGD's step: its settings and the batch's noisy clipped gradient
+- accountants.py  the host-side accountants
+"""
+from fedssa_jax.privacy.accountants import (MAX_NOISE_MULTIPLIER, Accountant, UploadAccountant,
+                                            calibrate, dp_sgd_event, epsilon, new_accountant,
+                                            upload_epsilon, upload_event)
+from fedssa_jax.privacy.config import (ACCOUNTANTS, PER_EXAMPLE, UPLOAD_MODES, check_config,
+                                       check_models, check_upload, default_config, enabled,
+                                       upload_enabled)
+from fedssa_jax.privacy.dp_sgd import (DPSGD, dp_sgd_settings, ghost_covers, noisy_clipped_grads,
+                                       pass_size_for)
+from fedssa_jax.privacy.mechanisms import (TRUNCATION_TAIL, UploadDP, add_noise, clip_factor,
+                                           clip_scale, max_batch, poisson_batch, privatize_upload,
+                                           sampling_rate, server_upload_key, upload_keys)
