@@ -258,8 +258,8 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
   its row (models.MODEL_STATE): they are no trainable parameter, and each step trains its whole
   batch in one pass (stateful_batch_grads) and leaves the statistics it updated.
 
-  With DP-SGD (`cfg.dp`, fedssa_jax/privacy.py) each of the S steps draws a Poisson batch of
-  rate min(1, B / n) from its key, and its gradient is the noised mean of the clipped
+  With DP-SGD (`cfg.dp`, fedssa_jax/privacy/dp_sgd.py) each of the S steps draws a Poisson
+  batch of rate min(1, B / n) from its key, and its gradient is the noised mean of the clipped
   per-example gradients (privacy.noisy_clipped_grads); every step counts in `stats.steps`,
   the noise being added whether or not the batch holds a sample.
 
