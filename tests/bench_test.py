@@ -8,7 +8,11 @@ from fedssa_jax.run import bench
 pytestmark = pytest.mark.slow
 
 
-def test_quick_benchmark_reports_every_section(capsys):
+def test_quick_benchmark_reports_every_section(capsys, monkeypatch):
+  # Each case timed once, not the best of 3: the figures are checked for sanity, not precision
+  # (the best of 3 ran the roofline, training and DP-SGD calls twice more).
+  best_time = bench.best_time
+  monkeypatch.setattr(bench, 'best_time', lambda fn, repeats: best_time(fn, 1))
   out = bench.run(quick=True, rounds=2)
   assert out['roofline']['flops_per_s'] > 1e8
   for r in out['training']:

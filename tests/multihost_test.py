@@ -8,7 +8,8 @@ stops the other within seconds, naming it, with nothing taken from the unfinishe
 One two-process run of ROUNDS = 2 rounds of one model family (cnn5) makes every check: SIGTERM
 stops it after round 1 (that part without TensorBoard events: no TensorFlow to import), a
 resume loses process 1 to SIGKILL as round 2 starts (also without events), and the next
-resume does round 2. Each of its processes is a subprocess running
+resume does round 2 (process 0 with its TensorBoard events, process 1 without CLU's writer,
+which would only log there). Each of its processes is a subprocess running
 tests/multihost_run.py. The one-process reference is the same run (multihost_run.run)
 made in this process, which has one CPU device, while the stopped run's processes run (where
 this process has other devices, that script started alone with one CPU device instead)."""
@@ -51,11 +52,13 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(workdir, rounds, processes, devices, signal_round=None, events=True, kill_round=None):
+def start(workdir, rounds, processes, devices, signal_round=None, events=1, kill_round=None):
   """Starts multihost_run.py as `processes` processes of `devices` CPU devices each (with
   `signal_round`, the last one sends itself SIGTERM in that round; with `kill_round`, SIGKILL as
-  that round starts; without `events`, they leave out CLU's metric writers and TensorFlow);
-  `finish` waits for them.
+  that round starts; processes from `events` on leave out CLU's metric writers and TensorFlow:
+  by default process 0 alone runs them, the only one that writes TensorBoard events (CLU's writer
+  of the others only logs, and TensorFlow's import is 6 CPU seconds a process); `events=0`:
+  none does); `finish` waits for them.
   They share the session's compilation cache (conftest), so a resumed run loads what its first
   part compiled (process 1 too: multihost_run has it write its programs, as process 0 does)."""
   port = free_port()
@@ -65,7 +68,7 @@ def start(workdir, rounds, processes, devices, signal_round=None, events=True, k
       env = cpu_devices_env(devices)
       for var in (*distributed.ENV.values(), multihost_run.NO_EVENTS, multihost_run.KILL_ROUND):
         env.pop(var, None)
-      if not events:
+      if i >= events:
         env[multihost_run.NO_EVENTS] = '1'
       if kill_round:
         env[multihost_run.KILL_ROUND] = str(kill_round)
@@ -160,8 +163,8 @@ def runs(tmp_path_factory):
   # The reference runs meanwhile, in this process: it keeps a core busy while the two processes
   # are not both busy (starting, waiting for each other). The stopped part leaves out CLU's
   # writers (TensorFlow's import, in each process); the resumed part, whose outputs the tests
-  # check, runs them as every run does.
-  stopping = start(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, signal_round=1, events=False)
+  # check, runs them in process 0, the one that writes events.
+  stopping = start(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, signal_round=1, events=0)
   try:
     reference = alone(one)
   except BaseException:
@@ -170,7 +173,7 @@ def runs(tmp_path_factory):
   stopped = finish(stopping)
   stopped_records = records(two)
   # Process 1 lost as round 2 starts: process 0 stops; nothing of round 2 is kept.
-  lost = lose_the_last_process(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, events=False,
+  lost = lose_the_last_process(two, ROUNDS, PROCESSES, DEVICES_PER_PROCESS, events=0,
                                kill_round=ROUNDS)
   lost_steps = checkpoint.Checkpointer(os.path.join(two, 'checkpoints')).steps()
   lost_records = records(two)

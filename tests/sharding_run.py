@@ -1,7 +1,7 @@
 """Short runs on 1 and on several (fake CPU) devices, printed as one JSON line; sharding_test.py
 runs this in a subprocess, since the device count is fixed when JAX starts:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_run.py \
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/sharding_run.py \
         fedssa:2:cnn4 fd:2:cnn4 replicas
 
 Each run is engine_test's small config (10 clients, K = 3) with the rounds and families given.
@@ -27,15 +27,16 @@ from fedssa_jax.run import checkpoint
 
 
 # The system section of a run marked ':system' (fedssa_jax/system.py): every kind, a clock and
-# a deadline that some uploads miss.
-SYSTEM = {'participation': 0.5, 'system.availability': 0.9, 'system.dropout': 0.2,
+# a deadline that some uploads miss. K = 7, of whom the dropouts leave 5 in each of the two
+# rounds (of seed 0): two chunks on 4 devices, the second padded with dummies.
+SYSTEM = {'participation': 0.7, 'system.availability': 0.9, 'system.dropout': 0.2,
           'system.straggler_rate': 0.5, 'system.min_work': 0.2, 'system.upload_loss': 0.3,
           'system.device_tiers': 'three_tiers', 'system.deadline': 0.3}
 
 
 def make_config(method, rounds, families, mesh_devices, store='device', seed=0, system=False):
   """engine_test's small config (10 clients, K = 3), with these rounds, families and seed, on
-  `mesh_devices` (0: all) with the population store `store`; `system`: with SYSTEM (K = 5)."""
+  `mesh_devices` (0: all) with the population store `store`; `system`: with SYSTEM (K = 7)."""
   config = engine_test.small_config(method)
   if system:
     config.update_from_flattened_dict(SYSTEM)
