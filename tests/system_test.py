@@ -8,7 +8,7 @@ Slow: one small FedSSA simulator with every kind on, whose rounds are the same o
 host and disk stores and packed with another seed, and whose lost, dropped and received clients
 are exactly what the draws say. The straggler's steps against a plain loop are in
 client_test.py; a killed run resuming under every kind in checkpoint_test.py (its runs have the
-section on); the 8-device mesh in sharding_test.py (its FD run has it on).
+section on); the 4-device mesh in sharding_test.py (its FD run has it on).
 """
 import jax
 import jax.numpy as jnp
