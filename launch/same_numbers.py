@@ -78,8 +78,10 @@ RUNS['fd-upload-local'] = ({'method': 'fd', 'privacy.upload': True}, {})
 RUNS['fedssa-upload-central'] = ({'method': 'fedssa', 'privacy.upload': True,
                                   'privacy.upload_mode': 'central',
                                   'fedssa.scope': 'participants'}, {})
-RUNS['fedgh-upload-central'] = ({'method': 'fedgh', 'privacy.upload': True,
-                                 'privacy.upload_mode': 'central'}, {})
+RUNS['fd-upload-central'] = ({'method': 'fd', 'privacy.upload': True,
+                              'privacy.upload_mode': 'central'}, {})
+RUNS['fml-upload-central'] = ({'method': 'fml', 'privacy.upload': True,
+                               'privacy.upload_mode': 'central'}, {})
 RUNS['fedssa-everything'] = ({'method': 'fedssa', 'system.availability': 0.8,
                               'system.dropout': 0.2, 'system.straggler_rate': 0.5,
                               'system.upload_loss': 0.3, 'system.device_tiers': 'three_tiers',
