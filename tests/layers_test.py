@@ -123,11 +123,30 @@ def test_no_cycle_and_no_import_up_the_layers():
   assert not found, '\n'.join(found)
 
 
-@pytest.mark.parametrize('sub', ['models', 'data', 'methods', 'engine', 'run'])
+@pytest.mark.parametrize('sub', ['models', 'data', 'methods', 'privacy', 'engine', 'run'])
 def test_every_sub_package_says_what_it_holds(sub):
   doc = ast.get_docstring(ast.parse(open(os.path.join(REPO, 'fedssa_jax', sub,
                                                       '__init__.py')).read()))
   assert doc and len(doc.split()) >= 20, f'fedssa_jax/{sub}/__init__.py needs its paragraph.'
+
+
+def test_the_privacy_package_is_one_layer_split_by_job():
+  """privacy/ is a package whose modules (its config, mechanisms, DP-SGD's step and the
+  accountants) sit in the privacy layer, beside system, under the engine that calls them; the
+  mechanisms and DP-SGD's step import no accountant (host-side state stays apart from what runs
+  in a compiled call)."""
+  mods = modules(REPO, 'fedssa_jax')
+  jobs = {'config', 'mechanisms', 'dp_sgd', 'accountants'}
+  assert {f'fedssa_jax.privacy.{j}' for j in jobs} <= set(mods)
+  privacy_layer = layer_of('fedssa_jax.privacy', 'fedssa_jax')
+  assert privacy_layer == layer_of('fedssa_jax.system', 'fedssa_jax')
+  assert privacy_layer < layer_of('fedssa_jax.engine.simulator', 'fedssa_jax')
+  for job in jobs:
+    assert layer_of(f'fedssa_jax.privacy.{job}', 'fedssa_jax') == privacy_layer
+  for job in ('mechanisms', 'dp_sgd'):
+    name = f'fedssa_jax.privacy.{job}'
+    assert 'fedssa_jax.privacy.accountants' not in imports(mods[name], name, set(mods),
+                                                           'fedssa_jax'), name
 
 
 def method_imports(root: str, package: str, method_modules: set[str]) -> list[str]:
