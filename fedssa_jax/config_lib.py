@@ -82,6 +82,15 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.eval_every = 1                    # rounds between all-client evaluations (the last is always)
   c.eval_clients = 0                  # 0: evaluate all N clients; M: a fixed random subset of M
                                       # (the same every time; config.json lists it)
+  # What the federation gave a client, beyond its own test split (docs/algorithm.md §5); both
+  # off by default, as they cost evaluation time:
+  c.eval_global_images = 0            # >0: each evaluated client is also tested on this many
+                                      # images of the global test set, balanced over the
+                                      # classes, the same for every client and round
+  c.new_clients = 0.0                 # a fraction of the N clients that never trains: at each
+                                      # evaluation each receives what the method gives a
+                                      # newcomer, trains new_client_epochs, and is tested
+  c.new_client_epochs = 1             # local epochs a new client trains (0: none)
   # Where client models and per-client state live between rounds: 'device' (the accelerator),
   # 'host' (numpy in RAM; each round's cohort moves to the device) or 'disk' (memory-mapped
   # files in <workdir>/population/, for populations larger than RAM). Same results for all three.
@@ -359,6 +368,17 @@ def _check_run(c: ml_collections.ConfigDict) -> None:
   require(c.eval_clients <= n,
           f'eval_clients={c.eval_clients} is more than the num_clients={n} clients: set it to at '
           f'most {n}, or to 0 to evaluate all of them.')
+  require(isinstance(c.eval_global_images, int) and c.eval_global_images >= 0,
+          f'eval_global_images must be 0 (off) or a count of global test images, got '
+          f'{c.eval_global_images!r}.')
+  require(0 <= c.new_clients < 1,
+          f'new_clients must be a fraction of the clients in [0, 1) (0: off), got '
+          f'{c.new_clients!r}.')
+  require(c.new_clients == 0 or round(c.new_clients * n) >= 1,
+          f'new_clients={c.new_clients} of num_clients={n} is no client: raise it to at least '
+          f'{1 / n:.3g}, or set 0 for none.')
+  require(isinstance(c.new_client_epochs, int) and c.new_client_epochs >= 0,
+          f'new_client_epochs must be an integer >= 0, got {c.new_client_epochs!r}.')
   require_one_of('population_store', c.population_store, POPULATION_STORES)
   require(0 < c.target_accuracy <= 1,
           f'target_accuracy must be in (0, 1], got {c.target_accuracy}; it is a mean accuracy, '

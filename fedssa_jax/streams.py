@@ -34,6 +34,9 @@ class Stream(enum.IntEnum):
   SYSTEM_PROFILE = 10  # system.py: per-run draws of the federation, by ProfileDraw
   UPLOAD = 11         # privacy/mechanisms.py: upload noise, by round and client id (the
                       # server's central noise at SERVER_UPLOAD_ID)
+  NEWCOMERS = 12      # engine/generalization.py: which clients never train (new_clients), per
+                      # run; their local training at an evaluation, by round and client id
+  GLOBAL_TEST = 13    # engine/generalization.py: the global test sample (eval_global_images)
 
 
 class StepStream(enum.IntEnum):

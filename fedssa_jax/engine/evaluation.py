@@ -33,6 +33,7 @@ from fedssa_jax.types import PyTree
 # Clients per evaluation call when evaluating a subset, or from a host or disk store.
 EVAL_BLOCK = 32
 COUNTS = ('correct', 'count', 'batch_acc_sum', 'num_batches')
+GLOBAL_CORRECT = 'global_correct'  # a client's correct count on the global test sample
 REPRESENTATIONS_FILE = 'representations.npz'
 # Under a mesh, each device evaluates its share of a block's rows (evaluate_rows's arguments;
 # a method that reads the client state adds its rows, STATE_SPEC, after them).
@@ -86,6 +87,10 @@ class Evaluation:
   count: np.ndarray            # test samples
   metrics: dict                # the method's further metrics (`eval_metrics`), as accuracies
   counts: dict                 # the raw per-client counts, for the next evaluation's reuse
+  # Each client's accuracy on the global test sample (eval_global_images; None: off).
+  global_accuracy: np.ndarray | None = None
+  # Each new client's accuracy on its own test split (new_clients; None: off), NaN elsewhere.
+  new_client_accuracy: np.ndarray | None = None
 
 
 class Evaluator:
@@ -95,7 +100,7 @@ class Evaluator:
 
   def __init__(self, method, groups: list, store, placement, train_cfg: TrainConfig,
                group_of: np.ndarray, slot_of: np.ndarray, *, eval_batch_size: int,
-               clients_per_call: int = 0, phase=None):
+               clients_per_call: int = 0, phase=None, global_sample=None):
     self.method, self.groups, self.store, self.placement = method, groups, store, placement
     self.train_cfg = train_cfg
     self.group_of, self.slot_of = group_of, slot_of
@@ -103,6 +108,10 @@ class Evaluator:
     self.clients_per_call = clients_per_call
     self.phase = phase or (lambda name, *arrays: None)
     self.reads_state = method.eval_reads_state
+    # The seeds' global test samples [R, G] on the devices (generalization.global_samples);
+    # None: off, and nothing of them is traced.
+    self.global_sample = global_sample
+    self.global_on = global_sample is not None
     self.calls = [self._eval_call(g) for g in groups]
 
   def _per_call(self, g) -> int:
@@ -121,14 +130,17 @@ class Evaluator:
   def _specs(self) -> tuple:
     return ROWS_SPECS + ((STATE_SPEC,) if self.reads_state else ())
 
-  def _eval_call(self, g):
-    """The group's call evaluating a block of members (rows where `valid` is False, padding,
-    evaluate no test batch); `state_rows`, the members' client state, only for a method that
-    reads it."""
+  def rows_fn(self, g) -> Callable:
+    """`evaluate_rows(group_params, cids, valid, server, data, state_rows=None)`: the test
+    counts of a block of group `g`'s members (rows where `valid` is False, padding, evaluate no
+    test batch); `state_rows`, the members' client state, only for a method that reads it.
+    With the global test sample on (`global_sample`), `server` is (the server state, the
+    sample's indices), and each client's count of it is `GLOBAL_CORRECT`."""
     method, cfg, per_call = self.method, self.train_cfg, self._per_call(g)
 
     def evaluate_rows(group_params, cids, valid, server, data_: DeviceData,
                       state_rows=None):
+      server, global_idx = server if self.global_on else (server, None)
       # No client has more than max_test samples, so a smaller batch than that gives the same
       # per-batch results with less padding.
       max_test = data_.test_idx.shape[1]
@@ -138,20 +150,35 @@ class Evaluator:
         params, cid, ok, *state = args  # state: [the client's state] if the method reads it
         params = method.eval_params(params, server, cid)
         extra = functools.partial(method.eval_extra, server, cid)
+        forward = self._forward(g, state, server, cid)
         # A padding row has no test sample, so its test loop runs no batch (one row at a time,
         # as on the CPU, it costs nothing).
-        return evaluate_client(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
-                               data_, apply_fn=self._forward(g, state, server, cid), cfg=cfg,
-                               eval_batch_size=eval_batch, extra_fn=extra,
-                               extra_names=method.eval_metrics)
+        out = evaluate_client(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
+                              data_, apply_fn=forward, cfg=cfg, eval_batch_size=eval_batch,
+                              extra_fn=extra, extra_names=method.eval_metrics)
+        if global_idx is not None:  # the same images for every client
+          size = global_idx.shape[0]
+          out[GLOBAL_CORRECT] = evaluate_client(
+              params, global_idx, jnp.where(ok, size, 0), data_, apply_fn=forward, cfg=cfg,
+              eval_batch_size=min(self.eval_batch_size, -(-size // 8) * 8))['correct']
+        return out
       # Inside shard_map, cids holds this device's rows.
       rows = (group_params, cids, valid) + ((state_rows,) if self.reads_state else ())
       return jax.lax.map(one, rows, batch_size=min(per_call, cids.shape[0]))
 
-    return self.store.eval_call(g, self.placement.per_device(evaluate_rows, self._specs()),
+    return evaluate_rows
+
+  def _eval_call(self, g):
+    """The group's jitted call of `rows_fn`, from the store, each device evaluating its share."""
+    return self.store.eval_call(g, self.placement.per_device(self.rows_fn(g), self._specs()),
                                 with_state=self.reads_state)
 
-  def _jobs(self, ids: np.ndarray, reuse: bool) -> list[tuple[int, np.ndarray, int]]:
+  def server_arg(self, server, global_sample):
+    """What `rows_fn`'s calls take as their server argument: the server state, with the seeds'
+    global test samples [R, G] beside it when they are on."""
+    return (server, global_sample) if self.global_on else server
+
+  def jobs(self, ids: np.ndarray, reuse: bool) -> list[tuple[int, np.ndarray, int]]:
     """Blocks of the clients `ids` to evaluate: (group index, slots padded to the block size by
     repeating the last one, count of real slots). With `reuse`, a group's block size is fixed
     (its training chunk's), so that the first, whole evaluation compiles the calls that later
@@ -178,7 +205,7 @@ class Evaluator:
     clients sampled in between (each round's cohort is a function of the seed and the round)
     are evaluated again, and the others' results are copied. The results are the same."""
     method = self.method
-    names = (*COUNTS, *method.eval_metrics)
+    names = (*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
     t = int(state.round)
     reuse = not method.eval_reads_server
     if reuse and previous is not None and previous.round <= t:
@@ -188,9 +215,10 @@ class Evaluator:
     else:
       counts = {k: np.full(len(self.group_of), np.nan) for k in names}
       ids = evaluated_ids
-    jobs = self._jobs(ids, reuse)
-    blocks = self.store.evaluate(state.population, seed_index, jobs, self.calls, state.server,
-                                 data, with_state=self.reads_state)
+    jobs = self.jobs(ids, reuse)
+    blocks = self.store.evaluate(state.population, seed_index, jobs, self.calls,
+                                 self.server_arg(state.server, self.global_sample), data,
+                                 with_state=self.reads_state)
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
       members = self.groups[gi].members[slots[:n]]
       for k, v in self.placement.fetch(r).items():
@@ -205,7 +233,9 @@ class Evaluator:
                   else metrics[method.headline_metric]),  # e.g. FedProto's nearest prototype
         classifier_accuracy=accuracy,
         batch_accuracy=counts['batch_acc_sum'] / np.maximum(counts['num_batches'], 1),
-        count=counts['count'].copy(), metrics=metrics, counts=counts)
+        count=counts['count'].copy(), metrics=metrics, counts=counts,
+        global_accuracy=(counts[GLOBAL_CORRECT] / self.global_sample.shape[-1]
+                         if self.global_on else None))
 
   # ------------------------------------------------------------------------------------------
   # Representations
@@ -232,7 +262,7 @@ class Evaluator:
     """Runs each client's evaluated model (method.eval_params, through method.eval_forward) over
     its padded test split, in blocks of clients, from any store."""
     calls = [self._rep_call(g) for g in self.groups]
-    jobs = self._jobs(np.arange(len(self.group_of)), reuse=False)
+    jobs = self.jobs(np.arange(len(self.group_of)), reuse=False)
     test_n = self.placement.fetch(data.test_n)
     reps, labels, clients = [], [], []
     for (gi, slots, r), (_, _, n) in zip(

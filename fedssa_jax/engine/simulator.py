@@ -35,6 +35,7 @@ change nothing. The Simulator's parts are built elsewhere: the seeds' data and r
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Callable
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax import data, methods, models, privacy, system
-from fedssa_jax.engine import costs, evaluation, parts, schedule, training
+from fedssa_jax.engine import costs, evaluation, generalization, parts, schedule, training
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
 from fedssa_jax.engine.population import make_store
@@ -65,7 +66,8 @@ LOCAL_SPECS = (SHARDED, SHARDED, REPLICATED,
 def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.Method,
                 train_one: Callable, pass_one: Callable | None = None,
                 pass_flops_per_sample: float = 0.0, after_one: Callable | None = None,
-                step_flops_per_sample: float = 0.0, uplink: Uplink = Uplink()):
+                step_flops_per_sample: float = 0.0, uplink: Uplink = Uplink(),
+                download: Callable | None = None):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   training.local_train for the family's model; `pass_one`, training.forward_pass_sums for its
@@ -77,12 +79,15 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   split (`method.held_out_samples`) at 0, nor of the training switch (`method.trains`) at its
   default. `uplink`, the path of the uploads (uplink.py): its federation step gives each
   client's share of its steps (a straggler's), and its client step takes each upload (client-level
-  DP's clip and local noise); by default (the ideal federation, no DP) neither traces anything."""
+  DP's clip and local noise); by default (the ideal federation, no DP) neither traces anything.
+  `download`: the hook that gives each client what it holds before training, `method.download`
+  by default (a new client's evaluation passes `method.newcomer`: generalization.py)."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
   view = methods.ClientView(id=ids, seen=inputs.seen[ids], num_samples=n, round=t)
-  down = jax.vmap(method.download, in_axes=(0, 0, None, VIEW_AXES))(params, state, server, view)
+  down = jax.vmap(download or method.download, in_axes=(0, 0, None, VIEW_AXES))(
+      params, state, server, view)
   round_key = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.TRAIN), t)
   keys = jax.vmap(lambda c: jax.random.fold_in(round_key, c))(ids)
   when = method.forward_pass
@@ -148,15 +153,16 @@ def train_chunk(params, state, server, inputs: ChunkInputs, *, method: methods.M
                                                    seconds=seconds)
 
 
-def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
-             flops: costs.Flops, placement: Placement, max_train: int,
-             eval_batch_size: int, uplink: Uplink = Uplink()) -> Callable:
-  """`train_chunk` for group `g`'s model, one seed's (the store vmaps it over the seeds), with
-  the method's forward pass and step after training where it asks for them, and the uploads'
-  path `uplink`. `max_train`: the longest training index row."""
+def local_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
+             flops: costs.Flops, max_train: int, eval_batch_size: int,
+             uplink: Uplink = Uplink(), download: Callable | None = None) -> Callable:
+  """`local_round` for group `g`'s model, with the method's forward pass and step after
+  training where it asks for them, the uploads' path `uplink` and the `download` hook (the
+  method's by default). `max_train`: the longest training index row."""
   train_one = functools.partial(training.local_train, apply_fn=g.model.apply, cfg=train_cfg,
                                 method=method, train_apply=getattr(g.model, 'train_apply', None))
-  local = functools.partial(local_round, method=method, train_one=train_one, uplink=uplink)
+  local = functools.partial(local_round, method=method, train_one=train_one, uplink=uplink,
+                            download=download)
   if method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
     raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
                      f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
@@ -174,6 +180,15 @@ def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
         local, after_one=functools.partial(training.after_training, apply_fn=g.model.apply,
                                            cfg=train_cfg, method=method),
         step_flops_per_sample=flops.model(g.family))
+  return local
+
+
+def chunk_fn(g: schedule.Group, method: methods.Method, train_cfg: training.TrainConfig,
+             flops: costs.Flops, placement: Placement, max_train: int,
+             eval_batch_size: int, uplink: Uplink = Uplink()) -> Callable:
+  """`train_chunk` for group `g`'s model, one seed's (the store vmaps it over the seeds), around
+  `local_fn`'s round, each device training its share of the chunk."""
+  local = local_fn(g, method, train_cfg, flops, max_train, eval_batch_size, uplink)
   return functools.partial(train_chunk, method=method, uplink=uplink,
                            local=placement.per_device(local, LOCAL_SPECS))
 
@@ -195,7 +210,13 @@ class Simulator:
     self.num_seeds = r = len(self.seeds)
     self.num_clients, self.num_classes = cds[0].num_clients, ds.num_classes
     self.image_shape = ds.image_shape
-    self.k = cohort_size(self.num_clients, config.participation)
+    # The new clients (config new_clients) never train: the rounds sample K of the others.
+    self.new_clients = [generalization.draw_new_clients(s, config.new_clients, c.train_n,
+                                                        c.test_n)
+                        for s, c in zip(self.seeds, cds)]
+    self.eligible = [None if not len(ids) else ~np.isin(np.arange(self.num_clients), ids)
+                     for ids in self.new_clients]
+    self.k = cohort_size(self.num_clients - len(self.new_clients[0]), config.participation)
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes,
                                                     self.image_shape)
     place = self.placement = Placement(config.engine.mesh_devices)
@@ -213,7 +234,8 @@ class Simulator:
     self.seen_dev = place.replicate(jnp.asarray(self.seen))
     keys = [jax.random.PRNGKey(s) for s in self.seeds]
     self.root_keys = place.replicate(jnp.stack(keys))
-    self.evaluated_ids = parts.evaluated_ids(config, self.seeds, cds)
+    self.evaluated_ids = [np.setdiff1d(ids, new) for ids, new in zip(
+        parts.evaluated_ids(config, self.seeds, cds), self.new_clients)]
 
     self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place,
                                        self.image_shape)
@@ -234,7 +256,9 @@ class Simulator:
         self.initial.group, self.initial.client_state,
         directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
     # Client-level DP on the uploads: its accountant (None: off).
-    self.upload_privacy = (privacy.UploadAccountant(config.privacy, self.num_clients, self.k,
+    self.upload_privacy = (privacy.UploadAccountant(config.privacy,
+                                                    self.num_clients - len(self.new_clients[0]),
+                                                    self.k,
                                                     config.num_rounds)
                            if privacy.upload_enabled(config.privacy) else None)
     # The path of the uploads from client to server, with the federation's and privacy's steps
@@ -252,7 +276,24 @@ class Simulator:
     self.evaluator = evaluation.Evaluator(
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
         self.slot_of, eval_batch_size=config.eval_batch_size,
-        clients_per_call=config.engine.eval_clients_per_call, phase=self.phase)
+        clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
+        global_sample=self._global_sample(config, ds, cds))
+    self.newcomers = None if not len(self.new_clients[0]) else generalization.Newcomers(
+        self.evaluator, [local_fn(g, self.method, dataclasses.replace(
+            self.train_cfg, local_epochs=config.new_client_epochs), self.flops,
+                                  self.data.train_idx.shape[-1], config.eval_batch_size,
+                                  download=self.method.newcomer) for g in self.groups],
+        self.seen_dev, self.root_keys)
+
+  def _global_sample(self, config, ds: data.Dataset, cds):
+    """Each seed's global test sample [R, G] on the devices (generalization.global_sample);
+    None with eval_global_images at 0."""
+    if not config.eval_global_images:
+      return None
+    return self.placement.replicate(jnp.asarray(np.stack([
+        generalization.global_sample(s, config.eval_global_images, c.test_idx, c.test_n,
+                                     ds.labels, ds.num_classes)
+        for s, c in zip(self.seeds, cds)])))
 
   def init_state(self, fresh: bool = True) -> RunState:
     """Round 0 of every seed: each client's initial model and method state (parts.Initial), in
@@ -305,7 +346,7 @@ class Simulator:
     """Round `t` of a seed: (the system section's draws, or None when it is off; the sampled
     clients; those of them that train, the cohort), a pure function of (seed, t)."""
     return self.uplink.federation.draw(self.system, self.seeds[seed_index], t,
-                                       self.num_clients, self.k)
+                                       self.num_clients, self.k, self.eligible[seed_index])
 
   def chunks(self, cohort: np.ndarray, per_call: int | None = None,
              seed_index: int = 0) -> list:
@@ -375,9 +416,13 @@ class Simulator:
   def evaluate(self, state: RunState, previous: evaluation.Evaluation | None = None,
                seed_index: int = 0) -> evaluation.Evaluation:
     """Seed `seed_index`'s evaluated clients, with their models of `state`."""
-    return self.evaluator.evaluate(
+    ev = self.evaluator.evaluate(
         state, seed_index, self.seed_data[seed_index], self.evaluated_ids[seed_index],
         functools.partial(self.cohort, seed_index=seed_index), previous)
+    if self.newcomers is None:
+      return ev
+    return ev.replace(new_client_accuracy=self.newcomers.evaluate(
+        state, seed_index, self.seed_data[seed_index], self.new_clients[seed_index]))
 
   def save_representations(self, state: RunState, workdir: str, seed_index: int = 0) -> str:
     return self.evaluator.save_representations(state, seed_index,

@@ -94,10 +94,11 @@ class Ideal:
   """The ideal federation (the system section off): the sampled clients train, all their steps,
   and every trained client's upload arrives."""
 
-  def draw(self, fed, seed: int, t: int, num_clients: int, k: int):
-    """(no draws, the sampled clients, the cohort: the same)."""
+  def draw(self, fed, seed: int, t: int, num_clients: int, k: int, eligible=None):
+    """(no draws, the sampled clients, the cohort: the same); `eligible` [N] (None: all): the
+    clients the round may sample (not the new clients)."""
     del fed
-    sampled = sample_cohort(seed, t, num_clients, k)
+    sampled = sample_cohort(seed, t, num_clients, k, eligible)
     return None, sampled, sampled
 
   def devices(self, fed, seeds, train_flops, place):
@@ -129,10 +130,13 @@ class Drawn:
   before the round (who is online, drops out, straggles, loses its upload), taken by the call
   as data (ChunkInputs.system), and each client's clock."""
 
-  def draw(self, fed: system.System, seed: int, t: int, num_clients: int, k: int):
-    """(the round's draws, the clients sampled among the online ones, those that train)."""
+  def draw(self, fed: system.System, seed: int, t: int, num_clients: int, k: int,
+           eligible=None):
+    """(the round's draws, the clients sampled among the online ones that are `eligible` (None:
+    all; not the new clients), those that train)."""
     draws = fed.round_draws(seed, t)
-    sampled = sample_cohort(seed, t, num_clients, k, draws.online)
+    online = draws.online if eligible is None else draws.online & eligible
+    sampled = sample_cohort(seed, t, num_clients, k, online)
     return draws, sampled, draws.cohort(sampled)
 
   def devices(self, fed: system.System, seeds, train_flops: np.ndarray, place):

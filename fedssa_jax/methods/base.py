@@ -332,6 +332,15 @@ class Method:
     extra models, the loss's constants, and the floats and FLOPs of the download."""
     return Download(params)
 
+  def newcomer(self, params, state, server, client: ClientView) -> Download:
+    """What a new client, one that never took part (config new_clients), receives before it
+    trains for the first time: by default what a participant's `download` gives (FedProto's
+    global prototypes, FD's global logits, LG-FedAvg's global header, nothing for Standalone).
+    A method whose download mixes in what the client learned in earlier rounds overrides it
+    (FedSSA: the whole global header). `params` and `state` are the client's initial ones;
+    docs/algorithm.md §5 says what each method's newcomer receives."""
+    return self.download(params, state, server, client)
+
   def init_acc(self) -> PyTree:
     """The zero accumulator of the per-step statistics the loss returns (e.g. FD's
     `ClassSums` of the logits), a flax.struct dataclass; None, the default: the loss sums

@@ -138,6 +138,13 @@ class FedSSA(base.Method):
                          floats=self.header_row * n_fused,
                          flops=(per_element * self.header_row * n_fused).astype(jnp.float32))
 
+  def newcomer(self, params, state, server, client):
+    # The global header: every row the server holds replaces the initial one (no blend, as a
+    # new client has nothing of its own to keep).
+    rows = jnp.where(server.avail[:, None], server.global_rows, models.header_rows(params))
+    return base.Download(models.with_header_rows(params, rows),
+                         floats=self.header_row * server.avail.sum())
+
   def upload(self, trainable, acc, ctx, state, client):
     params = trainable['model']
     rows = jnp.where(client.seen[:, None], models.header_rows(params), 0.0)

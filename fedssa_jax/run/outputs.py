@@ -33,9 +33,15 @@ def clu_writers() -> tuple[Any, Any]:
   return metric_writers, periodic_actions
 
 
+# What a record says of the spread of the personalised accuracies and of what the federation
+# gave a client beyond its own test split (`lens`); summary.json has each as final_<name>.
+LENS_FIELDS = ('accuracy_std', 'worst10_accuracy', 'family_accuracy', 'global_accuracy',
+               'new_client_accuracy', 'participation_gap')
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
 METRICS_FIELDS = (
     'round', 'mean_accuracy', 'client_accuracy', 'evaluated_clients',
+    'accuracy_std', 'worst10_accuracy', 'family_accuracy', 'global_accuracy',
+    'new_client_accuracy', 'participation_gap',
     'participant_accuracy_reference',
     'train_loss', 'train_accuracy', 'header_norm_max', 'header_norm_mean', 'participants',
     'up_floats', 'down_floats', 'client_flops',
@@ -43,7 +49,8 @@ METRICS_FIELDS = (
     'server_flops', 'server_metrics', 'round_seconds', 'elapsed_seconds')
 SUMMARY_FIELDS = (
     'method', 'dataset', 'rounds', 'final_mean_accuracy', 'best_mean_accuracy', 'best_round',
-    'final_client_accuracy', 'target_accuracy', 'to_target', 'cum_up_floats',
+    'final_client_accuracy', *(f'final_{k}' for k in LENS_FIELDS), 'target_accuracy',
+    'to_target', 'cum_up_floats',
     'cum_down_floats', 'cum_client_flops', 'seconds_per_round_steady', 'first_round_seconds',
     'wall_seconds')
 # What a run that ended with a DivergenceError leaves instead of summary.json (docs/outputs.md).
@@ -112,6 +119,7 @@ def make_summary(config, state, progress: Progress, watching=()) -> dict:
       'best_mean_accuracy': max(accs) if accs else None,
       'best_round': history[int(np.argmax(accs))]['round'] if accs else None,
       'final_client_accuracy': history[-1]['client_accuracy'] if history else None,
+      **{f'final_{k}': history[-1].get(k) if history else None for k in LENS_FIELDS},
       'target_accuracy': config.target_accuracy,
       'to_target': first_reaching(history, config.target_accuracy),
       'cum_up_floats': state.costs.up_floats,
@@ -225,6 +233,32 @@ class SeedOutputs:
     return summary
 
 
+def worst_decile(accuracy: np.ndarray) -> float:
+  """The mean of the lowest tenth of the accuracies (at least one of them)."""
+  count = max(1, int(np.ceil(0.1 * len(accuracy))))
+  return float(np.sort(accuracy)[:count].mean())
+
+
+def lens(accuracy: np.ndarray, families: list[str], ev) -> dict:
+  """The record's LENS_FIELDS from the evaluated clients' personalised `accuracy` (the
+  participants' population, new clients apart), their model `families` (one name per client)
+  and the evaluation `ev`: the spread (standard deviation over the clients), the worst decile,
+  the mean per family, and, None where off, the mean global accuracy of the same clients, the
+  new clients' mean accuracy and the participation gap (the participants' mean less theirs)."""
+  new = ev.new_client_accuracy
+  new = None if new is None else float(np.nanmean(new))
+  return {
+      'accuracy_std': float(accuracy.std()),
+      'worst10_accuracy': worst_decile(accuracy),
+      'family_accuracy': {f: float(accuracy[[x == f for x in families]].mean())
+                          for f in dict.fromkeys(families)},
+      'global_accuracy': (None if ev.global_accuracy is None
+                          else float(ev.global_accuracy[ev.evaluated].mean())),
+      'new_client_accuracy': new,
+      'participation_gap': None if new is None else float(accuracy.mean()) - new,
+  }
+
+
 def record(sim, state, info, ev, observed: dict | None = None) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
   evaluation `ev`, and last the fields of the run's observers, `observed` (the system section's,
@@ -240,6 +274,7 @@ def record(sim, state, info, ev, observed: dict | None = None) -> dict:
       'mean_accuracy': float(acc.mean()),
       'client_accuracy': acc.tolist(),
       'evaluated_clients': 'all' if len(evaluated) == sim.num_clients else len(evaluated),
+      **lens(acc, [sim.groups[g].family for g in sim.group_of[evaluated]], ev),
       'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
       'train_loss': info.train_loss,
       'train_accuracy': info.train_accuracy,
