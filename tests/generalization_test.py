@@ -13,7 +13,7 @@ from fedssa_jax.data import augment
 from fedssa_jax.engine import generalization, uplink
 from fedssa_jax.engine.evaluation import Evaluation
 from fedssa_jax.errors import ConfigError
-from fedssa_jax.run import outputs
+from fedssa_jax.run import lens, outputs
 
 
 def _evaluation(evaluated, global_accuracy=None, new=None):
@@ -29,7 +29,7 @@ def test_lens_fields_against_a_hand_computation():
   families = ['a', 'b'] * 5 + ['a']
   ev = _evaluation(np.arange(11), global_accuracy=np.r_[np.linspace(0, 1, 11), 7.0],
                    new=np.r_[np.full(11, np.nan), 0.25])
-  got = outputs.lens(acc, families, ev)
+  got = lens.lens(acc, families, ev)
   assert got['accuracy_std'] == pytest.approx(np.sqrt(np.mean((acc - acc.mean()) ** 2)))
   # ceil(1.1) = 2 of 11: the two lowest, 0.1 and 0.2.
   assert got['worst10_accuracy'] == pytest.approx(0.15)
@@ -40,9 +40,9 @@ def test_lens_fields_against_a_hand_computation():
   assert got['global_accuracy'] == pytest.approx(0.5)  # the evaluated clients' only
   assert got['new_client_accuracy'] == pytest.approx(0.25)
   assert got['participation_gap'] == pytest.approx(acc.mean() - 0.25)
-  off = outputs.lens(acc, families, _evaluation(np.arange(11)))
+  off = lens.lens(acc, families, _evaluation(np.arange(11)))
   assert off['global_accuracy'] is off['new_client_accuracy'] is off['participation_gap'] is None
-  assert outputs.worst_decile(np.array([0.3])) == 0.3
+  assert lens.worst_decile(np.array([0.3])) == 0.3
 
 
 def test_new_clients_are_drawn_once_among_clients_with_data():
@@ -156,4 +156,4 @@ def test_global_accuracy_is_each_clients_accuracy_on_the_sample(lens_run):
   assert rec['global_accuracy'] == pytest.approx(float(ev.global_accuracy[ev.evaluated].mean()))
   assert rec['participation_gap'] == pytest.approx(
       rec['mean_accuracy'] - rec['new_client_accuracy'])
-  assert set(outputs.LENS_FIELDS) <= set(rec) and set(rec) <= set(outputs.METRICS_FIELDS)
+  assert set(lens.LENS_FIELDS) <= set(rec) and set(rec) <= set(outputs.METRICS_FIELDS)

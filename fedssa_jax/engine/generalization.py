@@ -45,6 +45,14 @@ def draw_new_clients(seed: int, fraction: float, train_n: np.ndarray,
   return np.sort(rng.choice(candidates, size=count, replace=False))
 
 
+def new_clients(config, seeds, cds) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+  """Each seed's new clients (`draw_new_clients` on its client data) and the mask [N] of the
+  clients its rounds may sample (None: all, without new clients)."""
+  ids = [draw_new_clients(s, config.new_clients, c.train_n, c.test_n) for s, c in zip(seeds, cds)]
+  return ids, [None if not len(i) else ~np.isin(np.arange(len(c.train_n)), i)
+               for i, c in zip(ids, cds)]
+
+
 def global_sample(seed: int, size: int, test_idx: np.ndarray, test_n: np.ndarray,
                   labels: np.ndarray, num_classes: int) -> np.ndarray:
   """`size` indices of the global test pool (the distinct images of every client's test split),

@@ -211,11 +211,7 @@ class Simulator:
     self.num_clients, self.num_classes = cds[0].num_clients, ds.num_classes
     self.image_shape = ds.image_shape
     # The new clients (config new_clients) never train: the rounds sample K of the others.
-    self.new_clients = [generalization.draw_new_clients(s, config.new_clients, c.train_n,
-                                                        c.test_n)
-                        for s, c in zip(self.seeds, cds)]
-    self.eligible = [None if not len(ids) else ~np.isin(np.arange(self.num_clients), ids)
-                     for ids in self.new_clients]
+    self.new_clients, self.eligible = generalization.new_clients(config, self.seeds, cds)
     self.k = cohort_size(self.num_clients - len(self.new_clients[0]), config.participation)
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes,
                                                     self.image_shape)
@@ -278,12 +274,18 @@ class Simulator:
         self.slot_of, eval_batch_size=config.eval_batch_size,
         clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
         global_sample=self._global_sample(config, ds, cds))
-    self.newcomers = None if not len(self.new_clients[0]) else generalization.Newcomers(
-        self.evaluator, [local_fn(g, self.method, dataclasses.replace(
-            self.train_cfg, local_epochs=config.new_client_epochs), self.flops,
-                                  self.data.train_idx.shape[-1], config.eval_batch_size,
-                                  download=self.method.newcomer) for g in self.groups],
-        self.seen_dev, self.root_keys)
+    self.newcomers = self._newcomers(config)
+
+  def _newcomers(self, config) -> generalization.Newcomers | None:
+    """The new clients' evaluation (None without new clients): each group's round of local
+    training as a participant's, with the method's newcomer download and new_client_epochs."""
+    if not len(self.new_clients[0]):
+      return None
+    cfg = dataclasses.replace(self.train_cfg, local_epochs=config.new_client_epochs)
+    return generalization.Newcomers(
+        self.evaluator, [local_fn(g, self.method, cfg, self.flops, self.data.train_idx.shape[-1],
+                                  config.eval_batch_size, download=self.method.newcomer)
+                         for g in self.groups], self.seen_dev, self.root_keys)
 
   def _global_sample(self, config, ds: data.Dataset, cds):
     """Each seed's global test sample [R, G] on the devices (generalization.global_sample);

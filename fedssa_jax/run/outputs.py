@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from fedssa_jax.run import checkpoint, observers
+from fedssa_jax.run.lens import LENS_FIELDS, lens, lens_text
 
 
 def clu_writers() -> tuple[Any, Any]:
@@ -33,10 +34,6 @@ def clu_writers() -> tuple[Any, Any]:
   return metric_writers, periodic_actions
 
 
-# What a record says of the spread of the personalised accuracies and of what the federation
-# gave a client beyond its own test split (`lens`); summary.json has each as final_<name>.
-LENS_FIELDS = ('accuracy_std', 'worst10_accuracy', 'family_accuracy', 'global_accuracy',
-               'new_client_accuracy', 'participation_gap')
 # The keys of every metrics.jsonl record; docs/outputs.md documents each one.
 METRICS_FIELDS = (
     'round', 'mean_accuracy', 'client_accuracy', 'evaluated_clients',
@@ -226,37 +223,11 @@ class SeedOutputs:
         f.write(json.dumps(summary, indent=2, default=jsonable))
       os.replace(path + '.tmp', path)
     acc = lambda a: 'n/a' if a is None else f'{a:.4f}'
-    logging.info('%sDone: final mean accuracy %s, best %s (round %s), wall %.1f s; summary in %s',
-                 self.prefix, acc(summary['final_mean_accuracy']),
+    logging.info('%sDone: final mean accuracy %s%s, best %s (round %s), wall %.1f s; summary in '
+                 '%s', self.prefix, acc(summary['final_mean_accuracy']), lens_text(summary),
                  acc(summary['best_mean_accuracy']), summary['best_round'],
                  summary['wall_seconds'], os.path.join(self.workdir, 'summary.json'))
     return summary
-
-
-def worst_decile(accuracy: np.ndarray) -> float:
-  """The mean of the lowest tenth of the accuracies (at least one of them)."""
-  count = max(1, int(np.ceil(0.1 * len(accuracy))))
-  return float(np.sort(accuracy)[:count].mean())
-
-
-def lens(accuracy: np.ndarray, families: list[str], ev) -> dict:
-  """The record's LENS_FIELDS from the evaluated clients' personalised `accuracy` (the
-  participants' population, new clients apart), their model `families` (one name per client)
-  and the evaluation `ev`: the spread (standard deviation over the clients), the worst decile,
-  the mean per family, and, None where off, the mean global accuracy of the same clients, the
-  new clients' mean accuracy and the participation gap (the participants' mean less theirs)."""
-  new = ev.new_client_accuracy
-  new = None if new is None else float(np.nanmean(new))
-  return {
-      'accuracy_std': float(accuracy.std()),
-      'worst10_accuracy': worst_decile(accuracy),
-      'family_accuracy': {f: float(accuracy[[x == f for x in families]].mean())
-                          for f in dict.fromkeys(families)},
-      'global_accuracy': (None if ev.global_accuracy is None
-                          else float(ev.global_accuracy[ev.evaluated].mean())),
-      'new_client_accuracy': new,
-      'participation_gap': None if new is None else float(accuracy.mean()) - new,
-  }
 
 
 def record(sim, state, info, ev, observed: dict | None = None) -> dict:

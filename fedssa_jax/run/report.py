@@ -23,6 +23,8 @@ as `diverged (round N)`):
                 norms against rounds per setting; robustness curves where a setting
                 varies only in classes per client or Dirichlet gamma; t-SNE panels of the saved
                 representations (runs with save_representations=True);
+- lens.md       per setting, the final round's spread, worst decile, global accuracy, new
+                clients' accuracy and participation gap (run/lens.py)
 - index.md      links to all of them.
 
 Runs of one setting and seed that hold different partitions (their config.json's
@@ -46,6 +48,8 @@ from absl import flags
 import numpy as np
 
 from fedssa_jax.engine import evaluation
+from fedssa_jax.run import lens
+from fedssa_jax.run.tables import markdown_table, mean_std, sci  # pylint: disable=unused-import
 from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rounds,
                                   plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
                                   plot_training_curves, plot_tsne, robustness_series)
@@ -57,25 +61,6 @@ from fedssa_jax.run.runs import (REFERENCE_METHOD, _method_key, backend_of, by_s
 # ----------------------------------------------------------------------------------------------
 # Markdown helpers (also used by fedssa_jax.run.compare)
 # ----------------------------------------------------------------------------------------------
-
-def sci(x) -> str:
-  """A number in 3 significant digits, or — for None."""
-  return '—' if x is None else f'{x:.3g}'
-
-
-def markdown_table(columns, rows) -> str:
-  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
-  lines += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
-  return '\n'.join(lines) + '\n'
-
-
-def mean_std(values, scale: float = 100.0, digits: int = 2) -> str:
-  """'mean ± std' (sample std over seeds) of values × scale; just the value for one seed."""
-  v = np.asarray(values, float) * scale
-  if len(v) == 1:
-    return f'{v[0]:.{digits}f}'
-  return f'{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}'
-
 
 # ----------------------------------------------------------------------------------------------
 # Tables
@@ -351,7 +336,8 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
           file=sys.stderr)
   note = mismatch_note(mismatches)
   texts = [('accuracy.md', accuracy_tables(grouped, diverged)),
-           ('costs.md', costs_tables(grouped, target))]
+           ('costs.md', costs_tables(grouped, target)),
+           ('lens.md', lens.lens_tables(grouped))]
   if private:
     texts.append(('privacy.md', privacy_tables(private)))
   for name, text in texts:
@@ -384,7 +370,8 @@ def _index_head(sweep_dir, out_dir, runs, grouped, diverged, unfinished, note) -
              + ', '.join(rel(u) for u in unfinished) if unfinished else '') + '.', '',
           *note,
           '- [Mean test accuracy, Tables 1 and 2](accuracy.md)',
-          '- [Communication and computation to the target](costs.md)']
+          '- [Communication and computation to the target](costs.md)',
+          '- [Beyond the mean: spread, worst decile, global and new clients](lens.md)']
 
 
 def _privacy_link(runs, out_dir) -> str:
