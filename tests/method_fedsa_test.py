@@ -306,6 +306,8 @@ def test_config_options_and_download_floats():
   assert (method.lam, method.mcl, method.cc, method.mu) == (10.0, 1.0, 1.0, 0.9999)
   assert method.headline_metric == 'accuracy' and not method.exact_sqrt
   assert make_method(inference='prototype').headline_metric == 'prototype_accuracy'
+  b = config_lib.base_config('cifar10').batch_size
+  assert method.train_flops_per_sample(1e6, None) == 1e6 + 6 * C * D + 6 * C * (D + 1) / b
   for field, value in (('lam', -1.0), ('mcl', -0.5), ('cc', -1.0), ('ema_momentum', 1.5),
                        ('inference', 'anchor')):
     with pytest.raises(ValueError, match=f'fedsa.{field}'):

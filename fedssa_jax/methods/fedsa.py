@@ -30,7 +30,8 @@ anchors* A [C, d] (d = model.feature_dim) rather than towards the prototypes' me
   figure, the nearest P_bar by (mean) squared distance over the uploaded classes (0 while none
   exists), is always logged as `prototype_accuracy`, and 'prototype' makes it the headline.
 Floats per participating client and round: up d * s_k; down d * C (the anchors, round 0
-included), plus d * |g| with 'prototype' (P_bar).
+included), plus d * |g| with 'prototype' (P_bar). Client FLOPs: the model's step plus the anchor
+terms, 6 C d a sample and 6 C (d + 1) a step.
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ class FedSA(prototypes.PrototypeUploads, base.Method):
     self.lam, self.mcl, self.cc = float(c.lam), float(c.mcl), float(c.cc)
     self.mu, self.exact_sqrt, self.inference = float(c.ema_momentum), c.exact_sqrt, c.inference
     self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'
-    self.local_epochs = int(config.local_epochs)
+    self.local_epochs, self.batch_size = int(config.local_epochs), int(config.batch_size)
     self.dtype = models.COMPUTE_DTYPES[config.engine.compute_dtype]
     self.central_q = base.central_share(config, num_clients)  # None: no central DP
 
@@ -234,6 +235,12 @@ class FedSA(prototypes.PrototypeUploads, base.Method):
     gap = mean_nearest_distance(anchors, jnp.ones((self.num_classes,), bool))
     return base.Aggregated(server.replace(anchors=anchors, global_gap=gap, protos=protos,
                                           avail=avail))
+
+  def train_flops_per_sample(self, own, flops_of):
+    """The model's step, plus the anchor terms: the distances r.A^T forward and backward
+    (6 C d a sample) and the calibration's header on the C anchors (6 C (d + 1) a step)."""
+    c, d = self.num_classes, self.feature_dim
+    return own + 6 * c * d + 6 * c * (d + 1) / self.batch_size
 
   def eval_extra(self, server, client_id, logits, rep, y, valid):
     return {'prototype_accuracy': prototypes.prototype_hits(rep, y, valid, server.protos,
