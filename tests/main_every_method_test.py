@@ -121,6 +121,7 @@ def expected_floats(method, seen, avail_before):
       'fedmrl': (PS_MRL + 0 * s, PS_MRL + 0 * s),
       # Up: the rows of the classes in the study batch, at most s_k (UPLOAD_AT_MOST).
       'fedl2g': (D * s, D * s),
+      'fedsa': (D * s, D * C + 0 * s),  # down: the anchors, every round
   }
   if method not in table:
     pytest.fail(f'The registered method {method!r} has no entry in expected_floats: add '
@@ -177,7 +178,7 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
       assert r['down_floats'] <= P5 * len(part)
       assert r['round'] > 1 or r['down_floats'] == 0
     avail = globals_after(method, avail, seen[np.asarray(r['received'], int)])
-  if method in ('fedproto', 'fedtgp'):
+  if method in ('fedproto', 'fedtgp', 'fedsa'):
     assert 0 <= records[-1]['method_metrics']['prototype_accuracy'] <= 1
   if method in ('fedgh', 'fedtgp'):  # the server trains: its loss and FLOPs are recorded
     for r in records:  # ... none in a round that received nothing (kept as it was)

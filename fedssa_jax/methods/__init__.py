@@ -16,6 +16,7 @@ from fedssa_jax.methods.fedkd import FedKD
 from fedssa_jax.methods.fedl2g import FedL2G
 from fedssa_jax.methods.fedmrl import FedMRL
 from fedssa_jax.methods.fedproto import FedProto
+from fedssa_jax.methods.fedsa import FedSA
 from fedssa_jax.methods.fedssa import FedSSA
 from fedssa_jax.methods.fedtgp import FedTGP
 from fedssa_jax.methods.fml import FML
@@ -23,7 +24,7 @@ from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
-                                  FedClassAvg, FedGH, FedTGP, FedL2G, FedMRL)}
+                                  FedClassAvg, FedGH, FedTGP, FedL2G, FedMRL, FedSA)}
 
 
 def get_method(name: str):

@@ -1,5 +1,5 @@
-"""What the prototype methods share (FedProto, FedGH, FedTGP; docs/algorithm.md §6): their hook
-data, the client side of their upload, the prototype term of the loss, the nearest-prototype
+"""What the prototype methods share (FedProto, FedGH, FedTGP, FedSA; docs/algorithm.md §6): their
+hook data, the client side of their upload, the prototype term of the loss, the nearest-prototype
 prediction and the server's table of (prototype, class) pairs.
 
 A client's prototypes p_k[c], c in S_k, are class means of its 500-d representations r, from
