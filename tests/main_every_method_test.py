@@ -180,7 +180,7 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
     avail = globals_after(method, avail, seen[np.asarray(r['received'], int)])
   if method in ('fedproto', 'fedtgp'):
     assert 0 <= records[-1]['method_metrics']['prototype_accuracy'] <= 1
-  if method in ('fedgh', 'fedtgp', 'fedorgp'):  # the server trains: its loss and FLOPs are recorded
+  if method in ('fedgh', 'fedtgp', 'fedorgp'):  # the server trains: its loss, FLOPs recorded
     for r in records:  # ... none in a round that received nothing (kept as it was)
       assert np.isfinite(r['server_metrics']['loss'])
       assert (r['server_flops'] > 0) == bool(r['received']), r['round']
