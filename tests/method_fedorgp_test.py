@@ -83,6 +83,34 @@ def test_loss_equals_per_sample_loop():
   assert not np.asarray(grads[1]).any()  # P^ is a constant
 
 
+def test_upload_download_and_floats():
+  """By default the plain class means of the forward pass's V1 sums over the held classes, d
+  s_k floats up; all of P^ down, d C floats, once it exists (0 before)."""
+  method = make_method()
+  rng = np.random.default_rng(1)
+  seen = np.array([[1, 1, 0, 0], [0, 1, 1, 1]], bool)
+  counts = np.where(seen, rng.integers(1, 9, size=seen.shape), 0).astype(np.float32)
+  sums = (rng.normal(size=(2, C, D)) * counts[:, :, None]).astype(np.float32)
+  acc = base.Accumulated(forward_pass=base.ClassSums(sum=jnp.asarray(sums),
+                                                     count=jnp.asarray(counts)))
+  up = jax.jit(jax.vmap(lambda a, s: method.upload(
+      {'model': {}}, a, None, base.NoState(), client_view(0, s, 5, 1))))(acc, jnp.asarray(seen))
+  for k in range(2):
+    assert int(up.floats[k]) == D * seen[k].sum()
+    want = np.where(seen[k][:, None], sums[k] / np.maximum(counts[k], 1)[:, None], 0)
+    np.testing.assert_allclose(np.asarray(up.payload.protos[k]), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(up.payload.n[k]), counts[k])
+  protos = jnp.asarray(rng.normal(size=(C, D)), jnp.float32)
+  down = jax.jit(lambda avail: method.download({}, base.NoState(), fedorgp.FedORGPServer(
+      net={}, uploads=None, uploads_n=None, protos=protos, avail=avail),
+      client_view(0, seen[1], 5, 1)))
+  for avail in (np.zeros(C, bool), np.ones(C, bool)):
+    d = down(avail)
+    assert int(d.floats) == D * avail.sum()
+    np.testing.assert_array_equal(np.asarray(d.ctx.avail), avail)
+    np.testing.assert_array_equal(np.asarray(d.ctx.protos), np.asarray(protos))
+
+
 def reference_or_loss(rep, labels, protos, lam_s, gamma, adaptive):
   """serverorth.py's lam_s * intra_orth_loss + gamma * inter_orth_loss, in numpy."""
   rep_norm, protos_norm = unit(rep), unit(protos)
