@@ -38,7 +38,8 @@ def test_defaults_options_and_checks():
   assert not m.forward_pass_rows and m.headline_metric == 'accuracy'
   head = make_method(variant='repo_head')
   assert head.adaptive and head.filter and head.forward_pass_rows
-  assert make_method(adaptive_weights=True).adaptive and not make_method(adaptive_weights=True).filter
+  adaptive = make_method(adaptive_weights=True)
+  assert adaptive.adaptive and not adaptive.filter
   assert make_method(proto_source='train_pass').forward_pass is None
   for field, value in (('lam_c', -1.0), ('lam_s', -1.0), ('gamma', -1.0), ('server_lr', 0.0),
                        ('server_epochs', 0), ('server_batch', 0), ('proto_source', 'pass'),
