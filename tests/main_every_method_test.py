@@ -122,6 +122,7 @@ def expected_floats(method, seen, avail_before):
       # Up: the rows of the classes in the study batch, at most s_k (UPLOAD_AT_MOST).
       'fedl2g': (D * s, D * s),
       'fedsa': (D * s, D * C + 0 * s),  # down: the anchors, every round
+      'fedorgp': (D * s, D * avail_before.sum() + 0 * s),  # all of P^ down, after round 1
   }
   if method not in table:
     pytest.fail(f'The registered method {method!r} has no entry in expected_floats: add '
@@ -138,8 +139,8 @@ UPLOAD_AT_MOST = {'fedl2g': D}
 def globals_after(method, avail, seen_of_received):
   """The classes with a global value after a round, from those before it: those the clients
   whose uploads the server received hold (FedTGP's generator gives every class one after its
-  first round that receives any)."""
-  if method == 'fedtgp':
+  first round that receives any; so does FedORGP's)."""
+  if method in ('fedtgp', 'fedorgp'):
     return avail | len(seen_of_received) > 0
   return avail | seen_of_received.any(axis=0)
 
@@ -180,7 +181,7 @@ def test_runs_from_the_command_line_with_spec_communication(method_runs):
     avail = globals_after(method, avail, seen[np.asarray(r['received'], int)])
   if method in ('fedproto', 'fedtgp', 'fedsa'):
     assert 0 <= records[-1]['method_metrics']['prototype_accuracy'] <= 1
-  if method in ('fedgh', 'fedtgp'):  # the server trains: its loss and FLOPs are recorded
+  if method in ('fedgh', 'fedtgp', 'fedorgp'):  # the server trains: its loss, FLOPs recorded
     for r in records:  # ... none in a round that received nothing (kept as it was)
       assert np.isfinite(r['server_metrics']['loss'])
       assert (r['server_flops'] > 0) == bool(r['received']), r['round']

@@ -241,7 +241,7 @@ def test_rounds_upload_pre_training_prototypes(two_rounds, small_ds):
     np.testing.assert_array_equal(info.client_down_floats, t * D * seen[info.cohort].sum(1))
     assert np.asarray(server.avail).all()
     np.testing.assert_allclose(np.asarray(server.protos),
-                               np.asarray(fedtgp.tgp_protos(server.tgp, sim.num_classes)),
+                               np.asarray(prototypes.tgp_protos(server.tgp, sim.num_classes)),
                                rtol=1e-5, atol=1e-6)
     assert np.isfinite(info.server_metrics['loss']) and info.server_flops > 0
     extra = (info.client_flops_per_client

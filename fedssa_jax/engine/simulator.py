@@ -172,7 +172,7 @@ def local_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
     pass_one = functools.partial(
         training.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=train_cfg,
         batch_size=min(eval_batch_size, -(-max_train // 8) * 8),
-        stats_fn=method.forward_pass_stats)
+        stats_fn=method.forward_pass_stats, rows=method.forward_pass_rows)
     local = functools.partial(local, pass_one=pass_one,
                               pass_flops_per_sample=flops.forward(g.family))
   if method.after_training is not None:

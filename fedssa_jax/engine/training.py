@@ -16,6 +16,7 @@ n_k = 0 runs none. tests/client_test.py checks both against one-client-at-a-time
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -315,17 +316,21 @@ def local_train(trainable: dict, ctx: PyTree, key: jax.Array, train_idx: jax.Arr
 
 def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: DeviceData, *,
                       apply_fn: Callable, cfg: TrainConfig, batch_size: int,
-                      stats_fn: Callable):
+                      stats_fn: Callable, rows: bool = False):
   """One forward pass of `params` over a client's training split, in batches of `batch_size`
   padded and masked as `evaluate`'s: the images normalised, not augmented, and no gradient.
   Returns the sum over the batches of `stats_fn(logits, rep, y, valid)` (a pytree of arrays,
   e.g. V1 class sums of r); zeros for `n` = 0 (a dummy client), which runs no batch. With
   `cfg.drop_last` the pass reads the training split as that loader does: the last n mod B
-  samples of the stored order (B the training batch, cfg.batch_size) are left out.
+  samples of the stored order (B the training batch, cfg.batch_size) are left out. With `rows`
+  (Method.forward_pass_rows), `stats_fn` also gets the batch's positions in the row (`pos`
+  [b]) and the row's width W = train_idx.shape[0] (`width`).
 
   The pass a method asks for with Method.forward_pass (the engine runs it before or after local
   training)."""
   params = jax.lax.stop_gradient(params)
+  if rows:
+    stats_fn = functools.partial(stats_fn, width=train_idx.shape[0])
   if cfg.drop_last:
     n = n // cfg.batch_size * cfg.batch_size
   b = batch_size
@@ -337,13 +342,16 @@ def forward_pass_sums(params: PyTree, train_idx: jax.Array, n: jax.Array, data: 
     valid = step * b + jnp.arange(b) < n
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
     logits, rep = apply_fn({'params': params}, x)
-    return jax.tree_util.tree_map(jnp.add, acc, stats_fn(logits, rep, data.labels[idx], valid))
+    extra = (step * b + jnp.arange(b),) if rows else ()
+    return jax.tree_util.tree_map(jnp.add, acc,
+                                  stats_fn(logits, rep, data.labels[idx], valid, *extra))
 
   # The sums start at zero, shaped as stats_fn's output on one batch.
   x = jax.ShapeDtypeStruct((b, *data.images.shape[1:]), jnp.float32)
   logits, rep = jax.eval_shape(lambda p, x: apply_fn({'params': p}, x), params, x)
+  extra = (jax.ShapeDtypeStruct((b,), jnp.int32),) if rows else ()
   shapes = jax.eval_shape(stats_fn, logits, rep, jax.ShapeDtypeStruct((b,), data.labels.dtype),
-                          jax.ShapeDtypeStruct((b,), jnp.bool_))
+                          jax.ShapeDtypeStruct((b,), jnp.bool_), *extra)
   zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   return jax.lax.fori_loop(0, (n + b - 1) // b, body, zeros)
 

@@ -15,6 +15,7 @@ from fedssa_jax.methods.fedgh import FedGH
 from fedssa_jax.methods.fedkd import FedKD
 from fedssa_jax.methods.fedl2g import FedL2G
 from fedssa_jax.methods.fedmrl import FedMRL
+from fedssa_jax.methods.fedorgp import FedORGP
 from fedssa_jax.methods.fedproto import FedProto
 from fedssa_jax.methods.fedsa import FedSA
 from fedssa_jax.methods.fedssa import FedSSA
@@ -24,7 +25,8 @@ from fedssa_jax.methods.lg_fedavg import LGFedAvg
 from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
-                                  FedClassAvg, FedGH, FedTGP, FedL2G, FedMRL, FedSA)}
+                                  FedClassAvg, FedGH, FedTGP, FedL2G, FedMRL, FedSA,
+                                  FedORGP)}
 
 
 def get_method(name: str):

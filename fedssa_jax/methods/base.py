@@ -238,6 +238,12 @@ class Method:
   # docstring; FORWARD_PASS_TIMES): 'before' it, 'after' it, or None (the default: no pass, no
   # extra work). A method may set it per instance, from its config.
   forward_pass: str | None = None
+  # With True, the forward pass also gives `forward_pass_stats` each batch's positions in the
+  # client's training row (`pos` [b]) and the row's width W (`width`, static), so that its
+  # stats may place per-sample values in [W, ...] tables (zero elsewhere; the pass sums them):
+  # FedORGP's outlier filter, which needs each sample's representation. False (the default):
+  # the four arguments alone.
+  forward_pass_rows: bool = False
   # The first `held_out_samples` positions of each client's training index row are never
   # trained on (the module docstring): 0, the default, holds none out.
   held_out_samples: int = 0
@@ -354,9 +360,11 @@ class Method:
     loss, correct = losses.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, None)
 
-  def forward_pass_stats(self, logits, rep, y, valid) -> PyTree:
+  def forward_pass_stats(self, logits, rep, y, valid, pos=None, width=None) -> PyTree:
     """What the forward pass (`forward_pass`) sums over a batch of the training split: by
-    default the V1 `ClassSums` of the representation r."""
+    default the V1 `ClassSums` of the representation r. `pos` and `width`: with
+    `forward_pass_rows`, the batch's positions in the training row and its width."""
+    del pos, width
     return class_sums(rep, y, valid, self.num_classes)
 
   def trains(self, round_index):

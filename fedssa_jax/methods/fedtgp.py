@@ -37,37 +37,16 @@ update.
 """
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import struct
 
-from fedssa_jax import models
 from fedssa_jax.methods import aggregation, base, prototypes
 
 PROTO_TIMINGS = ('post_train', 'pre_train')
 INFERENCES = ('classifier', 'prototype')
-
-
-class TGP(nn.Module):
-  """The trainable prototype generator: class index -> a d-dimensional prototype."""
-  num_classes: int
-  feature_dim: int
-
-  @nn.compact
-  def __call__(self, labels):
-    x = nn.Embed(self.num_classes, self.feature_dim,
-                 embedding_init=jax.nn.initializers.normal(1.0), name='embedding')(labels)
-    x = nn.relu(models.Dense(self.feature_dim, name='fc1')(x))
-    return models.Dense(self.feature_dim, name='fc2')(x)
-
-
-def tgp_protos(tgp_params, num_classes: int):
-  """T(0..C-1): every class's prototype [C, d]."""
-  feature_dim = tgp_params['fc2']['bias'].shape[-1]
-  return TGP(num_classes, feature_dim).apply({'params': tgp_params}, jnp.arange(num_classes))
 
 
 def margin(means, has, cap):
@@ -83,7 +62,7 @@ def margin(means, has, cap):
 def tgp_loss(tgp_params, x, y, w, *, delta, num_classes: int):
   """The weighted mean over a batch of CE(-dist[j], c_j), dist[j] the margined distances of
   p_j to every generated prototype."""
-  g = tgp_protos(tgp_params, num_classes)
+  g = prototypes.tgp_protos(tgp_params, num_classes)
   sq = jnp.sum(x ** 2, -1, keepdims=True) - 2.0 * x @ g.T + jnp.sum(g ** 2, -1)[None, :]
   dist = jnp.sqrt(jnp.maximum(sq, 1e-12)) + delta * jax.nn.one_hot(y, num_classes)
   ce = optax.softmax_cross_entropy_with_integer_labels(-dist, y)
@@ -162,7 +141,7 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
-    tgp = TGP(c, self.feature_dim).init(key, jnp.arange(c))['params']
+    tgp = prototypes.TGP(c, self.feature_dim).init(key, jnp.arange(c))['params']
     d = self.feature_dim
     return FedTGPServer(tgp=tgp, uploads=jnp.zeros((n, c, d), jnp.float32),
                         uploads_n=jnp.zeros((n, c), jnp.float32),
@@ -197,7 +176,8 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
     per_step = 3 * (4 * c * d * d + 2 * self.batch * c * d) + 2 * self.tgp_size
     flops = 3 * c * c * d + per_step * steps
     return base.Aggregated(
-        server.replace(tgp=tgp, protos=tgp_protos(tgp, c), avail=server.avail | has.any()),
+        server.replace(tgp=tgp, protos=prototypes.tgp_protos(tgp, c),
+                       avail=server.avail | has.any()),
         flops=jnp.asarray(flops, jnp.float32),
         metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'last_loss': last, 'steps': steps,
                  'margin': delta})

@@ -1,6 +1,7 @@
-"""What the prototype methods share (FedProto, FedGH, FedTGP, FedSA; docs/algorithm.md §6): their
-hook data, the client side of their upload, the prototype term of the loss, the nearest-prototype
-prediction and the server's table of (prototype, class) pairs.
+"""What the prototype methods share (FedProto, FedGH, FedTGP, FedSA, FedORGP; docs/algorithm.md
+§6): their hook data, the client side of their upload, the prototype term of the loss, the
+nearest-prototype prediction, the server's table of (prototype, class) pairs and the trainable
+prototype net T of FedTGP and FedORGP.
 
 A client's prototypes p_k[c], c in S_k, are class means of its 500-d representations r, from
 the training passes (`proto_source='train_pass'`: V1 class sums accumulated by the loss over all
@@ -9,10 +10,12 @@ E epochs; FedProto's only source) or from a forward pass over the training split
 """
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from fedssa_jax import models
 from fedssa_jax.methods import aggregation, base, losses
 
 # Where FedGH's and FedTGP's prototypes come from: the forward pass over the training split after
@@ -64,6 +67,27 @@ def uploaded_prototypes(acc: base.Accumulated, seen, source: str, local_epochs: 
   sums, visits = (acc.loss, local_epochs) if source == 'train_pass' else (acc.forward_pass, 1)
   protos, held = base.class_means(sums, seen)
   return protos, jnp.where(held, sums.count / visits, 0.0), held
+
+
+class TGP(nn.Module):
+  """The trainable prototype net T of FedTGP and FedORGP: class index -> a d-dimensional
+  prototype, Embedding(C, d) (N(0, 1)) -> Linear(d, d) -> ReLU -> Linear(d, d) (PyTorch's
+  default init)."""
+  num_classes: int
+  feature_dim: int
+
+  @nn.compact
+  def __call__(self, labels):
+    x = nn.Embed(self.num_classes, self.feature_dim,
+                 embedding_init=jax.nn.initializers.normal(1.0), name='embedding')(labels)
+    x = nn.relu(models.Dense(self.feature_dim, name='fc1')(x))
+    return models.Dense(self.feature_dim, name='fc2')(x)
+
+
+def tgp_protos(tgp_params, num_classes: int):
+  """T(0..C-1): every class's prototype [C, d]."""
+  feature_dim = tgp_params['fc2']['bias'].shape[-1]
+  return TGP(num_classes, feature_dim).apply({'params': tgp_params}, jnp.arange(num_classes))
 
 
 def round_pairs(uploads, uploads_n, participants, pair_weight: str):
