@@ -143,9 +143,10 @@ def split_by_shares(indices_of_class: Sequence[np.ndarray], shares: np.ndarray,
 def resample_sets(pool: np.ndarray, labels: np.ndarray, mixtures: np.ndarray, per_client: int,
                   rng: np.random.Generator) -> np.ndarray:
   """[N, per_client] sorted indices into the data set: each client's `per_client` samples drawn
-  from `pool` WITH replacement, each sample's class from the client's row of `mixtures` [N, S],
-  then a uniform sample of that class in the pool (docs/algorithm.md §2). A class the pool lacks
-  is left out of every mixture (the rest renormalised). Vectorised: no loop over clients."""
+  from `pool` WITH replacement: its class counts ~ Multinomial(per_client, its row of
+  `mixtures` [N, S]), then each sample uniform within its class in the pool
+  (docs/algorithm.md §2). A class the pool lacks is left out of every mixture (the rest
+  renormalised). Vectorised: no loop over clients."""
   num_clients, num_classes = mixtures.shape
   if per_client == 0:
     return np.zeros((num_clients, 0), np.int32)
@@ -153,19 +154,16 @@ def resample_sets(pool: np.ndarray, labels: np.ndarray, mixtures: np.ndarray, pe
   order = np.argsort(cls_of, kind='stable')
   by_class = pool[order]  # the pool sorted by class: class s is by_class[start[s]:start[s+1]]
   sizes = np.bincount(cls_of, minlength=num_classes)[:num_classes]
-  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.float64)
   p = np.where(sizes > 0, mixtures, 0.0)
   total = p.sum(axis=1, keepdims=True)
   p = np.where(total > 0, p / np.where(total > 0, total, 1), sizes / sizes.sum())
-  cdf = np.cumsum(p, axis=1)
-  cdf[:, -1] = 1.0  # float rounding never puts a draw (in [0, 1)) past the last class
-  u = rng.random((num_clients, per_client))
-  # A sample's class: how many of its client's cdf entries are <= its draw; one searchsorted for
-  # all clients, each row shifted by 2 * its index.
-  shift = 2.0 * np.arange(num_clients)[:, None]
-  cls = (np.searchsorted((cdf + shift).ravel(), (u + shift).ravel(), side='right')
-         .reshape(u.shape) - np.arange(num_clients)[:, None] * num_classes)
-  pick = starts[cls] + (rng.random((num_clients, per_client)) * sizes[cls]).astype(np.int64)
+  # Each client's class counts, then its samples' classes in class order.
+  counts = rng.multinomial(per_client, p)
+  cls = np.repeat(np.tile(np.arange(num_classes, dtype=np.int32), num_clients),
+                  counts.ravel()).reshape(num_clients, per_client)
+  # starts + floor(u * size): a uniform member of the class (exact in float64).
+  pick = (starts[cls] + rng.random((num_clients, per_client)) * sizes[cls]).astype(np.int32)
   return np.sort(by_class[pick], axis=1).astype(np.int32)
 
 

@@ -117,6 +117,7 @@ class Initial:
 
   def __init__(self, config, method: methods.Method, keys: list[jax.Array], place: Placement):
     self.init_scope = config.model.init_scope
+    self._family_models = {}  # init_scope 'family': each family's one model, of each seed
     self.keys, self.placement = keys, place
     self._client_state = jax.jit(jax.vmap(method.init_client_state))
     # Replicated on the mesh, as every later round's server is (an init_server that ignores
@@ -129,10 +130,13 @@ class Initial:
     one's own draw, or (init_scope 'family') copies of the family's one model, the same in
     every method."""
     slots, key = np.asarray(slots), self.keys[seed_index]
-    if self.init_scope == 'family':
-      family_ids = np.full(len(slots), models.all_family_names().index(g.family))
-      return _stacked_init(g.model)(client_keys(key, Stream.FAMILY_INIT,
-                                                jnp.asarray(family_ids)))
+    if self.init_scope == 'family':  # drawn once per family and seed, then copied
+      cached = (g.family, g.model, seed_index)
+      if cached not in self._family_models:
+        family_id = np.full(1, models.all_family_names().index(g.family))
+        self._family_models[cached] = _stacked_init(g.model)(
+            client_keys(key, Stream.FAMILY_INIT, jnp.asarray(family_id)))
+      return _copies(self._family_models[cached], len(slots))
     return _stacked_init(g.model)(client_keys(key, Stream.INIT, jnp.asarray(g.members[slots])))
 
   def client_state(self, cids, seed_index: int) -> PyTree:
@@ -145,6 +149,12 @@ class Initial:
         self._server(jax.random.fold_in(key, Stream.SERVER),
                      self.placement.replicate(jnp.asarray(s)))
         for key, s in zip(self.keys, seen)])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _copies(one: PyTree, n: int) -> PyTree:
+  """`n` copies of the stacked model `one` (a leading axis of 1), each in storage of its own."""
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape[1:])), one)
 
 
 @functools.lru_cache(maxsize=None)
