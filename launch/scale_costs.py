@@ -16,8 +16,10 @@ arrays, so the phases do not overlap as they do in a plain run):
   time);
 - outputs: the rest of the round: guards, observers, the metrics record, the checkpoint, and
   the next round's cohort.
-It prints one JSON line per round and a summary: seconds of each phase, partition time, peak
-RSS of the process (ru_maxrss: it counts the memory-mapped store pages it touched), the store's
+It prints one JSON line per round and a summary: seconds of each phase (wall and the process's
+CPU time, which a loaded machine inflates less), partition time, peak RSS of the process
+(ru_maxrss: it counts the memory-mapped store pages it touched) and peak anonymous RSS (its own
+arrays, sampled every 0.2 s), the store's
 disk use (allocated blocks, the files being sparse), the checkpoints' and metrics.jsonl's sizes.
 Run one population per process: the peak RSS is the process's.
 """
@@ -29,6 +31,7 @@ import os
 import resource
 import shutil
 import subprocess
+import threading
 import time
 
 from absl import app, flags
@@ -59,6 +62,29 @@ def disk_bytes(path: str) -> int:
       except FileNotFoundError:
         pass
   return total
+
+
+class PeakMemory:
+  """Samples the process's anonymous resident memory (RssAnon: its own arrays, without the
+  pages of the memory-mapped store, which the kernel may drop and read again) every 0.2 s."""
+
+  def __init__(self):
+    self.peak_anon = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    while not self._stop.wait(0.2):
+      with open('/proc/self/status') as f:
+        for line in f:
+          if line.startswith('RssAnon:'):
+            self.peak_anon = max(self.peak_anon, int(line.split()[1]) * 1024)
+
+  def stop(self) -> int:
+    self._stop.set()
+    self._thread.join()
+    return self.peak_anon
 
 
 class Marks:
@@ -129,6 +155,7 @@ def main(argv):
   workdir = FLAGS.workdir
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
+  memory = PeakMemory()
   t0 = time.perf_counter()
   ds = (data.synthetic_cifar(10, 50_000, 10_000) if FLAGS.synthetic else
         data.load_dataset('cifar10', c.data_dir))
@@ -162,6 +189,7 @@ def main(argv):
       'cpu_s': round(end[1] - start[1], 1), 'setup_s': round(setup, 1),
       'wall': summary_of(rounds), 'cpu': summary_of(cpu_rounds),
       'peak_rss_gb': round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+      'peak_anon_rss_gb': round(memory.stop() / 2**30, 2),
       'population_gb': round(disk_bytes(os.path.join(workdir, 'population')) / 2**30, 2),
       'checkpoints_mb': round(disk_bytes(os.path.join(workdir, 'checkpoints')) / 2**20, 1),
       'metrics_jsonl_kb': round(os.path.getsize(metrics) / 2**10, 1),

@@ -132,11 +132,14 @@ class Initial:
     slots, key = np.asarray(slots), self.keys[seed_index]
     if self.init_scope == 'family':  # drawn once per family and seed, then copied
       cached = (g.family, g.model, seed_index)
-      if cached not in self._family_models:
+      one = self._family_models.get(cached)
+      if one is None:
         family_id = np.full(1, models.all_family_names().index(g.family))
-        self._family_models[cached] = _stacked_init(g.model)(
-            client_keys(key, Stream.FAMILY_INIT, jnp.asarray(family_id)))
-      return _copies(self._family_models[cached], len(slots))
+        one = _stacked_init(g.model)(client_keys(key, Stream.FAMILY_INIT,
+                                                 jnp.asarray(family_id)))
+        if not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(one)):
+          self._family_models[cached] = one  # not when a caller traces (jax.eval_shape)
+      return _copies(one, len(slots))
     return _stacked_init(g.model)(client_keys(key, Stream.INIT, jnp.asarray(g.members[slots])))
 
   def client_state(self, cids, seed_index: int) -> PyTree:
