@@ -152,6 +152,8 @@ def main(argv):
   del argv
   c = config()
   config_lib.validate(c)
+  commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
+                          text=True, check=False).stdout.strip()  # the code this run imported
   workdir = FLAGS.workdir
   shutil.rmtree(workdir, ignore_errors=True)
   os.makedirs(workdir)
@@ -179,8 +181,6 @@ def main(argv):
     print(json.dumps({'round': r, 'wall': {k: round(v, 2) for k, v in phases.items()},
                       'cpu': {k: round(v, 2) for k, v in cpu.items()}}), flush=True)
   metrics = os.path.join(workdir, 'metrics.jsonl')
-  commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                          text=True, check=False).stdout.strip()
   out = {
       'N': c.num_clients, 'K': max(1, int(c.participation * c.num_clients)),
       'method': c.method, 'evaluated': c.eval_clients, 'rounds': FLAGS.rounds,
