@@ -296,10 +296,16 @@ def privacy_upload():
           for r in grid(['cifar10'], ['hetero,n10'], (m,), (0,), budgets(m, mode))]
 
 
+def cross_device():
+  """Cross-device scale: the twelve methods at hetero,n1000 (N = 1,000, C = 10%, E = 1, the
+  Dirichlet partition of the n1000 variant), CIFAR-10, seed 0, each at its defaults."""
+  return grid(['cifar10'], ['hetero,n1000'], ALL_METHODS, (0,))
+
+
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
     appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny,
-    system, system_devices, privacy, privacy_upload)}
+    system, system_devices, privacy, privacy_upload, cross_device)}
 
 
 def get_sweep(name: str) -> list[Run]:

@@ -10,6 +10,8 @@
   n10      N=10,  C=100%     (the paper's three (N, C) settings)
   n50      N=50,  C=20%
   n100     N=100, C=10%
+  n1000    N=1,000, C=10%, E=1, Dirichlet gamma 1.0 with at least 11 training and 1 test samples
+           a client (every client can train, FedL2G's quiz of 10 included, and test)
   dir      Dirichlet partition (gamma = partition.dirichlet_gamma, 0.5)
   paper    the paper's 8:1:1 per-client split instead of the reference's pools
   tiny     a few clients, rounds and steps: for tests and smoke runs
@@ -138,12 +140,19 @@ def _model_config() -> ml_collections.ConfigDict:
 
 def _partition_config(classes_per_client: int) -> ml_collections.ConfigDict:
   p = ml_collections.ConfigDict()
-  p.kind = 'pathological'             # 'pathological' or 'dirichlet'
+  p.kind = 'pathological'             # 'pathological', 'dirichlet' or 'resample' (each client
+                                      # draws its samples with replacement from its own class
+                                      # mixture ~ Dir(dirichlet_gamma): any N, samples repeat
+                                      # across clients)
   p.classes_per_client = classes_per_client  # k (pathological)
-  p.dirichlet_gamma = 0.5             # gamma (dirichlet)
+  p.dirichlet_gamma = 0.5             # gamma (dirichlet, resample)
   p.dirichlet_min_train = 10          # redraw while a client has fewer training samples
   p.dirichlet_min_test = 1            # ... or fewer test samples (0: clients without test
                                       # data are allowed, and left out of every accuracy mean)
+  p.resample_train = 40               # training samples of every client (resample): CIFAR's
+                                      # train pool over 1,000 clients
+  p.resample_test = 10                # test samples of every client (resample; >= 1 so that
+                                      # every client is evaluated)
   p.scheme = 'reference'              # 'reference' (40k/10k/test pools) or 'paper' (8:1:1)
   p.seed = -1                         # partition seed; -1 = use `seed`
   return p
@@ -215,6 +224,15 @@ def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
   elif name in ('n10', 'n50', 'n100'):
     c.num_clients, c.participation = {'n10': (10, 1.0), 'n50': (50, 0.2),
                                       'n100': (100, 0.1)}[name]
+  elif name == 'n1000':
+    # Cross-device: 1,000 clients, 10% a round, one local epoch. A Dirichlet partition over the
+    # 40k/10k/10k pools gives a client about 40 training and 10 test samples; at gamma 0.5 about
+    # 1% of the clients hold fewer than 11 training samples and 0.2% no test sample, so no draw
+    # would meet the minimums below. Gamma 1.0 meets them in a draw or two: every client trains
+    # (FedL2G holds out a quiz of 10 of them: 11 leaves it one to train on) and is evaluated.
+    c.num_clients, c.participation, c.local_epochs = 1000, 0.1, 1
+    c.partition.kind, c.partition.dirichlet_gamma = 'dirichlet', 1.0
+    c.partition.dirichlet_min_train, c.partition.dirichlet_min_test = 11, 1
   elif name == 'dir':
     c.partition.kind = 'dirichlet'
   elif name == 'xdevice':
@@ -241,7 +259,7 @@ def apply_variant(c: ml_collections.ConfigDict, name: str) -> None:
     c.model.families, c.model.feature_dim = zoo.GROUPS[name], zoo.FEATURE_DIM
   else:
     raise ValueError(f'Unknown config variant {name!r}; known: hetero, homo, n10, n50, n100, '
-                     f'dir, xdevice, paper, tiny, devices, {", ".join(zoo.GROUPS)}.')
+                     f'n1000, dir, xdevice, paper, tiny, devices, {", ".join(zoo.GROUPS)}.')
 
 
 def build(dataset: str, arg: str | None) -> ml_collections.ConfigDict:
@@ -342,10 +360,11 @@ def _check_run(c: ml_collections.ConfigDict) -> None:
           f'participation={c.participation} samples floor({c.participation}*{n}) = 0 of the '
           f'num_clients={n} clients per round. Set participation to at least 1/N = {1 / n:.6g}.')
   train_images = dataset_facts(c).train_examples  # None: the metadata does not say
-  require(train_images is None or n <= train_images,
+  require(train_images is None or n <= train_images or c.partition.kind == 'resample',
           f'num_clients={n} is more than the {train_images or 0:,} training images of '
           f'{c.dataset}, and every client needs at least one training sample. Set num_clients to '
-          f'at most {train_images or 0:,} (the cross-device variant xdevice uses 10,000).')
+          f'at most {train_images or 0:,} (the cross-device variant xdevice uses 10,000), or '
+          "draw each client's samples with replacement: --config.partition.kind=resample.")
   require(c.num_rounds >= 1, f'num_rounds must be >= 1, got {c.num_rounds}.')
   require(c.local_epochs >= 1,
           f'local_epochs must be >= 1, got {c.local_epochs}: with no local training a round '
@@ -389,7 +408,7 @@ def _check_run(c: ml_collections.ConfigDict) -> None:
 
 def _check_partition(c: ml_collections.ConfigDict) -> None:
   p, n = c.partition, c.num_clients
-  require_one_of('partition.kind', p.kind, ('pathological', 'dirichlet'))
+  require_one_of('partition.kind', p.kind, ('pathological', 'dirichlet', 'resample'))
   require_one_of('partition.scheme', p.scheme, ('reference', 'paper'))
   num_classes = dataset_facts(c).num_classes
   if p.kind == 'pathological':
@@ -403,6 +422,16 @@ def _check_partition(c: ml_collections.ConfigDict) -> None:
           f'partition.classes_per_client={k}, num_clients={n}, S={num_classes} classes gives '
           f'{k * n / num_classes:g}. Set num_clients to a multiple of '
           f'{num_classes // math.gcd(k, num_classes)}, or change partition.classes_per_client.')
+  elif p.kind == 'resample':
+    require(p.dirichlet_gamma > 0,
+          f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma}: it is the '
+          "concentration of each client's class mixture (smaller is more skewed).")
+    require(p.resample_train >= 1 and p.resample_test >= 0,
+          f'partition.resample_train must be >= 1 (every client trains) and '
+          f'partition.resample_test >= 0; got {p.resample_train} and {p.resample_test}.')
+    require(p.scheme == 'reference',
+          "partition.kind='resample' draws from the reference scheme's train and test pools: "
+          "set partition.scheme='reference'.")
   else:
     require(p.dirichlet_gamma > 0,
           f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma} (smaller is more '

@@ -1,4 +1,5 @@
-"""Every method end to end through the command line, on TFDS mock data, in a federation where
+"""Every method end to end through the command line, on TFDS mock data, at the cross-device
+variant's shape reduced to 20 clients (CROSS_DEVICE), in a federation where
 half the sampled clients drop out and half the uploads are lost (SYSTEM): alone, with the floats
 each round sends checked against the communication table (docs/algorithm.md), for 3 rounds that
 the blow-up guard, at its defaults, lets through; and packed with another seed (--seeds), where
@@ -45,10 +46,18 @@ TIMINGS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_roun
 SYSTEM = ('--config.system.dropout=0.5', '--config.system.upload_loss=0.5')
 
 
+# The cross-device variant (n1000: C = 10%, E = 1) at a reduced size: 20 clients, K = 3 a round,
+# each drawing 16 training and 20 test samples from its class mixture, with replacement, from
+# the mock data's 100 images a split (so 20 clients can share them). The per-client sizes are
+# those of 5 clients of the pathological partition: the same programs to compile.
+CROSS_DEVICE = ('--config.num_clients=20', '--config.participation=0.15',
+                '--config.partition.kind=resample', '--config.partition.resample_train=16',
+                '--config.partition.resample_test=20')
+
+
 def run_cli(monkeypatch, workdir, method, *more):
-  argv = ['main', f'--config={ROOT}/configs/tiny.py', f'--workdir={workdir}',
-          f'--config.method={method}', '--config.model.families=("cnn5",)',
-          '--config.num_clients=5', '--config.participation=0.6',
+  argv = ['main', f'--config={ROOT}/configs/tiny.py:cifar10,n1000', f'--workdir={workdir}',
+          f'--config.method={method}', '--config.model.families=("cnn5",)', *CROSS_DEVICE,
           '--config.num_rounds=3', '--config.batch_size=8', '--config.target_accuracy=0.01',
           '--config.engine.micro_batch=4',  # 4-row passes, where the loss allows them
           *SYSTEM, *more]

@@ -353,3 +353,41 @@ def test_disk_rows_find_damage_before_a_resume(tmp_path, caplog):
     opened = DiskRows(folder, spec, 6, init_fn)
     opened.restore(m)
     np.testing.assert_array_equal(opened.read(np.arange(4))['a'][:, 0, 0], values)
+
+
+@pytest.mark.slow  # a whole run, compiled, and its resume
+def test_cross_device_path_at_reduced_size(ds, tmp_path, monkeypatch):
+  """The xdevice path, reduced: more clients (600) than the data set's training images (the
+  resampling partition), K = 3, the disk store, a fixed evaluated subset, availability draws of
+  N rows, central client-level DP on the uploads; stopped after round 2 and resumed for round 3.
+  The store keeps only the trained clients' rows, the checkpoint N-long slot maps, and a
+  record at most CLIENT_LIST_MAX accuracies (here 3 quantiles of the 5 evaluated)."""
+  from fedssa_jax.run import outputs  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(outputs, 'CLIENT_LIST_MAX', 3)
+  config = small_config(
+      num_clients=600, participation=0.005, population_store='disk', eval_clients=5,
+      **{'partition.kind': 'resample', 'partition.resample_train': 40,
+         'partition.resample_test': 20, 'system.availability': 0.5,
+         'privacy.upload': True, 'privacy.upload_mode': 'central',
+         'privacy.upload_clip': 0.1, 'fedssa.scope': 'participants'})
+  config.num_rounds, config.checkpoint_every, config.checkpoint_keep = 2, 1, 2
+  config_lib.validate(config)
+  train.train_and_evaluate(config, str(tmp_path), dataset=ds)
+  config.num_rounds = 3
+  train.train_and_evaluate(config, str(tmp_path), dataset=ds)  # resumes after round 2
+  got = records(str(tmp_path))
+  assert [r['round'] for r in got] == [1, 2, 3]
+  trained = set()
+  for r in got:
+    assert r['evaluated_clients'] == 5 and len(r['client_accuracy']) == 3
+    assert r['client_accuracy'] == sorted(r['client_accuracy'])
+    assert len(r['participants']) <= 3 and r['dp_upload_epsilon'] > 0
+    assert r['online'] < 600  # about half of the 600 online
+    trained |= set(r['participants'])
+  table = tmp_path / 'population' / 'cnn5'
+  rows = sum(os.path.getsize(p) for p in glob.glob(str(table / 'leaf*.bin')))
+  used = sum(os.stat(p).st_blocks * 512 for p in glob.glob(str(table / 'leaf*.bin')))
+  assert 0 < used < rows / 10  # sparse: the few trained clients' slots (of 257 or more)
+  restored = checkpoint.Checkpointer(str(tmp_path / 'checkpoints')).restore_latest()
+  assert restored.step == 3 and restored.state['params'][0]['slot_of'].shape == (600,)
+  assert (restored.state['params'][0]['slot_of'] >= 0).sum() == len(trained)

@@ -140,6 +140,57 @@ def split_by_shares(indices_of_class: Sequence[np.ndarray], shares: np.ndarray,
   return [np.sort(np.concatenate(parts)) for parts in out]
 
 
+def resample_sets(pool: np.ndarray, labels: np.ndarray, mixtures: np.ndarray, per_client: int,
+                  rng: np.random.Generator) -> np.ndarray:
+  """[N, per_client] sorted indices into the data set: each client's `per_client` samples drawn
+  from `pool` WITH replacement: its class counts ~ Multinomial(per_client, its row of
+  `mixtures` [N, S]), then each sample uniform within its class in the pool
+  (docs/algorithm.md §2). A class the pool lacks is left out of every mixture (the rest
+  renormalised). Vectorised: no loop over clients."""
+  num_clients, num_classes = mixtures.shape
+  if per_client == 0:
+    return np.zeros((num_clients, 0), np.int32)
+  cls_of = labels[pool]
+  order = np.argsort(cls_of, kind='stable')
+  by_class = pool[order]  # the pool sorted by class: class s is by_class[start[s]:start[s+1]]
+  sizes = np.bincount(cls_of, minlength=num_classes)[:num_classes]
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.float64)
+  p = np.where(sizes > 0, mixtures, 0.0)
+  total = p.sum(axis=1, keepdims=True)
+  p = np.where(total > 0, p / np.where(total > 0, total, 1), sizes / sizes.sum())
+  # Each client's class counts, then its samples' classes in class order.
+  counts = rng.multinomial(per_client, p)
+  cls = np.repeat(np.tile(np.arange(num_classes, dtype=np.int32), num_clients),
+                  counts.ravel()).reshape(num_clients, per_client)
+  # starts + floor(u * size): a uniform member of the class (exact in float64).
+  pick = (starts[cls] + rng.random((num_clients, per_client)) * sizes[cls]).astype(np.int32)
+  return np.sort(by_class[pick], axis=1).astype(np.int32)
+
+
+def resample(ds: Dataset, num_clients: int, pools: dict[str, np.ndarray], alpha: float,
+             train_per_client: int, test_per_client: int,
+             rng: np.random.Generator) -> ClientData:
+  """The resampling partition (`partition.kind='resample'`, docs/algorithm.md §2): client k's
+  class mixture q_k ~ Dir(alpha * 1_S); its `train_per_client` training and `test_per_client`
+  test samples drawn from q_k with replacement out of the train and test pools, so any number of
+  clients can be built from any data set, samples repeating across clients. No validation split."""
+  if not alpha > 0:
+    raise DataError(f'partition.dirichlet_gamma must be > 0, got {alpha}.')
+  if 'train' not in pools:
+    raise DataError("partition.kind='resample' draws from the reference scheme's train and test "
+                    "pools: set partition.scheme='reference'.")
+  mixtures = rng.dirichlet(np.full(ds.num_classes, alpha), size=num_clients)
+  train_idx = resample_sets(pools['train'], ds.labels, mixtures, train_per_client, rng)
+  test_idx = resample_sets(pools['test'], ds.labels, mixtures, test_per_client, rng)
+  seen = np.zeros((num_clients, ds.num_classes), bool)
+  seen[np.arange(num_clients)[:, None], ds.labels[train_idx]] = True
+  full = lambda a: (a if a.shape[1] else np.zeros((num_clients, 1), np.int32),
+                    np.full(num_clients, a.shape[1], np.int32))
+  (train_idx, train_n), (test_idx, test_n) = full(train_idx), full(test_idx)
+  val_idx, val_n = np.zeros((num_clients, 1), np.int32), np.zeros(num_clients, np.int32)
+  return ClientData(train_idx, train_n, val_idx, val_n, test_idx, test_n, seen)
+
+
 # --------------------------------------------------------------------------------------------
 # The whole thing
 # --------------------------------------------------------------------------------------------
@@ -155,12 +206,15 @@ def _pad(index_sets: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 def partition(ds: Dataset, num_clients: int, kind: str, *, classes_per_client: int = 2,
               dirichlet_gamma: float = 0.5, dirichlet_min_train: int = 10,
               dirichlet_min_test: int = 1, scheme: str = 'reference', seed: int = 0,
-              max_redraws: int = 1000) -> ClientData:
+              max_redraws: int = 1000, resample_train: int = 40,
+              resample_test: int = 10) -> ClientData:
   """Builds every client's train/val/test index sets (docs/algorithm.md §2)."""
   if num_clients < 1:
     raise DataError(f'num_clients must be >= 1, got {num_clients}.')
   rng = np.random.default_rng(seed)
   pools = make_pools(ds, scheme, rng)
+  if kind == 'resample':
+    return resample(ds, num_clients, pools, dirichlet_gamma, resample_train, resample_test, rng)
   by_class = {name: [pool[ds.labels[pool] == s] for s in range(ds.num_classes)]
               for name, pool in pools.items()}
   for attempt in range(max_redraws):
@@ -169,7 +223,8 @@ def partition(ds: Dataset, num_clients: int, kind: str, *, classes_per_client: i
     elif kind == 'dirichlet':
       shares = dirichlet_shares(num_clients, ds.num_classes, dirichlet_gamma, rng)
     else:
-      raise DataError(f"Unknown partition.kind {kind!r}; choose 'pathological' or 'dirichlet'.")
+      raise DataError(f"Unknown partition.kind {kind!r}; choose 'pathological', 'dirichlet' or "
+                      "'resample'.")
     sets = {name: split_by_shares(by_class[name], shares, rng) for name in pools}
     if kind == 'pathological':
       pool = 'all' if scheme == 'paper' else 'train'
@@ -257,7 +312,8 @@ def partition_from_config(config, ds: Dataset) -> ClientData:
   try:
     return partition(ds, config.num_clients, p.kind, classes_per_client=p.classes_per_client,
                      dirichlet_gamma=p.dirichlet_gamma, dirichlet_min_train=p.dirichlet_min_train,
-                     dirichlet_min_test=p.dirichlet_min_test, scheme=p.scheme, seed=seed)
+                     dirichlet_min_test=p.dirichlet_min_test, scheme=p.scheme, seed=seed,
+                     resample_train=p.resample_train, resample_test=p.resample_test)
   except DataError as e:
     raise ConfigError(f'{e} (data set {ds.name!r}: {len(ds.tfds_splits["train"]):,} '
                                  f'training images, {ds.num_classes} classes)') from None

@@ -230,6 +230,22 @@ class SeedOutputs:
     return summary
 
 
+# The most per-client accuracies a record lists (docs/outputs.md): beyond, the record keeps
+# this many quantiles of them, so records, checkpoints (which hold the history) and reports
+# stay of a bounded size whatever N.
+CLIENT_LIST_MAX = 1000
+
+
+def client_list(acc: np.ndarray) -> list:
+  """`client_accuracy` of a record: the evaluated clients' accuracies (in id order) where there
+  are at most CLIENT_LIST_MAX; beyond, CLIENT_LIST_MAX quantiles of them, at the levels
+  (i + 1/2) / CLIENT_LIST_MAX (sorted), whose quartiles, box plots and mean are the clients'
+  to about 1/CLIENT_LIST_MAX."""
+  if len(acc) <= CLIENT_LIST_MAX:
+    return acc.tolist()
+  return np.quantile(acc, (np.arange(CLIENT_LIST_MAX) + 0.5) / CLIENT_LIST_MAX).tolist()
+
+
 def record(sim, state, info, ev, observed: dict | None = None) -> dict:
   """The metrics.jsonl record of a round (without its timings), in plain JSON types, from its
   evaluation `ev`, and last the fields of the run's observers, `observed` (the system section's,
@@ -243,7 +259,7 @@ def record(sim, state, info, ev, observed: dict | None = None) -> dict:
   return {
       'round': state.round,
       'mean_accuracy': float(acc.mean()),
-      'client_accuracy': acc.tolist(),
+      'client_accuracy': client_list(acc),
       'evaluated_clients': 'all' if len(evaluated) == sim.num_clients else len(evaluated),
       **lens(acc, [sim.groups[g].family for g in sim.group_of[evaluated]], ev),
       'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
