@@ -11,8 +11,7 @@
   n50      N=50,  C=20%
   n100     N=100, C=10%
   n1000    N=1,000, C=10%, E=1, batch 10, Dirichlet gamma 1.0 with at least 11 training and 1
-           test samples
-           a client (every client can train, FedL2G's quiz of 10 included, and test)
+           test samples a client (every client can train, FedL2G's quiz of 10 included, and test)
   dir      Dirichlet partition (gamma = partition.dirichlet_gamma, 0.5)
   paper    the paper's 8:1:1 per-client split instead of the reference's pools
   tiny     a few clients, rounds and steps: for tests and smoke runs
