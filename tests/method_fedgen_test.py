@@ -291,6 +291,7 @@ def test_exchange_prior_weight_and_evaluated_header():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # A round with no upload keeps H_g and G.
   agg = aggregate(server, jnp.zeros(n, bool), 1, jax.random.PRNGKey(8))
+  assert float(agg.metrics['steps']) == float(agg.metrics['loss']) == float(agg.flops) == 0
   for a, b in zip(jax.tree.leaves((agg.server.global_header, agg.server.generator)),
                   jax.tree.leaves((server.global_header, server.generator))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -234,8 +234,8 @@ class FedGen(headers.SharedHeader):
             + self.hidden_dim * self.feature_dim + self.feature_dim * self.num_classes)
     per_step = 6 * self.server_batch * macs + ADAM_FLOPS * self.generator_floats
     return base.Aggregated(new.replace(generator=generator), flops=per_step * steps,
-                           metrics={'loss': loss_sum / self.steps, 'last_loss': last,
-                                    'steps': steps})
+                           metrics={'loss': jnp.where(any_, loss_sum / self.steps, 0.0),
+                                    'last_loss': jnp.where(any_, last, 0.0), 'steps': steps})
 
   def eval_params(self, params, server, client_id):
     return models.with_header_rows(params, server.global_header)
