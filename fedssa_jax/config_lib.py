@@ -68,7 +68,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.image_size = 0                    # 0: images as stored; N: resized to N x N at load time
                                       # (needed where their size varies; at least 16)
   c.method = 'fedssa'                 # fedssa, standalone, fd, fedproto, fml, fedkd, lg_fedavg,
-                                      # fedclassavg, fedgh, fedtgp, fedl2g, fedmrl
+                                      # fedclassavg, fedgh, fedtgp, fedl2g, fedmrl, fedgen
                                       # (fedssa_jax/methods/)
   c.num_clients = 10                  # N
   c.participation = 1.0               # C: K = floor(C*N) >= 1 clients per round

@@ -44,6 +44,7 @@ class StepStream(enum.IntEnum):
   DROPOUT = 1 << 16   # engine/training.py: a model's dropout (models.StatefulModel)
   POISSON = 1 << 17   # engine/training.py: DP-SGD's Poisson batch
   NOISE = 1 << 18     # engine/training.py: DP-SGD's gradient noise
+  LOSS = 1 << 19      # engine/training.py: the loss's own draws (Method.loss_draws)
 
 
 class SystemDraw(enum.IntEnum):

@@ -7,7 +7,7 @@
 
 Methods (ours -> HtFLlib's -algo): standalone -> Local, fd -> FD, fedproto -> FedProto,
 lg_fedavg -> LG-FedAvg, fml -> FML, fedkd -> FedKD, fedgh -> FedGH, fedtgp -> FedTGP,
-fedmrl -> FedMRL, fedl2g -> FedL2G-feat.
+fedmrl -> FedMRL, fedl2g -> FedL2G-feat, fedgen -> FedGen.
 
 HtFLlib (github.com/TsingZ0/HtFLlib) runs unchanged from the checkout that `--htfllib` names, with
 a Python that has torch, torchvision, h5py and scikit-learn (`--htfllib_python`; a venv of its
@@ -55,7 +55,8 @@ accuracy HtFLlib reports for it (ours: `fedproto.inference=prototype`). Where Ht
 does what one of our documented options does, our side takes that option (`HTFLLIB_BEHAVIOUR`:
 FedTGP's pre-training prototypes and prototype accuracy, FedMRL's pooled shared model, uniform
 mean and projector that is never saved, FedL2G without warm-up, since HtFLlib prints no round
-before it), and HtFLlib's server-side training reuses the local batch (FedGH, FedTGP) and lr
+before it, FedGen's generator that is never saved, so clients use the initial one from round 0),
+and HtFLlib's server-side training reuses the local batch (FedGH, FedTGP, FedGen) and lr
 (FedTGP), as does FedL2G's quiz set. What could not be matched is printed at the start and
 written to the results (`UNMATCHED`).
 
@@ -131,7 +132,8 @@ Failure = side_by_side.Failure
 # Our method -> HtFLlib's -algo.
 ALGORITHMS = {'standalone': 'Local', 'fd': 'FD', 'fedproto': 'FedProto',
               'lg_fedavg': 'LG-FedAvg', 'fml': 'FML', 'fedkd': 'FedKD', 'fedgh': 'FedGH',
-              'fedtgp': 'FedTGP', 'fedmrl': 'FedMRL', 'fedl2g': 'FedL2G-feat'}
+              'fedtgp': 'FedTGP', 'fedmrl': 'FedMRL', 'fedl2g': 'FedL2G-feat',
+              'fedgen': 'FedGen'}
 SHARED_METHODS = tuple(ALGORITHMS)
 # HtFLlib clips the local gradient norm of each model at 10 in FML and FedKD and at 100 in
 # FedL2G's local training, and nowhere else.
@@ -165,6 +167,11 @@ UNMATCHED = {
                'key here.'],
     'fedmrl': ['HtFLlib\'s projectors start equal on every client (torch.manual_seed(0) before '
                'each); ours are drawn per client.'],
+    'fedgen': ['HtFLlib seeds torch with 0 right before it builds the generator, so every run '
+               'starts from the same G; ours is drawn from the server\'s key.',
+               'label prior: HtFLlib counts each client\'s classes over its full training '
+               'batches only (its loader drops the last one); ours over every training sample.',
+               'The generated labels and noises are drawn by each side\'s own RNG.'],
     'fedl2g': ['rows: HtFLlib uploads the guiding-vector rows whose meta-gradient is non-zero; '
                'ours the rows of the classes in the study batch, which are those rows (the '
                'same upload).',
@@ -210,6 +217,8 @@ HTFLLIB_BEHAVIOUR = {
                'fedmrl.reset_projector': True},
     # A 20-round run has no room for the 50 warm-up rounds: HtFLlib prints nothing before them.
     'fedl2g': {'fedl2g.warmup': 0},
+    # HtFLlib's server trains a copy of the generator each round and never saves it.
+    'fedgen': {'fedgen.frozen_generator': True},
 }
 
 
@@ -282,8 +291,8 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
     settings.update({'batch_order': 'fixed', 'drop_last': True})
   # HtFLlib's server-side training reuses the local batch size (and FedTGP's the local lr), and
   # FedL2G's quiz set is one local batch.
-  if method == 'fedgh':
-    settings['fedgh.server_batch'] = batch_size
+  if method in ('fedgh', 'fedgen'):
+    settings[f'{method}.server_batch'] = batch_size
   elif method == 'fedtgp':
     settings.update({'fedtgp.server_batch': batch_size, 'fedtgp.server_lr': lr})
   elif method == 'fedl2g':
@@ -369,6 +378,10 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
              '-mart', str(config.fedtgp.margin_cap)]
   elif method == 'fedmrl':
     args += ['-sfd', str(config.fedmrl.d1)]
+  elif method == 'fedgen':
+    g = config.fedgen
+    args += ['-nd', str(g.noise_dim), '-hd', str(g.hidden_dim), '-glr', str(g.server_lr),
+             '-se', str(g.server_steps)]
   elif method == 'fedl2g':
     # One study batch and one quiz batch of the local batch size (HtFLlib's -mdb, -mqb).
     from fedssa_jax.methods import fedl2g  # pylint: disable=g-import-not-at-top
@@ -419,7 +432,24 @@ def htfllib_args(config, rounds: int, dataset: str = DATASET) -> tuple[list[str]
     unmatched.append('FedProto prototype mean: ours sample-weighted; HtFLlib uniform.')
   if method == 'fd' and config.fd.exclude_own:
     unmatched.append('FD: ours excludes the client\'s own logits; HtFLlib does not.')
+  if method == 'fedgen':
+    unmatched += fedgen_unmatched(config.fedgen)
   return args, unmatched
+
+
+def fedgen_unmatched(g) -> list[str]:
+  """What FedGen's section `g` sets apart from HtFLlib's code (beyond UNMATCHED's)."""
+  out = []
+  if not g.frozen_generator:
+    out.append('FedGen generator: ours is trained and kept by the server, and the generated '
+               'term starts in round 1; HtFLlib\'s server discards the generator it trains, so '
+               'its clients use the initial one from round 0 (ours with '
+               'fedgen.frozen_generator=True).')
+  if g.weighting != 'samples':
+    out.append('FedGen header mean: ours uniform; HtFLlib sample-weighted.')
+  if g.weight != 1.0:
+    out.append(f'FedGen generated term: ours weight {g.weight}; HtFLlib 1.')
+  return out
 
 
 # --------------------------------------------------------------------------------------------

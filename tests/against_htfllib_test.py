@@ -108,6 +108,7 @@ def test_config_mapping_passes_our_values_and_lists_what_differs():
                         ('fedtgp', {'-lam': '10.0', '-se': '100', '-mart': '100.0'}),
                         ('fedmrl', {'-sfd': '128'}),
                         ('fedl2g', {'-slr': '100.0', '-wu': '0', '-mdb': '1', '-mqb': '1'}),
+                        ('fedgen', {'-nd': '32', '-hd': '512', '-glr': '0.005', '-se': '100'}),
                         ('standalone', {}), ('lg_fedavg', {})):
     args, _ = ah.htfllib_args(ah.our_config(method, 0.05, 20), 20)
     flags = dict(zip(args[::2], args[1::2]))
@@ -126,6 +127,17 @@ def test_config_mapping_passes_our_values_and_lists_what_differs():
   assert ah.our_config('fedmrl', 0.05, 20).fedmrl.reset_projector is True
   c = ah.our_config('fedl2g', 0.05, 20)
   assert (c.fedl2g.warmup, c.fedl2g.quiz_size, c.optimizer.clip_norm) == (0, 512, 100)
+  # FedGen: HtFLlib's clients use the initial generator, and its server batch is the local one.
+  c = ah.our_config('fedgen', 0.05, 20)
+  assert (c.fedgen.frozen_generator, c.fedgen.server_batch, c.optimizer.clip_norm) == (
+      True, 512, 0)
+  _, unmatched = ah.htfllib_args(c, 20)
+  assert any('label prior' in u for u in unmatched)
+  assert not any(u.startswith('FedGen generator') for u in unmatched)
+  c.fedgen.frozen_generator, c.fedgen.weighting = False, 'uniform'
+  _, unmatched = ah.htfllib_args(c, 20)
+  assert any(u.startswith('FedGen generator') for u in unmatched)
+  assert 'FedGen header mean: ours uniform; HtFLlib sample-weighted.' in unmatched
 
 
 def test_our_defaults_are_listed_as_differences():

@@ -31,6 +31,8 @@ D = config_lib.base_config('cifar10').model.feature_dim  # d of configs/tiny.py'
 ROW = D + 1  # a header row: d weights and a bias
 P5 = 665_048 + 501 * C  # CNN-5 with its C-way head (spec §0)
 PS_MRL = 478_676 + 129 * C  # FedMRL's shared CNN-5 with fc2 -> 128 and its head (HTFL.md §3.2)
+# FedGen's generator, nd 32 and hd 512 to d (docs/algorithm.md §8): (nd + C) hd + 3 hd + hd d + d.
+PG = (32 + C) * 512 + 3 * 512 + 512 * D + D
 
 
 # The packed run: seed 0 (the run alone) second, so that replica 1 is compared (a replica that
@@ -132,6 +134,7 @@ def expected_floats(method, seen, avail_before):
       'fedl2g': (D * s, D * s),
       'fedsa': (D * s, D * C + 0 * s),  # down: the anchors, every round
       'fedorgp': (D * s, D * avail_before.sum() + 0 * s),  # all of P^ down, after round 1
+      'fedgen': (ROW * C + 0 * s, ROW * C + PG + 0 * s),
   }
   if method not in table:
     pytest.fail(f'The registered method {method!r} has no entry in expected_floats: add '

@@ -73,7 +73,10 @@ def shape(dtype, *dims):
 def hook_data(method, model) -> dict:
   """The data one client's round passes between `method`'s hooks, as traced shapes."""
   key = jax.random.PRNGKey(0)
-  server = jax.eval_shape(method.init_server, key, jnp.ones((N, C), bool))
+  counts = ({'class_counts': jnp.ones((N, C), jnp.float32)}
+            if method.server_reads_class_counts else {})
+  server = jax.eval_shape(lambda k, s: method.init_server(k, s, **counts), key,
+                          jnp.ones((N, C), bool))
   state = jax.eval_shape(method.init_client_state, key)
   params = jax.eval_shape(lambda: models.init_params(model, key))
   view = base.ClientView(id=shape(jnp.int32), seen=shape(jnp.bool_, C),
@@ -83,7 +86,8 @@ def hook_data(method, model) -> dict:
   b = 4
   x, y, valid = shape(jnp.float32, b, 32, 32, 3), shape(jnp.int32, b), shape(jnp.bool_, b)
   _, (_, acc) = jax.eval_shape(
-      lambda t, ctx, x, y, v: method.loss(model.apply, t, ctx, (x,) * method.num_views, y, v),
+      lambda t, ctx, x, y, v: method.loss(model.apply, t, ctx, (x,) * method.num_views, y, v,
+                                          **({'key': key} if method.loss_draws else {})),
       trainable, down.ctx, x, y, valid)
   passed = after = None
   if method.forward_pass is not None:

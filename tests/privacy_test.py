@@ -87,8 +87,8 @@ def test_the_methods_that_upload_what_dp_sgd_does_not_cover_declare_it():
   from fedssa_jax import methods
   declared = {name: cls.dp_sgd_uncovered for name, cls in methods.METHODS.items()
               if cls.dp_sgd_uncovered is not None}
-  assert sorted(declared) == ['fd', 'fedgh', 'fedl2g', 'fedorgp', 'fedproto', 'fedsa',
-                              'fedtgp']
+  assert sorted(declared) == ['fd', 'fedgen', 'fedgh', 'fedl2g', 'fedorgp', 'fedproto',
+                              'fedsa', 'fedtgp']
   assert declared['fedgh'] == 'its prototypes, from a forward pass over the training data'
 
 

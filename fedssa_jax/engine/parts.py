@@ -103,6 +103,13 @@ def evaluated_ids(config, seeds, cds: list[data.ClientData]) -> list[np.ndarray]
   return out
 
 
+def class_counts(labels: np.ndarray, cd, num_classes: int) -> np.ndarray:
+  """[N, C] float32: each client's training samples of each class (`cd` its ClientData,
+  `labels` the data set's), what a method declaring Method.server_reads_class_counts gets."""
+  return np.stack([np.bincount(labels[idx[:n]], minlength=num_classes)
+                   for idx, n in zip(cd.train_idx, cd.train_n)]).astype(np.float32)
+
+
 @jax.jit
 def client_keys(root_key: jax.Array, stream, client_ids: jax.Array) -> jax.Array:
   """Each client's key of a random stream: fold_in(fold_in(root, stream), client id)."""
@@ -122,10 +129,14 @@ class Initial:
     self._client_state = jax.jit(jax.vmap(method.init_client_state))
     # Replicated on the mesh, as every later round's server is (an init_server that ignores
     # its inputs would otherwise leave it on one device, and round 1 would compile again).
-    self._server = jax.jit(lambda key, seen: place.constrain(
-        method.init_server(key, seen), sharded=False))
-    self._stacked_server = jax.jit(lambda key, seen: jax.tree.map(
-        lambda a: a[None], method.init_server(key, seen)))
+    # A method declaring server_reads_class_counts gets the clients' class counts too.
+    reads = method.server_reads_class_counts
+    init = lambda key, seen, counts: method.init_server(
+        key, seen, **({'class_counts': counts} if reads else {}))
+    self._server = jax.jit(lambda key, seen, counts: place.constrain(
+        init(key, seen, counts), sharded=False))
+    self._stacked_server = jax.jit(lambda key, seen, counts: jax.tree.map(
+        lambda a: a[None], init(key, seen, counts)))
 
   def group(self, g: schedule.Group, slots, seed_index: int) -> PyTree:
     """The initial parameters of the group's members at `slots` (stacked), of one seed: each
@@ -148,17 +159,21 @@ class Initial:
     return self._client_state(client_keys(
         self.keys[seed_index], Stream.CLIENT_STATE, jnp.asarray(np.asarray(cids))))
 
-  def servers(self, seen: np.ndarray) -> ServerState:
-    """Every seed's initial server state, stacked; `seen` [R, N, C] the seeds' masks. One seed
+  def servers(self, seen: np.ndarray, counts: np.ndarray | None = None) -> ServerState:
+    """Every seed's initial server state, stacked; `seen` [R, N, C] the seeds' masks, `counts`
+    [R, N, C] their class counts (class_counts; None for a method that reads none). One seed
     without a mesh gets its seed axis inside the call, so that a server state holding rows per
     client (FedSSA's table: 2 GB at N = 100,000) is never held twice."""
+    counts = [None] * len(self.keys) if counts is None else counts
     if len(self.keys) == 1 and self.placement.mesh is None:
       return self._stacked_server(jax.random.fold_in(self.keys[0], Stream.SERVER),
-                                  jnp.asarray(seen[0]))
+                                  jnp.asarray(seen[0]),
+                                  None if counts[0] is None else jnp.asarray(counts[0]))
     return self.placement.stack_seeds([
         self._server(jax.random.fold_in(key, Stream.SERVER),
-                     self.placement.replicate(jnp.asarray(s)))
-        for key, s in zip(self.keys, seen)])
+                     self.placement.replicate(jnp.asarray(s)),
+                     None if c is None else self.placement.replicate(jnp.asarray(c)))
+        for key, s, c in zip(self.keys, seen, counts)])
 
 
 @functools.partial(jax.jit, static_argnums=1)

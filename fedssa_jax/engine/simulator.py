@@ -218,6 +218,8 @@ class Simulator:
     place = self.placement = Placement(config.engine.mesh_devices)
     # Host copies, [R, ...]: each seed's seen classes and training-set sizes; then the devices'.
     self.seen = np.stack([c.seen for c in cds])
+    self.class_counts = (np.stack([parts.class_counts(ds.labels, c, ds.num_classes) for c in cds])
+                         if self.method.server_reads_class_counts else None)
     self.train_n = np.stack([c.train_n for c in cds])
     # DP-SGD's accountant (None: the privacy section off), and the training settings.
     self.privacy = (privacy.Accountant(
@@ -302,7 +304,8 @@ class Simulator:
     storage of its own (no aliasing across clients, docs/algorithm.md §2), and the server's
     initial state. `fresh`: no checkpoint will be restored (population.Store.initial)."""
     return RunState(round=0, population=self.store.initial(fresh),
-                    server=self.initial.servers(self.seen), costs=Costs.zeros(self.num_seeds))
+                    server=self.initial.servers(self.seen, self.class_counts),
+                    costs=Costs.zeros(self.num_seeds))
 
   # ------------------------------------------------------------------------------------------
   # The round

@@ -94,8 +94,19 @@ def epoch_order(key, n, padded_len):
   return jnp.argsort(jnp.where(jnp.arange(padded_len) < n, r, 2.0))
 
 
+def loss_kwargs(method, step_key: jax.Array | None) -> dict:
+  """The keywords `method.loss` takes beyond its batch: the step's own key of its draws,
+  fold_in(`step_key`, StepStream.LOSS), for a method whose loss draws (Method.loss_draws); none
+  otherwise."""
+  if not method.loss_draws:
+    return {}
+  if step_key is None:
+    raise ValueError(f'{method.name}\'s loss draws at random: it needs the step\'s key.')
+  return {'key': jax.random.fold_in(step_key, StepStream.LOSS)}
+
+
 def batch_grads(method, apply_fn: Callable, ctx: PyTree, trainable: dict, views, y, valid, *,
-                micro_batch: int):
+                micro_batch: int, step_key: jax.Array | None = None):
   """`method.loss` on one batch: the batch-mean loss, #correct, accumulator update and gradient.
 
   With `micro_batch` m below the batch size, the loss and gradient are summed over passes of m
@@ -103,7 +114,8 @@ def batch_grads(method, apply_fn: Callable, ctx: PyTree, trainable: dict, views,
   mean of per-sample terms, Method.per_sample_loss); only passes holding valid samples run."""
   b, m = y.shape[0], micro_batch
   zero = jnp.zeros((), jnp.float32)
-  loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
+  more = loss_kwargs(method, step_key)
+  loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid, **more)
   if m >= b:
     (loss, (correct, acc_update)), grads = jax.value_and_grad(loss_of, has_aux=True)(
         trainable, views, y, valid)
@@ -131,7 +143,8 @@ def batch_grads(method, apply_fn: Callable, ctx: PyTree, trainable: dict, views,
 
 
 def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key: jax.Array,
-                         ctx: PyTree, trainable: dict, views, y, valid):
+                         ctx: PyTree, trainable: dict, views, y, valid,
+                         step_key: jax.Array | None = None):
   """batch_grads for a model with batch statistics (models.StatefulModel), on the whole batch
   in one pass, so that a step's statistics are those of its batch: (loss, #correct, accumulator
   update, gradient, the new running statistics).
@@ -140,6 +153,8 @@ def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key
   previous call left (as a PyTorch model in train() mode updates its buffers at every forward),
   over the batch's valid rows (a call on k views concatenated, [k B] rows, repeats `valid`),
   call i with dropout drawn from fold_in(`key`, i)."""
+  more = loss_kwargs(method, step_key)
+
   def loss_of(t, views, y, valid):
     state, calls = [model_state], [0]
 
@@ -149,7 +164,7 @@ def stateful_batch_grads(method, train_apply: Callable, model_state: PyTree, key
                                   jax.random.fold_in(key, calls[0]))
       calls[0] += 1
       return out
-    loss, aux = method.loss(apply_fn, t, ctx, views, y, valid)
+    loss, aux = method.loss(apply_fn, t, ctx, views, y, valid, **more)
     return loss, (aux, state[0])
 
   (loss, ((correct, acc_update), new_state)), grads = jax.value_and_grad(
@@ -209,9 +224,9 @@ def step_gradient(cfg: TrainConfig, method, apply_fn: Callable, train_apply: Cal
     if model_state is not None:
       raise ValueError('DP-SGD needs per-example gradients, which batch statistics prevent.')
     denom = jnp.maximum(jnp.minimum(n, b), 1).astype(jnp.float32)  # q n, the expected batch
-    loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid)
-
     def noisy(trainable, model_state, step_key, views, y, valid):
+      more = loss_kwargs(method, step_key)
+      loss_of = lambda t, views, y, valid: method.loss(apply_fn, t, ctx, views, y, valid, **more)
       return (*privacy.noisy_clipped_grads(
           loss_of, trainable, views, y, valid, jax.random.fold_in(step_key, StepStream.NOISE),
           denom, clip_norm=dp.clip_norm, noise_multiplier=dp.noise_multiplier,
@@ -222,13 +237,12 @@ def step_gradient(cfg: TrainConfig, method, apply_fn: Callable, train_apply: Cal
     def stateful(trainable, model_state, step_key, views, y, valid):
       return stateful_batch_grads(method, train_apply, model_state,
                                   jax.random.fold_in(step_key, StepStream.DROPOUT), ctx,
-                                  trainable, views, y, valid)
+                                  trainable, views, y, valid, step_key)
     return stateful, lambda count: count > 0
 
   def plain(trainable, model_state, step_key, views, y, valid):
-    del step_key
-    return (*batch_grads(method, apply_fn, ctx, trainable, views, y, valid, micro_batch=m),
-            model_state)
+    return (*batch_grads(method, apply_fn, ctx, trainable, views, y, valid, micro_batch=m,
+                         step_key=step_key), model_state)
   return plain, lambda count: count > 0
 
 

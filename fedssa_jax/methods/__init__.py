@@ -4,13 +4,15 @@ Above models and data; below the config (which assembles every method's section)
 engine (which calls the hooks). `base` is the interface the engine drives and the typed data the
 hooks exchange; `losses` and `aggregation` are what the methods' objectives and server rules are
 made of; `prototypes` and `headers` hold what several methods share (FedProto's, FedGH's and
-FedTGP's prototypes; LG-FedAvg's and FedClassAvg's header exchange). No method imports another.
+FedTGP's prototypes; LG-FedAvg's, FedClassAvg's and FedGen's header exchange). No method imports
+another.
 `METHODS` registers them by name (`get_method`).
 """
 from fedssa_jax.methods.base import (FORWARD_PASS_TIMES, Accumulated, Aggregated, ClientView,
                                      Download, Method, Upload)
 from fedssa_jax.methods.fd import FD
 from fedssa_jax.methods.fedclassavg import FedClassAvg
+from fedssa_jax.methods.fedgen import FedGen
 from fedssa_jax.methods.fedgh import FedGH
 from fedssa_jax.methods.fedkd import FedKD
 from fedssa_jax.methods.fedl2g import FedL2G
@@ -26,7 +28,7 @@ from fedssa_jax.methods.standalone import Standalone
 
 METHODS = {m.name: m for m in (FedSSA, Standalone, FD, FedProto, FML, FedKD, LGFedAvg,
                                   FedClassAvg, FedGH, FedTGP, FedL2G, FedMRL, FedSA,
-                                  FedORGP)}
+                                  FedORGP, FedGen)}
 
 
 def get_method(name: str):

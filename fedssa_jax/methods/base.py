@@ -54,6 +54,10 @@ a chunk of one model family) and then once on the server:
   STREAM_STUDY) and the held-out quiz set, each (x, y, valid), normalised and unaugmented. Its
   output reaches `upload` as `acc.after_training`, and its FLOPs (`after_training_steps`
   training steps per study and per quiz sample) count as the client's extra FLOPs.
+- `method.loss_draws` (False by default) gives the loss a keyword `key`, each local step's own,
+  for draws of its own (FedGen's generated labels and noise); `method.server_reads_class_counts`
+  (False by default) gives `init_server` a keyword `class_counts` [N, C], each client's training
+  samples per class (FedGen's label prior). With the defaults neither is traced.
 - The server state is a flax.struct dataclass of the method's own (one per method, with named
   fields; `NoServer` when it keeps none); whole uploads it sums as they arrive go in an `Inbox`.
 
@@ -257,6 +261,14 @@ class Method:
   # (study sample, quiz sample).
   after_training: Callable | None = None
   after_training_steps: tuple[float, float] = (0.0, 0.0)
+  # Does the loss draw at random (FedGen's generated labels and noise)? Then the engine calls it
+  # with a keyword `key`, each step's own (fold_in(the step's key, StepStream.LOSS)). False (the
+  # default): the loss is called without it, and nothing more is traced.
+  loss_draws: bool = False
+  # Does the server's initial state need the clients' class counts (FedGen's label prior)? Then
+  # the engine calls `init_server` with a keyword `class_counts` [N, C] float32: each client's
+  # training samples of each class. False (the default): it is called without them.
+  server_reads_class_counts: bool = False
   # What evaluation reads besides the client's model (the module docstring), declared by the
   # method (the class, or an instance from its config) and never found out by the engine:
   # - eval_reads_state: evaluation brings each client's persistent state to `eval_forward`,
@@ -324,7 +336,8 @@ class Method:
   # --- state ---------------------------------------------------------------------------------
   def init_server(self, key: jax.Array, seen: jax.Array) -> PyTree:
     """The server's initial state, a flax.struct dataclass of the method's own. `seen` is the
-    static [N, C] seen-class mask."""
+    static [N, C] seen-class mask (and, for a method declaring `server_reads_class_counts`, the
+    keyword `class_counts` [N, C] the clients' class counts)."""
     return NoServer()
 
   def init_client_state(self, key: jax.Array) -> PyTree:
@@ -355,7 +368,8 @@ class Method:
 
   def loss(self, apply_fn: Callable, trainable: dict, ctx, views, y, valid):
     """The local objective on one batch. `trainable` is {'model': params, **aux}; `views` holds
-    `num_views` augmented copies of the batch [B, H, W, C]; `valid` [B] masks padding.
+    `num_views` augmented copies of the batch [B, H, W, C]; `valid` [B] masks padding. A method
+    declaring `loss_draws` takes the keyword `key` too, the step's own.
     Returns (loss, (correct, accumulator update of init_acc's type))."""
     loss, correct = losses.cross_entropy_loss(apply_fn, trainable['model'], views[0], y, valid)
     return loss, (correct, None)
