@@ -204,6 +204,8 @@ def tiny():
 
 # Every method of the registry (fedssa_jax/methods/__init__.py), the paper's eight first.
 ALL_METHODS = METHODS + ('fedgh', 'fedtgp', 'fedl2g', 'fedmrl')
+# With the methods of 2025 (FedSA, FedORGP) and FedGen: the cross-device sweep's.
+ALL_FIFTEEN = ALL_METHODS + ('fedsa', 'fedorgp', 'fedgen')
 # The system section's conditions (docs/algorithm.md §10) beside the ideal federation.
 SYSTEM_CONDITIONS = (
     {},
@@ -307,7 +309,7 @@ def cross_device():
   """Cross-device scale: every method at hetero,n1000 (N = 1,000, C = 10% of the 900 that train,
   E = 1, the Dirichlet partition of the n1000 variant), CIFAR-10, seed 0, each at its defaults
   (FedL2G with a warm-up of a tenth of the rounds), with the lens of CROSS_DEVICE_SCHEDULE."""
-  return [r for m in ALL_METHODS for r in grid(
+  return [r for m in ALL_FIFTEEN for r in grid(
       ['cifar10'], ['hetero,n1000'], (m,), (0,),
       [{**CROSS_DEVICE_SCHEDULE, **({'fedl2g__warmup': 5} if m == 'fedl2g' else {})}])]
 
