@@ -223,7 +223,9 @@ class DiskRows:
     new = np.unique(snap[snap >= 0])
     new = new[self.unsummed[new]]
     for i, mm in enumerate(self._mm):
-      self.sums[new, i] = _row_sums(mm, new)
+      for s in new:  # a row at a time, its pages released after (`_release`)
+        self.sums[s, i] = _row_sums(mm, [s])[0]
+        self._release(i, [s])
     self.unsummed[new] = False
     sums = np.where(snap[:, None] >= 0, self.sums[np.maximum(snap, 0)], 0).astype(np.uint32)
     path = os.path.join(self.directory, 'pins', f'{step}.npz')
