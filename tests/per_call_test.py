@@ -181,16 +181,33 @@ def test_a_clients_per_call_below_minus_one_is_refused():
     config_lib.validate(c)
 
 
-@pytest.mark.slow  # one small Simulator times its real call (K = 1: one candidate)
-def test_a_simulator_times_its_real_call(small_sim, monkeypatch,
-                                                                   tmp_path):
-  monkeypatch.setenv('FEDSSA_JAX_CACHE_DIR', str(tmp_path))
+@pytest.mark.slow  # a tiny run times its real call (K = 1: one candidate), then resumes
+def test_a_run_measures_records_and_its_resume_keeps_the_choice(small_ds, monkeypatch,
+                                                                 tmp_path, caplog):
+  monkeypatch.setenv('FEDSSA_JAX_CACHE_DIR', str(tmp_path / 'cache'))
   monkeypatch.setattr(per_call, 'REPEATS', 1)
-  sim = small_sim('standalone', participation=0.2, **{'engine.clients_per_call': -1})
-  (group,) = sim.per_call_record['groups']
-  assert sim.per_call_record['source'] == 'measured'
+  c = config_lib.build('cifar10', 'hetero,tiny')
+  c.method, c.model.families = 'standalone', ('cnn5',)
+  c.num_clients, c.participation, c.num_rounds = 5, 0.2, 1
+  c.batch_size, c.eval_batch_size, c.engine.clients_per_call = 16, 16, -1
+  workdir = str(tmp_path / 'run')
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(c, workdir, dataset=small_ds)
+  with open(os.path.join(workdir, per_call.FILE)) as f:
+    record = json.load(f)
+  (group,) = record['groups']
+  assert record['source'] == 'measured' and group['family'] == 'cnn5'
   assert list(group['candidates']) == ['1'] and group['clients_per_call'] == 1
-  for row in group['candidates'].values():
-    assert row['step_s'] > 0 and row['round_s'] > 0
-  assert sim.groups[0].clients_per_call == group['clients_per_call']
-  assert per_call.Cache(os.path.join(tmp_path, per_call.FILE)).entries
+  assert group['candidates']['1']['step_s'] > 0 and group['candidates']['1']['round_s'] > 0
+  assert per_call.Cache(os.path.join(tmp_path, 'cache', per_call.FILE)).entries
+  assert 'Clients per call (measured): cnn5 1' in caplog.text
+  # The resume takes the workdir's choice: nothing timed (an empty cache), the file kept.
+  monkeypatch.setenv('FEDSSA_JAX_CACHE_DIR', str(tmp_path / 'other'))
+  def no_timing(*args, **kwargs):
+    raise AssertionError('the resumed run timed a call')
+  monkeypatch.setattr(per_call, 'measure_group', no_timing)
+  c.num_rounds = 2
+  train.train_and_evaluate(c, workdir, dataset=small_ds)
+  with open(os.path.join(workdir, per_call.FILE)) as f:
+    assert json.load(f) == record
+  assert not os.path.exists(tmp_path / 'other')

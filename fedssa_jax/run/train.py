@@ -235,7 +235,13 @@ def _write_per_call(sim: simulator.Simulator, workdirs) -> None:
   """Each workdir's per_call.FILE: the measured clients per call and the candidates' timings
   (kept as it is by a run that took its choice from there)."""
   record = sim.per_call_record
-  if record is None or record['source'] == 'workdir' or jax.process_index() != 0:
+  if record is None:
+    return
+  logging.info('Clients per call (%s): %s%s.', record['source'], ', '.join(
+      f'{g["family"]} {g["clients_per_call"]}' for g in record['groups']),
+               '' if record['source'] == 'workdir' else
+               f'; the candidates compared in {per_call.FILE}')
+  if record['source'] == 'workdir' or jax.process_index() != 0:
     return
   for workdir in workdirs:
     with open(os.path.join(workdir, per_call.FILE), 'w') as f:
