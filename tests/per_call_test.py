@@ -124,7 +124,9 @@ def test_the_cache_key_ignores_the_numbers_only_settings():
   key = lambda cfg, fam='cnn1': per_call.group_key(sim.config, fam, cfg, 1, (32, 32, 3), 10,
                                                    1)[0]
   base = training.TrainConfig(batch_size=10)
-  assert key(base) == key(training.TrainConfig(batch_size=10, lr=0.5, momentum=0.0))
+  assert key(base) == key(training.TrainConfig(batch_size=10, lr=0.5, momentum=0.0,
+                                               clip_norm=5.0))
+  assert key(base) != key(training.TrainConfig(batch_size=10, clip_norm=0.0))
   assert key(base) != key(training.TrainConfig(batch_size=20))
   assert key(base) != key(base, 'cnn2')
 

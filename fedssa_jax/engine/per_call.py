@@ -133,7 +133,8 @@ def machine() -> dict:
 
 
 # TrainConfig fields that change no step's program, only its numbers.
-_NUMBERS_ONLY = ('lr', 'momentum', 'weight_decay', 'adam_b1', 'adam_b2', 'mean', 'std')
+_NUMBERS_ONLY = ('lr', 'momentum', 'weight_decay', 'adam_b1', 'adam_b2', 'mean', 'std',
+                 'clip_norm')
 
 
 def group_key(config, family: str, train_cfg, num_seeds: int, image_shape, num_classes: int,
@@ -145,7 +146,8 @@ def group_key(config, family: str, train_cfg, num_seeds: int, image_shape, num_c
       'machine': machine(), 'mesh_devices': devices, 'family': family,
       'method': config.method,
       'method_config': section.to_dict() if hasattr(section, 'to_dict') else None,
-      'model': config.model.to_dict(), 'compute_dtype': config.engine.compute_dtype,
+      'model': {k: v for k, v in config.model.to_dict().items() if k != 'families'},
+      'compute_dtype': config.engine.compute_dtype,
       'matmul_precision': config.engine.matmul_precision, 'train': cfg,
       'clip': train_cfg.clip_norm > 0, 'seeds': num_seeds, 'image_shape': list(image_shape),
       'num_classes': num_classes, 'system': bool(config.system.get('enabled', False)),
@@ -304,8 +306,9 @@ def choose_groups(sim, groups: list, measure: Callable[[object, int], Timing],
   source = 'measured' if measured else 'cache'
   logging.info('Clients per call (%s, %.1f s; est. s/round of each candidate): %s.', source,
                seconds, '; '.join(
-                   f'{g.family} {g.clients_per_call} of ' + ', '.join(
+                   f'{g.family} {g.clients_per_call} of ' + (', '.join(
                        f'{p}: {row["round_s"]:.3g}' for p, row in sorted(table.items()))
+                       or 'none timed (the budget spent): the rule\'s')
                    for g, table in zip(chosen, tables)))
   return chosen, record(setting, source, chosen, tables, rules, seconds)
 
