@@ -42,6 +42,11 @@ def test_time_calls_separates_the_steps_from_the_fixed_cost():
   t = per_call.time_calls(run, (2, 6), repeats=2, clock=lambda: now[0])
   assert calls == [2, 2, 6, 2, 6]
   assert t.step_s == pytest.approx(0.25) and t.call_s == pytest.approx(3.0)
+  # Shorter calls slowed by a load spike: no near-free steps, the long call's mean instead.
+  times = iter([50, 9, 10, 9, 10])  # compile; then (2 steps, 6 steps) twice
+  t = per_call.time_calls(lambda s: now.__setitem__(0, now[0] + next(times)), (2, 6),
+                          repeats=2, clock=lambda: now[0])
+  assert t.step_s == pytest.approx(10 / 6) and t.call_s == 0.0
 
 
 def test_choose_takes_the_fastest_and_stops_past_a_slower_one():

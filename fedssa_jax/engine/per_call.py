@@ -50,6 +50,7 @@ STEPS = (2, 6)     # steps per client of the two timed calls (times local_epochs
 REPEATS = 3        # each timed call's fastest of
 BUDGET_S = 90.0    # a run's measuring, compiles included: past it no candidate is tried
 SLOWER = 1.1       # a candidate this much slower than the best smaller one ends the scan
+PLAUSIBLE = 0.25   # the least share of a call's seconds per step that its slope may be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +205,9 @@ class Cache:
 def time_calls(run: Callable[[int], None], steps: tuple[int, int], repeats: int = REPEATS,
                clock: Callable[[], float] = time.perf_counter) -> Timing:
   """The Timing of `run(s)` (one call of s steps per client, returning when done): the first
-  call compiles (untimed), then the fastest of `repeats` calls at each of the two `steps`."""
+  call compiles (untimed), then the fastest of `repeats` calls at each of the two `steps`. A
+  slope under PLAUSIBLE times the longer call's mean seconds per step is taken for noise (the
+  machine busier during the shorter calls): the mean, with no fixed part, is used instead."""
   lo, hi = steps
   run(lo)
   best = {lo: np.inf, hi: np.inf}
@@ -213,7 +216,9 @@ def time_calls(run: Callable[[int], None], steps: tuple[int, int], repeats: int 
       t0 = clock()
       run(s)
       best[s] = min(best[s], clock() - t0)
-  step_s = max((best[hi] - best[lo]) / max(hi - lo, 1), 1e-9)
+  step_s, mean = (best[hi] - best[lo]) / max(hi - lo, 1), best[hi] / hi
+  if step_s < PLAUSIBLE * mean:  # more steps for (almost) nothing: a load spike, not a rate
+    return Timing(step_s=float(mean), call_s=0.0)
   return Timing(step_s=float(step_s), call_s=float(max(best[lo] - lo * step_s, 0.0)))
 
 
