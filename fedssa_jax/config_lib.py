@@ -184,7 +184,10 @@ def _engine_config() -> ml_collections.ConfigDict:
   """How the simulator computes: batching, precision and device placement (checkpoint.py's
   MUTABLE_ON_RESUME says which of them may change on resume)."""
   e = ml_collections.ConfigDict()
-  e.clients_per_call = 0              # clients vmapped per training call; 0 = auto by backend
+  # Clients vmapped per training call: 0 = a fixed rule by backend (1 on the CPU; the group's
+  # share of the cohort on accelerators); -1 = measured on the machine at hand, each group's
+  # fastest, cached (fedssa_jax/engine/per_call.py); n = n.
+  e.clients_per_call = 0
   e.eval_clients_per_call = 0         # clients vmapped per evaluation step; 0 = auto
   # Rows per forward/backward pass of a step (gradients summed over passes, so a partial batch
   # pads less): 0 = auto (64 on the CPU, where small passes run as fast; the whole batch on
@@ -475,6 +478,9 @@ def _check_guard(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_engine_batching(c: ml_collections.ConfigDict) -> None:
+  require(c.engine.clients_per_call >= -1,
+          f'engine.clients_per_call={c.engine.clients_per_call} must be a count of clients, 0 '
+          '(the fixed rule by backend) or -1 (measured on this machine).')
   require(c.engine.mesh_devices >= 0,
           f'engine.mesh_devices={c.engine.mesh_devices} must be 0 (every local device) or a '
           'device count.')

@@ -73,6 +73,18 @@ def _take(tree: PyTree, rows) -> PyTree:
   return jax.tree.map(lambda a: a[rows], tree)
 
 
+def jit_chunk_call(call: Callable, place: Placement, num_seeds: int) -> Callable:
+  """`call(rows, state, server, inputs)` of one seed, jitted over the `num_seeds` seeds, its
+  rows, state and server donated, placed as the run state is between calls."""
+  over = over_replicas(call, num_seeds, (0, 0, 0, SEED_AXES))
+
+  def seeds(rows, state, server, inputs):
+    rows, state, server, stats = over(rows, state, server, inputs)
+    return (place.constrain(rows, True, stacked=True), place.constrain(state, True, stacked=True),
+            place.constrain(server, False), stats)
+  return jax.jit(seeds, donate_argnums=(0, 1, 2))
+
+
 class Store:
   """Where the groups' parameters and the per-client state of every seed live, and how chunks
   of them reach the jitted calls: a `Population` (state.py) names them, which the run state
@@ -154,16 +166,7 @@ class Store:
 
   # --- chunks -----------------------------------------------------------------------------------
   def _jit_chunk_call(self, call: Callable) -> Callable:
-    """`call(rows, state, server, inputs)` of one seed, jitted over the seeds, its rows,
-    state and server donated, placed as the run state is between calls."""
-    place = self.placement
-    over = over_replicas(call, self.num_seeds, (0, 0, 0, SEED_AXES))
-
-    def seeds(rows, state, server, inputs):
-      rows, state, server, stats = over(rows, state, server, inputs)
-      return (place.constrain(rows, True, stacked=True), place.constrain(state, True, stacked=True),
-              place.constrain(server, False), stats)
-    return jax.jit(seeds, donate_argnums=(0, 1, 2))
+    return jit_chunk_call(call, self.placement, self.num_seeds)
 
   def train_call(self, g, train_chunk: Callable) -> Callable:
     raise NotImplementedError

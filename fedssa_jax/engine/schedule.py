@@ -85,10 +85,10 @@ def make_groups(config, num_classes: int, num_clients: int, k: int, place: Place
     members = np.flatnonzero(client_family == gi)
     if not len(members):
       continue
-    # Auto: one client per call on the CPU, where vmapping over clients gains nothing; on
+    # The rule (0, and -1 until per_call.py measures): one client per call on the CPU; on
     # accelerators, the group's expected share of the cohort, so that a typical round needs
     # one call per family and few dummies. A family sampled more often takes more calls.
-    per_call = config.engine.clients_per_call or (
+    per_call = max(config.engine.clients_per_call, 0) or (
         1 if jax.default_backend() == 'cpu' else -(-k // len(families)))
     # Every device trains as many of a chunk's clients (padded with dummies).
     per_call = place.rows(int(min(per_call, len(members), k)))

@@ -45,10 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax import data, methods, models, privacy, system
-from fedssa_jax.engine import costs, evaluation, generalization, parts, schedule, training
+from fedssa_jax.engine import (costs, evaluation, generalization, parts, per_call, schedule,
+                               training)
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
-from fedssa_jax.engine.population import make_store
+from fedssa_jax.engine.population import jit_chunk_call, make_store
 from fedssa_jax.engine.schedule import cohort_size
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
                                      RoundInfo, RunState, ServerState)
@@ -198,10 +199,12 @@ class Simulator:
   data `cd` (one ClientData for all, or one per seed): data, groups, FLOP counts, the store and
   the compiled calls. The state is passed in and out (`init_state`, `run_round`; its
   checkpoints: snapshots.py). `phase(name, *arrays)`, if given, is called after each phase of a
-  round (a benchmark's timer; bench.py)."""
+  round (a benchmark's timer; bench.py). `per_call_choice`: {family: clients per call} that a
+  resumed run's workdir records (per_call.read_record), taken instead of measuring."""
 
   def __init__(self, config, ds: data.Dataset, cd, workdir: str | None = None,
-               phase: Callable | None = None, *, seeds=None):
+               phase: Callable | None = None, *, seeds=None,
+               per_call_choice: dict | None = None):
     self.config = config
     self.seeds = tuple(int(s) for s in (seeds if seeds is not None else (config.seed,)))
     cds = list(cd) if isinstance(cd, (list, tuple)) else [cd] * len(self.seeds)
@@ -249,10 +252,6 @@ class Simulator:
                                  self.flops.per_client)
                    if system.enabled(config.system) else None)
     self.initial = parts.Initial(config, self.method, keys, place)
-    self.store = make_store(
-        config.population_store, place, self.groups, self.num_clients, r,
-        self.initial.group, self.initial.client_state,
-        directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
     # Client-level DP on the uploads: its accountant (None: off).
     self.upload_privacy = (privacy.UploadAccountant(config.privacy,
                                                     self.num_clients - len(self.new_clients[0]),
@@ -263,11 +262,23 @@ class Simulator:
     # that are on (uplink.py), and what the calls take of the devices, once (each round adds
     # its draws: train_chunks).
     self.uplink = Uplink.build(config, self.method, self.upload_privacy)
-    self._system_devices = self.uplink.federation.devices(self.system, self.seeds,
-                                                          self.flops.per_client, place)
-    self._train_calls = [self.store.train_call(g, chunk_fn(
+    self.system_devices = self.uplink.federation.devices(self.system, self.seeds,
+                                                         self.flops.per_client, place)
+    make_chunk = lambda g: chunk_fn(
         g, self.method, self.train_cfg, self.flops, place, self.data.train_idx.shape[-1],
-        config.eval_batch_size, self.uplink)) for g in self.groups]
+        config.eval_batch_size, self.uplink)
+    # engine.clients_per_call=-1: each group's chunk size measured (per_call.py); what FILE holds.
+    self.per_call_record = None
+    if config.engine.clients_per_call == per_call.MEASURE:
+      self.groups, self.per_call_record = per_call.choose_groups(
+          self, self.groups, functools.partial(
+              per_call.measure_group, self, make_chunk=make_chunk,
+              jit_call=lambda call: jit_chunk_call(call, place, r)), recorded=per_call_choice)
+    self.store = make_store(
+        config.population_store, place, self.groups, self.num_clients, r,
+        self.initial.group, self.initial.client_state,
+        directory=workdir and os.path.join(os.path.abspath(workdir), 'population'))
+    self._train_calls = [self.store.train_call(g, make_chunk(g)) for g in self.groups]
     self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
         functools.partial(self.uplink.aggregate, self.method), r, (0, 0, None, 0))(*a),
         sharded=False), donate_argnums=0)
@@ -379,7 +390,7 @@ class Simulator:
     and `server` are used up."""
     inputs = ChunkInputs(slots=None, ids=None, active=None, seen=self.seen_dev, data=self.data,
                          round_index=jnp.asarray(t, jnp.int32), root_key=self.root_keys,
-                         system=self.uplink.federation.inputs(self._system_devices, draws,
+                         system=self.uplink.federation.inputs(self.system_devices, draws,
                                                               self.placement))
     return self.store.train(population, server, chunks, self._train_calls, inputs)
 

@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 
 from fedssa_jax import config_lib, data, privacy
-from fedssa_jax.engine import distributed, parts, simulator, snapshots
+from fedssa_jax.engine import distributed, parts, per_call, simulator, snapshots
 from fedssa_jax.engine.rows import DamagedRows
 from fedssa_jax.run import checkpoint, guards, observers, outputs, workdir_lock
 from fedssa_jax.run.outputs import METRICS_FIELDS, SUMMARY_FIELDS  # noqa: F401  (the schemas)
@@ -208,7 +208,11 @@ def _simulator(configs, workdirs, dataset, ckpts):
           f'The data partition ({fp}) differs from the one of the checkpoint in {k.directory} '
           f'({meta[1]["partition_fingerprint"]}): data_dir={c.data_dir!r} holds other data than '
           'the run started with. Point --config.data_dir at that data, or use a new --workdir.')
-  sim = simulator.Simulator(c0, ds, cds, workdir=workdirs[0], seeds=[c.seed for c in configs])
+  # A resumed run keeps the clients per call its workdir records (engine.clients_per_call=-1).
+  recorded = per_call.read_record(workdirs[0]) if latest[0] is not None else None
+  sim = simulator.Simulator(c0, ds, cds, workdir=workdirs[0], seeds=[c.seed for c in configs],
+                            per_call_choice=recorded)
+  _write_per_call(sim, workdirs)
   watching = observers.watching(sim)
   for i, (config, workdir, cd) in enumerate(zip(configs, workdirs, cds)):
     if jax.process_index() == 0:
@@ -225,6 +229,23 @@ def _simulator(configs, workdirs, dataset, ckpts):
                     c0.method, uncovered)
   return (sim, watching, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)],
           all(meta is None for meta in latest))
+
+
+def _write_per_call(sim: simulator.Simulator, workdirs) -> None:
+  """Each workdir's per_call.FILE: the measured clients per call and the candidates' timings
+  (kept as it is by a run that took its choice from there)."""
+  record = sim.per_call_record
+  if record is None:
+    return
+  logging.info('Clients per call (%s): %s%s.', record['source'], ', '.join(
+      f'{g["family"]} {g["clients_per_call"]}' for g in record['groups']),
+               '' if record['source'] == 'workdir' else
+               f'; the candidates compared in {per_call.FILE}')
+  if record['source'] == 'workdir' or jax.process_index() != 0:
+    return
+  for workdir in workdirs:
+    with open(os.path.join(workdir, per_call.FILE), 'w') as f:
+      f.write(json.dumps(record, indent=2))
 
 
 def _derived(sim: simulator.Simulator, watching, cd: data.ClientData, i: int) -> dict:
