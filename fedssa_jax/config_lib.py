@@ -84,14 +84,12 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.eval_every = 1                    # rounds between all-client evaluations (the last is always)
   c.eval_clients = 0                  # 0: evaluate all N clients; M: a fixed random subset of M
                                       # (the same every time; config.json lists it)
-  # What the federation gave a client, beyond its own test split (docs/algorithm.md §5); both
-  # off by default, as they cost evaluation time:
+  # What the federation gave a client beyond its test split (docs/algorithm.md §5); off, as
+  # they cost evaluation time:
   c.eval_global_images = 0            # >0: each evaluated client is also tested on this many
-                                      # images of the global test set, balanced over the
-                                      # classes, the same for every client and round
-  c.new_clients = 0.0                 # a fraction of the N clients that never trains: at each
-                                      # evaluation each receives what the method gives a
-                                      # newcomer, trains new_client_epochs, and is tested
+                                      # global test images, class-balanced, the same for all
+  c.new_clients = 0.0                 # a fraction of N that never trains: at each evaluation,
+                                      # the method's newcomer download, training, a test
   c.new_client_epochs = 1             # local epochs a new client trains (0: none)
   # Where client models and per-client state live between rounds: 'device' (the accelerator),
   # 'host' (numpy in RAM; each round's cohort moves to the device) or 'disk' (memory-mapped

@@ -264,10 +264,21 @@ class Simulator:
     self.uplink = Uplink.build(config, self.method, self.upload_privacy)
     self.system_devices = self.uplink.federation.devices(self.system, self.seeds,
                                                          self.flops.per_client, place)
+    self._calls(config, workdir, per_call_choice)
+    self.evaluator = evaluation.Evaluator(
+        self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
+        self.slot_of, eval_batch_size=config.eval_batch_size,
+        clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
+        global_sample=self._global_sample(config, ds, cds))
+    self.newcomers = self._newcomers(config)
+
+  def _calls(self, config, workdir: str | None, per_call_choice: dict | None) -> None:
+    """The groups' chunk sizes (measured where engine.clients_per_call=-1: per_call.py, whose
+    record `per_call_record` keeps), the store, and the jitted training and aggregation calls."""
+    place, r = self.placement, self.num_seeds
     make_chunk = lambda g: chunk_fn(
         g, self.method, self.train_cfg, self.flops, place, self.data.train_idx.shape[-1],
         config.eval_batch_size, self.uplink)
-    # engine.clients_per_call=-1: each group's chunk size measured (per_call.py); what FILE holds.
     self.per_call_record = None
     if config.engine.clients_per_call == per_call.MEASURE:
       self.groups, self.per_call_record = per_call.choose_groups(
@@ -282,12 +293,6 @@ class Simulator:
     self._aggregate = jax.jit(lambda *a: place.constrain(over_replicas(
         functools.partial(self.uplink.aggregate, self.method), r, (0, 0, None, 0))(*a),
         sharded=False), donate_argnums=0)
-    self.evaluator = evaluation.Evaluator(
-        self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
-        self.slot_of, eval_batch_size=config.eval_batch_size,
-        clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
-        global_sample=self._global_sample(config, ds, cds))
-    self.newcomers = self._newcomers(config)
 
   def _newcomers(self, config) -> generalization.Newcomers | None:
     """The new clients' evaluation (None without new clients): each group's round of local
