@@ -100,9 +100,9 @@ def test_run_comparison_runs_each_method_once_and_writes_the_table(tmp_path, fak
 
 def test_a_misspelled_method_fails_before_any_run(tmp_path, fake_runs):
   workdir = str(tmp_path / 'cmp')
-  with pytest.raises(ValueError, match="Unknown method 'fedsa'"):
+  with pytest.raises(ValueError, match="Unknown method 'fedsaa'"):
     compare.run_comparison(config_lib.build('cifar10', 'hetero,tiny'), workdir,
-                           ['fedssa', 'fedsa'])
+                           ['fedssa', 'fedsaa'])
   assert fake_runs == {'load': 0, 'runs': []} and not os.path.exists(workdir)
 
 

@@ -118,6 +118,10 @@ def train_generator(g: Generator, head, prior, key, *, steps: int, lr: float, ba
     g, opt_state, loss_sum, _ = carry
     noise, labels = draw(jax.random.fold_in(key, s), prior, batch, noise_dim)
     loss, grads = grad_fn(g, head, noise, labels)
+    # BatchNorm subtracts the batch mean, so b1's gradient is exactly 0: what autodiff returns is
+    # rounding, which Adam would scale into steps of up to lr that differ between two programs
+    # (a packed seed and its run alone). Its true gradient, 0, keeps b1 as initialised.
+    grads = grads.replace(b1=jnp.zeros_like(grads.b1))
     updates, opt_state = tx.update(grads, opt_state, g)
     return optax.apply_updates(g, updates), opt_state, loss_sum + loss, loss
 
