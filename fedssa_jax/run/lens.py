@@ -26,13 +26,14 @@ def lens(accuracy: np.ndarray, families: list[str], ev) -> dict:
   and the evaluation `ev`: the spread (standard deviation over the clients), the worst decile,
   the mean per family, and, None where off, the mean global accuracy of the same clients, the
   new clients' mean accuracy and the participation gap (the participants' mean less theirs)."""
+  families = np.asarray(families)
   new = ev.new_client_accuracy
   new = None if new is None else float(np.nanmean(new))
   return {
       'accuracy_std': float(accuracy.std()),
       'worst10_accuracy': worst_decile(accuracy),
-      'family_accuracy': {f: float(accuracy[[x == f for x in families]].mean())
-                          for f in dict.fromkeys(families)},
+      'family_accuracy': {f: float(accuracy[families == f].mean())
+                          for f in families[np.sort(np.unique(families, return_index=True)[1])]},
       'global_accuracy': (None if ev.global_accuracy is None
                           else float(ev.global_accuracy[ev.evaluated].mean())),
       'new_client_accuracy': new,

@@ -261,7 +261,7 @@ def record(sim, state, info, ev, observed: dict | None = None) -> dict:
       'mean_accuracy': float(acc.mean()),
       'client_accuracy': client_list(acc),
       'evaluated_clients': 'all' if len(evaluated) == sim.num_clients else len(evaluated),
-      **lens(acc, [sim.groups[g].family for g in sim.group_of[evaluated]], ev),
+      **lens(acc, np.array([g.family for g in sim.groups])[sim.group_of[evaluated]], ev),
       'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
       'train_loss': info.train_loss,
       'train_accuracy': info.train_accuracy,
