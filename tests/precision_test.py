@@ -38,8 +38,9 @@ def loss(model, p, x):
 @pytest.mark.parametrize('impl', IMPLS)
 def test_bf16_forward_is_close_to_float32_and_returns_float32(impl, params_and_x):
   params, x = params_and_x
-  ref = make_model('cnn5', 10, impl).apply({'params': params}, x)
-  out = make_model('cnn5', 10, impl, 'bfloat16').apply({'params': params}, x)
+  # Jitted: one program a model, not one per op.
+  ref = jax.jit(make_model('cnn5', 10, impl).apply)({'params': params}, x)
+  out = jax.jit(make_model('cnn5', 10, impl, 'bfloat16').apply)({'params': params}, x)
   for a, b in zip(out, ref):
     assert a.dtype == jnp.float32
     np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
@@ -50,7 +51,7 @@ def test_bf16_forward_is_close_to_float32_and_returns_float32(impl, params_and_x
 @pytest.mark.parametrize('impl', IMPLS)
 def test_bf16_gradients_are_float32_and_close_to_float32(impl, params_and_x):
   params, x = params_and_x
-  g32, g16 = (jax.grad(lambda p: loss(make_model('cnn5', 10, impl, d), p, x))(params)
+  g32, g16 = (jax.jit(jax.grad(lambda p: loss(make_model('cnn5', 10, impl, d), p, x)))(params)
               for d in ('float32', 'bfloat16'))
   # bfloat16 keeps 8 bits of mantissa: at init the first convolution's gradient, a sum of
   # small, cancelling terms over every position, is the least precise (about 6-7%, the others
