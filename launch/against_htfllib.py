@@ -44,6 +44,12 @@ passed to HtFLlib from our config. `--batch_size`, `--num_clients`, `--partition
   python launch/against_htfllib.py ... --batch_size=10 --num_clients=20 --partition=dirichlet \
       --alpha=0.1 --lr=0.01 --methods=standalone,fedproto,fedgh --rounds=3
 
+and the cross-device federation's (the n1000 variant's N, C, batch and Dirichlet 1.0; HtFLlib's
+`-nc 1000 -jr 0.1`; both sides evaluate every client every round, as HtFLlib does):
+
+  python launch/against_htfllib.py ... --batch_size=10 --num_clients=1000 --participation=0.1 \
+      --partition=dirichlet --alpha=1.0 --lr=0.01 --methods=standalone,fedproto,fedtgp --rounds=20
+
 and its files are named with the federation (`_b10_n20_dir0.1_lr0.01`), so each federation's
 runs resume on their own. `--model_group=htfe2` trains HtFLlib's own HtFE-img-2 (FedAvgCNN and
 torchvision's ResNet-18, feature_dim 512) there and `:htfe2` here instead of the five CNNs
@@ -236,7 +242,7 @@ FEDKD_COMPRESSION = ('as_written', 'off', 'htfllib')
 # FedSSA's (batch 512, N = 10, two classes a client) by default; HtFLlib's scripts' is batch 10,
 # N = 20, Dirichlet alpha = 0.1 (system/total.sh).
 FEDERATION = {'batch_size': 512, 'num_clients': 10, 'partition': 'pathological', 'alpha': 0.1,
-              'model_group': 'cnn'}
+              'model_group': 'cnn', 'participation': 1.0}
 PARTITIONS = ('pathological', 'dirichlet')
 # The models (`--model_group`): ours, a config variant, or '' for the default; HtFLlib's, its
 # -m model family, or None for the FedSSA paper's five CNNs, which the runner registers.
@@ -245,15 +251,18 @@ MODEL_GROUPS = {'cnn': ('', None), 'htfe2': ('htfe2', 'HtFE-img-2')}
 
 def federation_settings(batch_size: int = 512, num_clients: int = 10,
                         partition: str = 'pathological', alpha: float = 0.1,
-                        model_group: str = 'cnn') -> dict:
-  """{dotted config field: value} of the federation: batch, clients and partition (Dirichlet:
-  concentration `alpha`, HtFLlib's -al of generate_Cifar10.py). The `model_group` is a config
-  variant (`config_arg`), checked here."""
+                        model_group: str = 'cnn', participation: float = 1.0) -> dict:
+  """{dotted config field: value} of the federation: batch, clients, the fraction C of them a
+  round (HtFLlib's -jr) and partition (Dirichlet: concentration `alpha`, HtFLlib's -al of
+  generate_Cifar10.py). The
+  `model_group` is a config variant (`config_arg`), checked here."""
   if partition not in PARTITIONS:
     raise Failure(f'--partition must be one of {PARTITIONS}, got {partition!r}.')
   if model_group not in MODEL_GROUPS:
     raise Failure(f'--model_group must be one of {tuple(MODEL_GROUPS)}, got {model_group!r}.')
-  out = {'batch_size': batch_size, 'num_clients': num_clients}
+  if not 0 < participation <= 1:
+    raise Failure(f'--participation must be in (0, 1], got {participation}.')
+  out = {'batch_size': batch_size, 'num_clients': num_clients, 'participation': participation}
   if partition == 'dirichlet':
     out.update({'partition.kind': 'dirichlet', 'partition.dirichlet_gamma': alpha})
   return out
@@ -263,7 +272,7 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
                  upload_loss: float = 0.0, num_clients: int = 10,
                  partition: str = 'pathological', alpha: float = 0.1,
                  model_group: str = 'cnn', fedkd_compression: str = 'as_written',
-                 our_loader: str = 'shuffled') -> dict:
+                 our_loader: str = 'shuffled', participation: float = 1.0) -> dict:
   """{dotted config field: value} that sets our side to HtFLlib's fixed choices, for `method`,
   in the federation of `batch_size`, `num_clients`, `partition` and `alpha`; `upload_loss` > 0:
   clients that lose their upload (HtFLlib's -cdr, docs/algorithm.md §10); `fedkd_compression`
@@ -274,7 +283,8 @@ def our_settings(method: str, lr: float, rounds: int, batch_size: int = 512,
               'optimizer.weight_decay': 0.0,
               'optimizer.clip_norm': HTFLLIB_CLIP.get(method, 0.0),
               'checkpoint_every': rounds, 'checkpoint_keep': 1,
-              **federation_settings(batch_size, num_clients, partition, alpha, model_group)}
+              **federation_settings(batch_size, num_clients, partition, alpha, model_group,
+                                    participation)}
   if upload_loss:
     settings['system.upload_loss'] = upload_loss
   settings.update(HTFLLIB_BEHAVIOUR.get(method, {}))
@@ -770,7 +780,9 @@ def partition_suffix(args) -> str:
 def federation_suffix(args) -> str:
   """What the runs' files are named with, beyond the default federation's (none)."""
   return ((f'_b{args.batch_size}' if args.batch_size != FEDERATION['batch_size'] else '')
-          + partition_suffix(args) + (f'_lr{args.lr:g}' if args.lr != 0.05 else '')
+          + partition_suffix(args)
+          + (f'_jr{jr:g}' if (jr := getattr(args, 'participation', 1.0)) != 1.0 else '')
+          + (f'_lr{args.lr:g}' if args.lr != 0.05 else '')
           + (f'_{args.model_group}' if args.model_group != FEDERATION['model_group'] else ''))
 
 
@@ -1134,7 +1146,10 @@ def main(argv=None):
   p.add_argument('--batch_size', type=int, default=FEDERATION['batch_size'],
                  help='the local batch, both sides (HtFLlib\'s scripts: 10)')
   p.add_argument('--num_clients', type=int, default=FEDERATION['num_clients'],
-                 help='N, all joining every round (HtFLlib\'s scripts: 20)')
+                 help='N (HtFLlib\'s scripts: 20)')
+  p.add_argument('--participation', type=float, default=FEDERATION['participation'],
+                 help='the fraction C of the N clients that trains each round, both sides '
+                 '(HtFLlib\'s -jr; its scripts: 1.0; the n1000 variant: 0.1)')
   p.add_argument('--partition', default=FEDERATION['partition'], choices=PARTITIONS,
                  help='our partition, written as HtFLlib\'s files: two classes a client '
                  '(FedSSA\'s) or Dirichlet of concentration --alpha (HtFLlib\'s scripts)')

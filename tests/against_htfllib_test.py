@@ -345,6 +345,22 @@ def test_htfllibs_federation_maps_onto_both_sides():
     ah.our_config('fedgh', 0.01, 3, model_group='htfe7')
 
 
+def test_a_cross_device_federation_samples_the_same_fraction_on_both_sides():
+  """--num_clients=1000 --participation=0.1: K = 100 a round here, HtFLlib's -jr 0.1 there,
+  the files named with it (HtFLlib's -nc 1000 -jr 0.1)."""
+  ah = load_script()
+  fed = dict(batch_size=10, num_clients=1000, partition='dirichlet', alpha=1.0,
+             model_group='cnn', participation=0.1)
+  c = ah.our_config('fedproto', 0.01, 3, **fed)
+  assert (c.num_clients, c.participation, c.eval_clients, c.eval_every) == (1000, 0.1, 0, 1)
+  args, _ = ah.htfllib_args(c, 3)
+  flags = dict(zip(args[::2], args[1::2]))
+  assert (flags['-nc'], flags['-jr']) == ('1000', '0.1')
+  assert ah.federation_suffix(argparse.Namespace(lr=0.01, **fed)) == '_b10_n1000_dir1_jr0.1_lr0.01'
+  with pytest.raises(ah.Failure, match='--participation must be in'):
+    ah.our_config('fedproto', 0.01, 3, participation=0.0)
+
+
 def test_htfllibs_own_model_group_on_both_sides():
   """--model_group=htfe2: HtFLlib's own HtFE-img-2 there (its -m, its feature_dim 512), our
   :htfe2 here, the files named with it; the five CNNs keep their names and their check."""
