@@ -1,8 +1,8 @@
 """Checks that a change moves no number: every method's 5-round tiny run, record by record.
 
 Runs a 5-round `configs/cifar10.py:hetero,n10,tiny` run (5 clients, 3 a round, batch 16) of each
-of the twelve methods, alone and with seeds 0, 1 and 2 packed (`--seeds`), plus FedSSA from the
-host and disk population stores and on a two-device mesh, and runs with the `system` section's
+of the fifteen methods, alone and with seeds 0, 1 and 2 packed (`--seeds`), plus FedSSA, FedSA,
+FedORGP and FedGen from the host and disk population stores and on a two-device mesh, and runs with the `system` section's
 every kind and with privacy on (DP-SGD, upload DP local and central, and all of it composed),
 each as its own `python -m fedssa_jax.main` process, into `--out`. With `--reference`, a folder an
 earlier commit's run of this script wrote, it then compares every run's `metrics.jsonl` records
@@ -39,9 +39,16 @@ _ADDED = flags.DEFINE_list('added', [], 'Record fields this commit adds (e.g. se
                            'listed when they are new, not counted as differences.')
 _COMPARE_ONLY = flags.DEFINE_bool('compare_only', False, 'Compare the runs already in --out '
                                   'with --reference, without running them again.')
+_MATCH_VARIANTS = flags.DEFINE_bool(
+    'match_variants', False, 'Also compare each store or mesh run (<name>-host, -disk, -mesh2) '
+    'in --out with its device-store run <name>: counts exactly, floats to VARIANT_RTOL.')
 
 CONFIG = 'configs/cifar10.py:hetero,n10,tiny'
 ROUNDS = 5
+# The relative float tolerance of a store or mesh run against its device-store run (the mesh
+# sums in another order; the stores' programs differ by a few ulps).
+VARIANT_RTOL = 1e-4
+VARIANTS = ('-host', '-disk', '-mesh2')
 # Fields that are timings, or paths, which differ between any two runs.
 TIMING = {'seconds_per_round_steady', 'first_round_seconds', 'wall_seconds', 'round_seconds',
           'elapsed_seconds'}
@@ -55,6 +62,13 @@ RUNS['fedssa-host'] = ({'method': 'fedssa', 'population_store': 'host'}, {})
 RUNS['fedssa-disk'] = ({'method': 'fedssa', 'population_store': 'disk'}, {})
 RUNS['fedssa-mesh2'] = ({'method': 'fedssa', 'engine.mesh_devices': 2},
                         {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+# The three newest methods from every store and on the mesh, as FedSSA (their numbers must
+# equal their device-store runs': `--match_variants` compares them).
+for _m in ('fedsa', 'fedorgp', 'fedgen'):
+  RUNS[f'{_m}-host'] = ({'method': _m, 'population_store': 'host'}, {})
+  RUNS[f'{_m}-disk'] = ({'method': _m, 'population_store': 'disk'}, {})
+  RUNS[f'{_m}-mesh2'] = ({'method': _m, 'engine.mesh_devices': 2},
+                         {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
 # The federation (the system section, each kind) and privacy (DP-SGD; upload DP in both modes),
 # each on its own and composed, through the path every upload takes from client to server.
 RUNS['fedssa-availability'] = ({'method': 'fedssa', 'system.availability': 0.7,
@@ -124,21 +138,42 @@ def records(workdir: str) -> tuple[list[dict], dict]:
   return history, summary
 
 
-def differences(a, b, path: str = '') -> list[str]:
-  """Where two JSON values differ, timings aside (floats compared exactly; NaN equals NaN)."""
+def differences(a, b, path: str = '', rtol: float = 0.0) -> list[str]:
+  """Where two JSON values differ, timings aside (floats compared exactly, or to `rtol`; NaN
+  equals NaN)."""
   if isinstance(a, dict) and isinstance(b, dict):
     out = [f'{path}.{k}: only in one' for k in set(a) ^ set(b)
            if k not in TIMING and not (k in b and k not in a and k in _ADDED.value)]
     for k in sorted(set(a) & set(b) - TIMING):
-      out += differences(a[k], b[k], f'{path}.{k}')
+      out += differences(a[k], b[k], f'{path}.{k}', rtol)
     return out
   if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
     if len(a) != len(b):
       return [f'{path}: {len(a)} entries, now {len(b)}']
-    return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f'{path}[{i}]')]
-  if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-    return []
+    return [d for i, (x, y) in enumerate(zip(a, b))
+            for d in differences(x, y, f'{path}[{i}]', rtol)]
+  if isinstance(a, float) and isinstance(b, float):
+    if math.isnan(a) and math.isnan(b):
+      return []
+    if rtol and math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-3):
+      return []
   return [] if a == b else [f'{path}: {a!r}, now {b!r}']
+
+
+def variant_differences(out: str, names) -> list[str]:
+  """Each store or mesh run of `names` against its device-store run in `out` (printed); the
+  names that differ."""
+  failed = []
+  for name in names:
+    base = next((name[:-len(v)] for v in VARIANTS if name.endswith(v)), None)
+    if base is None or not os.path.exists(os.path.join(out, base, 'summary.json')):
+      continue
+    diff = differences(records(os.path.join(out, base)), records(os.path.join(out, name)),
+                       rtol=VARIANT_RTOL)
+    print(f'{name} against {base}: ' + ('the same' if not diff else
+                                        f'{len(diff)} differences, first: ' + '; '.join(diff[:5])))
+    failed += [name] if diff else []
+  return failed
 
 
 def main(argv):
@@ -184,6 +219,8 @@ def main(argv):
         print(f'{rel}: ' + ('identical' if not diff else
                             f'{len(diff)} differences, first: ' + '; '.join(diff[:5])))
         failed += [name] if diff else []
+  if _MATCH_VARIANTS.value:
+    failed += variant_differences(out, [n for n in names if n not in failed])
   if failed:
     print(f'Not the same: {", ".join(dict.fromkeys(failed))}')
     sys.exit(1)
