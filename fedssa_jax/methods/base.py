@@ -209,6 +209,13 @@ class Norms:
   sum: jax.Array
   count: jax.Array
 
+def dp_sgd_on(config) -> bool:
+  """Whether `config` trains with DP-SGD (privacy.dp_sgd): then a method that sends class means
+  of the data (`Method.release_values`) takes them from one private release."""
+  p = config.get('privacy')
+  return p is not None and bool(p.dp_sgd)
+
+
 def central_share(config, num_clients: int) -> float | None:
   """Under central client-level DP on the uploads (privacy.upload_mode='central'), q = K / N,
   the share of the clients a round samples (engine/schedule.cohort_size's K), by which a server
@@ -288,11 +295,17 @@ class Method:
   # jointly (less `upload_reference`) and noises; the payload's other fields (class counts,
   # weights, which rows are sent) go as they are. () (the default): nothing to protect.
   private_upload: tuple[str, ...] = ()
-  # What DP-SGD (privacy.dp_sgd) does not cover: a clause naming what the method uploads that it
-  # computes from the training data outside the DP-SGD steps (a forward pass's sums, a step
-  # after training), which the run's warning quotes; None (the default): every upload is
-  # computed from the trained models alone, and epsilon covers it.
-  dp_sgd_uncovered: str | None = None
+  # Under DP-SGD (privacy.dp_sgd; docs/algorithm.md §11, "Private releases"): the per-example
+  # vectors the method sends class means of, a method
+  #   release_values(self, logits, rep) -> [B, D]
+  # (FD's logits, the prototype methods' representations). The engine then sums them per class
+  # over one forward pass (`forward_pass`, which the method sets under DP-SGD), each example's
+  # clipped, and noises the table with its counts: `upload` finds it as `acc.forward_pass`, a
+  # ClassSums of noisy sums and counts, and the accountant composes one release per round a
+  # client trains. None (the default): the method sends nothing of the data beyond what its
+  # trained models give, and nothing is traced. (A server reading the class counts,
+  # `server_reads_class_counts`, gets them noised under DP-SGD: one release per client.)
+  release_values: Callable | None = None
   # Where central client-level DP noises the round's sum of the clipped uploads
   # (`central_noise`): 'inbox', the server's `aggregation.Inbox`, noised in place; 'noise', a
   # server field of the sum's shape that `server_aggregate` adds to its own sum; None (the
@@ -414,6 +427,14 @@ class Method:
       return 'clients send nothing to protect'
     if mode == 'central' and cls.central_noise_into is None:
       return 'server keeps each upload apart, not one sum of them that noise could cover'
+    return None
+
+  @classmethod
+  def dp_sgd_refusal(cls, config) -> str | None:
+    """Why the method cannot run under DP-SGD (privacy.dp_sgd) with `config`: a clause that
+    says what it would send of the data that no private release bounds; None (the default)
+    where every upload is covered (by the steps, or by `release_values`' releases)."""
+    del config
     return None
 
   def central_noise(self, server, key: jax.Array, std: float):

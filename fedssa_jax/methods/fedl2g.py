@@ -135,7 +135,6 @@ class FedL2G(base.Method):
   per_sample_loss = True  # CE plus a per-sample guiding term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('grad',)  # the meta-gradient rows (`present`, which are sent, goes as is)
-  dp_sgd_uncovered = 'its guiding rows, from a gradient step on a study batch and the quiz set'
   # The meta step: the inner gradient and phi's JVP on the study batch (1 + 2/3 CE training
   # steps per sample), the quiz loss's gradient at theta' (1 per quiz sample).
   after_training_steps = (5.0 / 3.0, 1.0)
@@ -178,6 +177,14 @@ class FedL2G(base.Method):
     self.clip = float(c.server_clip)
     self.held_out_samples = int(c.quiz_size)
     self.inner_lr = float(config.optimizer.lr)  # eta: the local lr, plain SGD
+
+  @classmethod
+  def dp_sgd_refusal(cls, config):
+    del config
+    return ('its meta gradient comes from a step on a study batch and the quiz set, '
+            "through the trained model: one quiz example moves every uploaded row and one "
+            "study example the step that all rows are taken at, so no clip of one example's "
+            'share bounds it')
 
   def init_server(self, key, seen):
     c, d = self.num_classes, self.dim

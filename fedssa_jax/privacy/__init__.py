@@ -52,8 +52,9 @@ The package, by job (its names are all here too, as `privacy.<name>`):
 - accountants.py  the host-side accountants
 """
 from fedssa_jax.privacy.accountants import (MAX_NOISE_MULTIPLIER, Accountant, UploadAccountant,
-                                            calibrate, dp_sgd_event, epsilon, new_accountant,
-                                            upload_epsilon, upload_event)
+                                            calibrate, client_event, dp_sgd_event, epsilon,
+                                            new_accountant, release_event, upload_epsilon,
+                                            upload_event)
 from fedssa_jax.privacy.config import (ACCOUNTANTS, PER_EXAMPLE, UPLOAD_MODES, check_config,
                                        check_models, check_upload, default_config, enabled,
                                        upload_enabled)
@@ -62,3 +63,6 @@ from fedssa_jax.privacy.dp_sgd import (DPSGD, dp_sgd_settings, ghost_covers, noi
 from fedssa_jax.privacy.mechanisms import (TRUNCATION_TAIL, UploadDP, add_noise, clip_factor,
                                            clip_scale, max_batch, poisson_batch, privatize_upload,
                                            sampling_rate, server_upload_key, upload_keys)
+from fedssa_jax.privacy.releases import (Release, class_table, noisy_class_counts,
+                                         release_class_sums, release_keys, releases_of,
+                                         table_stats)

@@ -1,5 +1,6 @@
 """The accountants (host side): DP-SGD's (`Accountant`: each client's epsilon from the steps it
-ran, and the noise multiplier, given or calibrated to a target) and client-level DP's on the
+ran composed with the private releases it made (releases.py), and the noise multiplier, given or
+calibrated to a target) and client-level DP's on the
 uploads (`UploadAccountant`: epsilon from the releases), both by Google's `dp_accounting`. They
 count nothing themselves: the run loop keeps the steps and releases so far, in each seed's
 checkpoint, and asks them for epsilon."""
@@ -56,14 +57,37 @@ def _quiet():
     absl_logger.removeFilter(note)
 
 
+def release_event(noise_multiplier: float, releases: int):
+  """`releases` private releases (releases.py), each a Gaussian mechanism of sensitivity C_r (1
+  for class counts) and noise std z_r C_r (z_r: `noise_multiplier`), as a dp_accounting event."""
+  import dp_accounting
+  return dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(float(noise_multiplier)), int(releases))
+
+
+def client_event(q: float, noise_multiplier: float, steps: int,
+                 release_noise_multiplier: float = 0.0, releases: int = 0):
+  """A client's events: its `steps` DP-SGD steps and its `releases` private releases, composed
+  (dp_accounting's ComposedDpEvent; the steps alone without releases)."""
+  import dp_accounting
+  steps_event = dp_sgd_event(q, noise_multiplier, steps)
+  if releases <= 0:
+    return steps_event
+  return dp_accounting.ComposedDpEvent(
+      [steps_event, release_event(release_noise_multiplier, releases)])
+
+
 @functools.lru_cache(maxsize=4096)
-def epsilon(kind: str, q: float, noise_multiplier: float, steps: int, delta: float) -> float:
-  """epsilon at `delta` of `steps` DP-SGD steps (dp_sgd_event) by `kind`'s accountant."""
-  if steps <= 0:
+def epsilon(kind: str, q: float, noise_multiplier: float, steps: int, delta: float,
+            release_noise_multiplier: float = 0.0, releases: int = 0) -> float:
+  """epsilon at `delta` of `steps` DP-SGD steps composed with `releases` private releases
+  (client_event) by `kind`'s accountant."""
+  if steps <= 0 and releases <= 0:
     return 0.0
   acct = new_accountant(kind)
   with _quiet():
-    acct.compose(dp_sgd_event(q, noise_multiplier, steps))
+    acct.compose(client_event(q, noise_multiplier, max(int(steps), 0),
+                              release_noise_multiplier, releases))
     return float(acct.get_epsilon(delta))
 
 
@@ -87,35 +111,45 @@ def _smallest_noise(new_acct: Callable, event_of: Callable, target: float, delta
   return float(z)
 
 
-def calibrate(kind: str, schedules, target_epsilon: float, delta: float) -> float:
-  """The smallest noise multiplier with which every (q, steps) of `schedules` ends within
-  `target_epsilon` at `delta` (dp_accounting's calibration); ConfigError where none up to
-  MAX_NOISE_MULTIPLIER does."""
+def calibrate(kind: str, schedules, target_epsilon: float, delta: float,
+              release_noise_multiplier: float = 0.0) -> float:
+  """The smallest noise multiplier sigma with which every (q, steps) or (q, steps, releases) of
+  `schedules` ends within `target_epsilon` at `delta` (dp_accounting's calibration), the
+  releases' noise multiplier being `release_noise_multiplier` (0: sigma itself); ConfigError
+  where none up to MAX_NOISE_MULTIPLIER does."""
+  def event_of(q, steps, releases, sig):
+    return client_event(q, sig, steps, release_noise_multiplier or sig, releases)
+  triples = sorted({(*s, 0) if len(s) == 2 else tuple(s) for s in schedules})
   return max(_smallest_noise(
-      functools.partial(new_accountant, kind),
-      functools.partial(lambda q, steps, sig: dp_sgd_event(q, sig, steps), q, steps),
+      functools.partial(new_accountant, kind), functools.partial(event_of, q, steps, releases),
       target_epsilon, delta, field='privacy.target_epsilon',
-      events=f'{steps} steps at sampling rate {q:.4g}',
+      events=f'{steps} steps at sampling rate {q:.4g}'
+             + (f' and {releases} private releases' if releases else ''),
       fix='raise the target, or lower num_rounds or local_epochs.')
-      for q, steps in sorted(set(schedules)))
+      for q, steps, releases in triples)
 
 
 class Accountant:
   """A run's DP-SGD accounting, for each of its seeds (packed seeds share the compiled program,
   so one noise multiplier): each client's sampling rate and steps in a round, the noise
-  multiplier (given or calibrated), and epsilon from the steps each client ran."""
+  multipliers (sigma, given or calibrated; the releases' z_r, given or sigma), and epsilon from
+  the steps each client ran and the private releases it made: `releases` = (per round a client
+  trains, at the start), the method's (releases.releases_of)."""
 
   def __init__(self, p: ml_collections.ConfigDict, train_n: np.ndarray, batch_size: int,
-               local_epochs: int, num_rounds: int):
+               local_epochs: int, num_rounds: int, releases: tuple[int, int] = (0, 0)):
     """`train_n` [R, N]: each seed's clients' trainable samples (the n_k of their rates)."""
     self.kind, self.delta, self.target = p.accountant, float(p.delta), float(p.target_epsilon)
     n = np.atleast_2d(np.asarray(train_n))
     self.q = sampling_rate(batch_size, n).astype(np.float64)
     self.round_steps = local_epochs * ((n + batch_size - 1) // batch_size)
+    self.releases_per_round, self.releases_at_start = map(int, releases)
+    given_release = float(p.get('release_noise_multiplier', 0.0))
     if p.noise_multiplier > 0:
       self.noise_multiplier = float(p.noise_multiplier)
+      self.release_noise_multiplier = given_release or self.noise_multiplier
       if self.target:
-        first = max(self.epsilons(i, s).max(initial=0.0)
+        first = max(self.epsilons(i, s, self.releases_after(s > 0)).max(initial=0.0)
                     for i, s in enumerate(self.round_steps))
         require(first <= self.target,
                 f'privacy.target_epsilon={self.target:g} cannot be met: one round of DP-SGD '
@@ -124,30 +158,41 @@ class Accountant:
                 'privacy.noise_multiplier=0 to calibrate it.')
     else:  # every client training every round ends within the target
       self.noise_multiplier = calibrate(
-          self.kind, [(float(q), int(s) * num_rounds)
+          self.kind, [(float(q), int(s) * num_rounds, int(self.releases_after(num_rounds)))
                       for q, s in zip(self.q.ravel(), self.round_steps.ravel()) if s],
-          self.target, self.delta)
+          self.target, self.delta, given_release)
+      self.release_noise_multiplier = given_release or self.noise_multiplier
 
-  def client_epsilon(self, i: int, k: int, steps: int) -> float:
-    """Seed i's client k's epsilon after `steps` DP-SGD steps."""
-    return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta)
+  def releases_after(self, rounds):
+    """The private releases of a client that trained in `rounds` rounds (an int or an array)."""
+    return self.releases_at_start + self.releases_per_round * np.asarray(rounds, np.int64)
 
-  def epsilons(self, i: int, steps) -> np.ndarray:
-    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps: one accounting per distinct
-    (rate, steps), however many clients share it."""
-    pairs, which = np.unique(np.stack([self.q[i], np.asarray(steps, np.float64)], axis=1),
-                             axis=0, return_inverse=True)
-    eps = [epsilon(self.kind, float(q), self.noise_multiplier, int(s), self.delta)
-           for q, s in pairs]
+  def client_epsilon(self, i: int, k: int, steps: int, releases: int = 0) -> float:
+    """Seed i's client k's epsilon after `steps` DP-SGD steps and `releases` releases."""
+    return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta,
+                   self.release_noise_multiplier, int(releases))
+
+  def epsilons(self, i: int, steps, releases=None) -> np.ndarray:
+    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps and `releases` [N] private
+    releases (None: none): one accounting per distinct (rate, steps, releases), however many
+    clients share it."""
+    releases = np.zeros(len(self.q[i])) if releases is None else releases
+    rows, which = np.unique(np.stack([self.q[i], np.asarray(steps, np.float64),
+                                      np.asarray(releases, np.float64)], axis=1),
+                            axis=0, return_inverse=True)
+    eps = [epsilon(self.kind, float(q), self.noise_multiplier, int(s), self.delta,
+                   self.release_noise_multiplier, int(r)) for q, s, r in rows]
     return np.asarray(eps)[which.reshape(-1)]
 
-  def next_round_exceeds(self, i: int, steps, next_cohort) -> float | None:
+  def next_round_exceeds(self, i: int, steps, next_cohort, releases=None) -> float | None:
     """With a target: the largest epsilon a client of seed i's `next_cohort` would reach by
-    running all its steps of a round after `steps` [N], where that is above the target; else
-    None."""
+    running all its steps of a round, and its releases, after `steps` [N] and `releases` [N]
+    (None: none), where that is above the target; else None."""
     if not self.target:
       return None
-    worst = max((self.client_epsilon(i, k, steps[k] + self.round_steps[i, k])
+    releases = np.zeros(len(self.q[i]), np.int64) if releases is None else releases
+    worst = max((self.client_epsilon(i, k, steps[k] + self.round_steps[i, k],
+                                     releases[k] + self.releases_per_round)
                  for k in next_cohort), default=0.0)
     return worst if worst > self.target else None
 
