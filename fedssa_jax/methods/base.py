@@ -42,7 +42,10 @@ a chunk of one model family) and then once on the server:
   gradient; training.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
   valid)`, by default `ClassSums` of r (FedGH's and FedTGP's prototypes). Its sums reach
   `upload` as `acc.forward_pass`, and its FLOPs (a forward over n_k samples) count as the
-  client's extra FLOPs.
+  client's extra FLOPs. Under DP-SGD (privacy.dp_sgd), a method defining `release_values`
+  (what it sends class means of) gets instead, as `acc.forward_pass`, a private release of the
+  pass: `ClassSums` of those values and the class counts, each example's row clipped and the
+  table noised (privacy/releases.py; docs/algorithm.md §11).
 - `method.held_out_samples` Q (0 by default) holds positions 0..Q-1 of the client's training
   index row out of local training for good (FedL2G's quiz set): training sees positions
   Q..n_k-1, n_k - Q samples. `method.trains(t)` (True by default) is False in a round whose
