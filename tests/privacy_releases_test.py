@@ -3,7 +3,8 @@ method sends of the data beyond the DP-SGD steps, released by a Gaussian mechani
 with the steps by the accountant.
 
 Fast: the class-sums release (clip, table, noise, decoded counts) against numpy by hand, with
-the noise from the same keys, and its sensitivity; the class counts a server reads, by hand;
+the noise from the same keys, and its sensitivity; the class counts a server reads, by hand,
+and FedGen's simulator reading them;
 each covered method's released values and its switch to one forward pass; the refusals; the
 composed epsilon against dp_accounting's for the same events; calibration over the composition;
 a checkpoint's state without releases.
@@ -127,9 +128,20 @@ def test_each_covered_method_releases_its_class_means_from_one_forward_pass(name
   assert method_under_dp('fedtgp', **{'fedtgp.proto_timing': 'pre_train'}).forward_pass == 'before'
 
 
-def test_fedgens_class_counts_are_a_release_at_the_start():
+def test_fedgens_class_counts_are_a_release_at_the_start(small_ds):
+  """The counts FedGen's server reads for its prior are the clients' counts, noised by hand
+  with the seed's release keys (a simulator built, nothing run)."""
+  from conftest import make_small_sim
+  from fedssa_jax.engine import parts
   assert privacy.releases_of(method_under_dp('fedgen')) == (0, 1)
   assert privacy.releases_of(method_under_dp('fedssa')) == (0, 0)
+  sim = make_small_sim(small_ds, 'fedgen', **{'privacy.dp_sgd': True,
+                                              'privacy.release_noise_multiplier': 3.0})
+  exact = parts.class_counts(small_ds.labels, data.partition_from_config(sim.config, small_ds),
+                             10)[None]
+  want = privacy.noisy_class_counts(exact, jax.random.PRNGKey(sim.seeds[0])[None], 3.0)
+  np.testing.assert_array_equal(sim.class_counts, want)
+  assert np.abs(want - exact).max() > 1 and sim.privacy.releases_at_start == 1
 
 
 @pytest.mark.parametrize('name, overrides, says', [

@@ -73,6 +73,8 @@ def client_event(q: float, noise_multiplier: float, steps: int,
   steps_event = dp_sgd_event(q, noise_multiplier, steps)
   if releases <= 0:
     return steps_event
+  if steps <= 0:  # releases alone (FedGen's counts, before a client first trains)
+    return release_event(release_noise_multiplier, releases)
   return dp_accounting.ComposedDpEvent(
       [steps_event, release_event(release_noise_multiplier, releases)])
 
