@@ -119,7 +119,7 @@ def test_each_covered_method_releases_its_class_means_from_one_forward_pass(name
   assert got is (logits if released == 'logits' else rep)
   assert m.forward_pass == 'after' and m.init_acc() is None  # no training-pass sums
   assert getattr(m, 'proto_source', 'post_pass') == 'post_pass'
-  assert privacy.releases_of(m) == (1, 0)
+  assert privacy.releases_of(m) == (1, 0, 1.0)
   plain = config_lib.base_config('cifar10')
   plain.method = name
   off = methods.get_method(name)(plain, 5, 10)  # without DP-SGD: as it always was
@@ -133,8 +133,8 @@ def test_fedgens_class_counts_are_a_release_at_the_start(small_ds):
   with the seed's release keys (a simulator built, nothing run)."""
   from conftest import make_small_sim
   from fedssa_jax.engine import parts
-  assert privacy.releases_of(method_under_dp('fedgen')) == (0, 1)
-  assert privacy.releases_of(method_under_dp('fedssa')) == (0, 0)
+  assert privacy.releases_of(method_under_dp('fedgen')) == (0, 1, 1.0)
+  assert privacy.releases_of(method_under_dp('fedssa')) == (0, 0, 1.0)
   sim = make_small_sim(small_ds, 'fedgen', **{'privacy.dp_sgd': True,
                                               'privacy.release_noise_multiplier': 3.0})
   exact = parts.class_counts(small_ds.labels, data.partition_from_config(sim.config, small_ds),
@@ -145,8 +145,8 @@ def test_fedgens_class_counts_are_a_release_at_the_start(small_ds):
 
 
 @pytest.mark.parametrize('name, overrides, says', [
-    ('fedl2g', {}, 'privacy.dp_sgd does not apply to fedl2g: its meta gradient'),
-    ('fedorgp', {'orgp.filter_outliers': True}, 'its outlier filter'),
+    ('fedorgp', {'orgp.filter_outliers': True},
+     'privacy.dp_sgd does not apply to fedorgp: its outlier filter'),
     ('fedorgp', {'orgp.variant': 'repo_head'}, "set filter_outliers=False with variant='paper'"),
 ])
 def test_a_method_no_release_bounds_is_refused_before_data_loads(name, overrides, says):
@@ -158,6 +158,41 @@ def test_a_method_no_release_bounds_is_refused_before_data_loads(name, overrides
   assert says in str(e.value) and 'turn privacy.dp_sgd off' in str(e.value)
   c.privacy.dp_sgd = False
   config_lib.validate(c)  # off: allowed
+
+
+def test_fedl2gs_meta_gradient_is_released_whole_clipped_and_noised_by_hand():
+  """FedL2G under DP-SGD: the rows of every class it holds (not only the study batch's), the
+  whole g_V clipped to C_r and noised with std z C_r from the release key (its leaf 0), the
+  classes sent as they are; sensitivity 2 C_r, so the accountant's Gaussian is z / 2."""
+  from fedssa_jax.methods import base, fedl2g
+  m = method_under_dp('fedl2g', **{'fedl2g.variant': 'logit'})  # V guides the logits x w
+  assert m.release_after_training and privacy.releases_of(m) == (1, 0, 2.0)
+  seen = jnp.arange(10) < 4
+  view = base.ClientView(id=jnp.int32(1), seen=seen, num_samples=jnp.int32(8),
+                         round=jnp.int32(0))
+  model = lambda variables, x: (x @ variables['params']['w'], x)
+  rng = np.random.default_rng(0)
+  params = {'w': jnp.asarray(rng.normal(size=(3, 10)), jnp.float32)}
+  study = (jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), jnp.array([0, 1, 1, 0]),
+           jnp.ones(4, bool))
+  quiz = (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32), jnp.array([2, 3]), jnp.ones(2, bool))
+  vectors = fedl2g.GuidingVectors(vectors=jnp.asarray(rng.normal(size=(10, 10)), jnp.float32))
+  out = m.after_training(model, {'model': params}, vectors, study, quiz, view)
+  np.testing.assert_array_equal(out.present, seen)  # classes 2, 3: not in the study batch
+  key = privacy.release_keys(jax.random.PRNGKey(0), 2, jnp.array([1]))[0]
+  released = privacy.release_whole(out, key, fields=m.private_upload,
+                                   release=privacy.Release(1e-4, Z_R))
+  grad = np.asarray(out.grad, np.float64)
+  want = grad * min(1.0, 1e-4 / np.linalg.norm(grad)) + Z_R * 1e-4 * np.asarray(
+      jax.random.normal(jax.random.fold_in(key, 0), grad.shape))
+  assert np.linalg.norm(grad) > 1e-4  # the clip acts
+  np.testing.assert_allclose(released.grad, want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(released.present, seen)
+  a = accountant((1, 0, 2.0), noise_multiplier=1.1, release_noise_multiplier=3.0)
+  lib = rdp_privacy_accountant.RdpAccountant()
+  lib.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.5), 4))
+  assert a.epsilons(0, [0, 0, 0], [4, 0, 0])[0] == pytest.approx(lib.get_epsilon(1e-5),
+                                                                rel=1e-9)
 
 
 def test_the_release_fields_are_checked():

@@ -90,8 +90,10 @@ def test_what_each_method_sends_of_the_data_is_a_private_release_or_refused():
   c = config_lib.base_config('cifar10')
   releases = {name for name, cls in methods.METHODS.items() if cls.release_values is not None}
   assert sorted(releases) == ['fd', 'fedgh', 'fedorgp', 'fedproto', 'fedsa', 'fedtgp']
-  refused = {name for name, cls in methods.METHODS.items() if cls.dp_sgd_refusal(c)}
-  assert refused == {'fedl2g'}
+  assert not [name for name, cls in methods.METHODS.items() if cls.dp_sgd_refusal(c)]
+  c.privacy.dp_sgd = True
+  whole = [n for n, cls in methods.METHODS.items() if cls(c, 5, 10).release_after_training]
+  assert whole == ['fedl2g']  # its meta gradient, released whole
   assert [n for n, cls in methods.METHODS.items() if cls.server_reads_class_counts] == ['fedgen']
 
 

@@ -83,9 +83,10 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   DP's clip and local noise); by default (the ideal federation, no DP) neither traces anything.
   `download`: the hook that gives each client what it holds before training, `method.download`
   by default (a new client's evaluation passes `method.newcomer`: generalization.py).
-  `release` (DP-SGD with a method's `release_values`): the forward pass's sums are a private
-  release table, noised here with each client's key of the round (privacy.release_class_sums);
-  None (the default) traces nothing of it."""
+  `release` (DP-SGD with a method's `release_values` or `release_after_training`): the forward
+  pass's sums are a private release table (privacy.release_class_sums), or the step after
+  training's output is released whole (privacy.release_whole), noised here with each client's
+  key of the round; None (the default) traces nothing of it."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
@@ -116,7 +117,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
       {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_, *work)
   if when == 'after':
     passed = forward(trainable['model'])
-  if release is not None:
+  if release is not None and method.release_values is not None:
     passed = jax.vmap(functools.partial(privacy.release_class_sums, release=release))(
         passed, privacy.release_keys(inputs.root_key, t, ids))
   if after_one is not None:  # keyed by round and client, as the training shuffles
@@ -125,6 +126,10 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
     after, study_count, quiz_count = jax.vmap(
         after_one, in_axes=(0, 0, 0, 0, 0, None, VIEW_AXES))(
             trainable, down.ctx, study_keys, data_.train_idx[ids], n, data_, view)
+  if release is not None and method.release_after_training:
+    after = jax.vmap(functools.partial(privacy.release_whole, fields=method.private_upload,
+                                       release=release))(
+        after, privacy.release_keys(inputs.root_key, t, ids))
   acc = methods.Accumulated(loss=loss_sums, forward_pass=passed, after_training=after)
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, VIEW_AXES))(
       trainable, acc, down.ctx, state, view)
@@ -174,6 +179,9 @@ def local_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
     raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
                      f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
   stats_fn, rows, dp = method.forward_pass_stats, method.forward_pass_rows, train_cfg.dp
+  if dp is not None and method.release_after_training:
+    local = functools.partial(local, release=privacy.Release(dp.release_clip,
+                                                             dp.release_noise_multiplier))
   if dp is not None and method.release_values is not None:
     # DP-SGD: the pass sums each example's clipped row of the release table, which
     # local_round noises (privacy/releases.py).

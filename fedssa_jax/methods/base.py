@@ -277,7 +277,8 @@ class Method:
   loss_draws: bool = False
   # Does the server's initial state need the clients' class counts (FedGen's label prior)? Then
   # the engine calls `init_server` with a keyword `class_counts` [N, C] float32: each client's
-  # training samples of each class. False (the default): it is called without them.
+  # training samples of each class (noised under DP-SGD: a private release). False (the
+  # default): it is called without them.
   server_reads_class_counts: bool = False
   # What evaluation reads besides the client's model (the module docstring), declared by the
   # method (the class, or an instance from its config) and never found out by the engine:
@@ -298,17 +299,16 @@ class Method:
   # jointly (less `upload_reference`) and noises; the payload's other fields (class counts,
   # weights, which rows are sent) go as they are. () (the default): nothing to protect.
   private_upload: tuple[str, ...] = ()
-  # Under DP-SGD (privacy.dp_sgd; docs/algorithm.md §11, "Private releases"): the per-example
-  # vectors the method sends class means of, a method
-  #   release_values(self, logits, rep) -> [B, D]
-  # (FD's logits, the prototype methods' representations). The engine then sums them per class
-  # over one forward pass (`forward_pass`, which the method sets under DP-SGD), each example's
-  # clipped, and noises the table with its counts: `upload` finds it as `acc.forward_pass`, a
-  # ClassSums of noisy sums and counts, and the accountant composes one release per round a
-  # client trains. None (the default): the method sends nothing of the data beyond what its
-  # trained models give, and nothing is traced. (A server reading the class counts,
-  # `server_reads_class_counts`, gets them noised under DP-SGD: one release per client.)
+  # Under DP-SGD (privacy.dp_sgd; docs/algorithm.md §11, "Private releases"), what the method
+  # sends of the data beyond the steps, released privately by the engine (one release each
+  # round a client takes part), else nothing traced: `release_values(self, logits, rep)` ->
+  # [B, D], the per-example vectors it sends class means of (FD's logits, the prototypes' r),
+  # summed per class over one forward pass (`forward_pass`, set by the method), each example's
+  # row clipped, the table with its counts noised (to `upload` as `acc.forward_pass`, a noisy
+  # ClassSums); `release_after_training`: the step after training's output, its
+  # `private_upload` fields clipped jointly and noised (FedL2G's meta gradient).
   release_values: Callable | None = None
+  release_after_training: bool = False
   # Where central client-level DP noises the round's sum of the clipped uploads
   # (`central_noise`): 'inbox', the server's `aggregation.Inbox`, noised in place; 'noise', a
   # server field of the sum's shape that `server_aggregate` adds to its own sum; None (the

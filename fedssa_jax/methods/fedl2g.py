@@ -28,6 +28,11 @@ would change the loss of samples never trained on.
   scale min(1, 100 / (||G|| + 1e-6))); V <- V - eta_s G, eta_s = `server_lr`: None takes the
   variant's tuned value (TsingZ0/FedL2G's scripts), 100 for 'feat' and 0.1 for 'logit'.
 - Inference: the local model (the default).
+- Under DP-SGD (privacy.dp_sgd): g_V is released whole (Method.release_after_training;
+  docs/algorithm.md §11): clipped to the global norm C_r = privacy.release_clip and noised by
+  the engine, one release a round; its rows are those of every class in S_k, not only the
+  study batch's (which classes the batch holds comes from the data), absent ones zero before
+  the noise.
 Floats per participating client and round: down D * s_k (V[c] for c in S_k); up D * (classes
 in the study batch) <= D * s_k. Client FLOPs: the meta step, charged as 5/3 CE training steps
 per study sample (the inner gradient, and the JVP, a forward with its tangent) and 1 per quiz
@@ -177,14 +182,10 @@ class FedL2G(base.Method):
     self.clip = float(c.server_clip)
     self.held_out_samples = int(c.quiz_size)
     self.inner_lr = float(config.optimizer.lr)  # eta: the local lr, plain SGD
-
-  @classmethod
-  def dp_sgd_refusal(cls, config):
-    del config
-    return ('its meta gradient comes from a step on a study batch and the quiz set, '
-            "through the trained model: one quiz example moves every uploaded row and one "
-            "study example the step that all rows are taken at, so no clip of one example's "
-            'share bounds it')
+    # Under DP-SGD, g_V is a private release of its own, whole (Method.release_after_training),
+    # with the rows of every class the client holds.
+    self.private = base.dp_sgd_on(config)
+    self.release_after_training = self.private
 
   def init_server(self, key, seen):
     c, d = self.num_classes, self.dim
@@ -210,6 +211,8 @@ class FedL2G(base.Method):
                          lr=self.inner_lr, weight=self.weight, variant=self.variant)
     _, y, valid = study
     present = (jax.nn.one_hot(y, self.num_classes) * valid[:, None]).sum(axis=0) > 0
+    if self.private:  # which classes the study batch holds is the data's: send all of S_k
+      present = client.seen
     return MetaGradient(grad=jnp.where(present[:, None], grad, 0.0), present=present)
 
   def upload(self, trainable, acc, ctx, state, client):

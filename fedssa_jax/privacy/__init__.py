@@ -25,8 +25,10 @@ a run's numbers are what they always were. With `privacy.dp_sgd` on:
    coordinate (z_r `release_noise_multiplier`, 0: sigma) gives noisy sums and counts, one
    Gaussian mechanism a round the client trains (`table_stats`, `release_class_sums`). The
    class counts a server reads at the start (FedGen's prior) get N(0, z_r^2) each, once
-   (`noisy_class_counts`). A method no release bounds (FedL2G) is refused
-   (Method.dp_sgd_refusal).
+   (`noisy_class_counts`). A step after training's output (FedL2G's meta gradient;
+   Method.release_after_training) is clipped whole to C_r and noised with std z_r C_r
+   (`release_whole`): sensitivity 2 C_r, noise multiplier z_r / 2. What no release bounds
+   (FedORGP's outlier filter) is refused (Method.dp_sgd_refusal).
 4. **The accountant** (`Accountant`, Google's `dp_accounting`): a client's S steps of a round
    are S Poisson-sampled Gaussian mechanisms of rate q_k and noise sigma, each release a
    Gaussian mechanism of noise z_r; its epsilon at `delta` composes every step it ran and every
@@ -74,5 +76,5 @@ from fedssa_jax.privacy.mechanisms import (TRUNCATION_TAIL, UploadDP, add_noise,
                                            clip_scale, max_batch, poisson_batch, privatize_upload,
                                            sampling_rate, server_upload_key, upload_keys)
 from fedssa_jax.privacy.releases import (Release, class_table, noisy_class_counts,
-                                         release_class_sums, release_keys, releases_of,
-                                         table_stats)
+                                         release_class_sums, release_keys, release_whole,
+                                         releases_of, table_stats)

@@ -58,8 +58,10 @@ def _quiet():
 
 
 def release_event(noise_multiplier: float, releases: int):
-  """`releases` private releases (releases.py), each a Gaussian mechanism of sensitivity C_r (1
-  for class counts) and noise std z_r C_r (z_r: `noise_multiplier`), as a dp_accounting event."""
+  """`releases` private releases (releases.py), each a Gaussian mechanism of noise std
+  `noise_multiplier` times its sensitivity (z_r for a table of sensitivity C_r and noise std z_r
+  C_r; z_r / 2 for a whole output clipped to C_r, whose sensitivity is 2 C_r), as a
+  dp_accounting event."""
   import dp_accounting
   return dp_accounting.SelfComposedDpEvent(
       dp_accounting.GaussianDpEvent(float(noise_multiplier)), int(releases))
@@ -114,13 +116,15 @@ def _smallest_noise(new_acct: Callable, event_of: Callable, target: float, delta
 
 
 def calibrate(kind: str, schedules, target_epsilon: float, delta: float,
-              release_noise_multiplier: float = 0.0) -> float:
+              release_noise_multiplier: float = 0.0, release_sensitivity: float = 1.0) -> float:
   """The smallest noise multiplier sigma with which every (q, steps) or (q, steps, releases) of
   `schedules` ends within `target_epsilon` at `delta` (dp_accounting's calibration), the
-  releases' noise multiplier being `release_noise_multiplier` (0: sigma itself); ConfigError
-  where none up to MAX_NOISE_MULTIPLIER does."""
+  releases' noise multiplier being `release_noise_multiplier` (0: sigma itself) over their
+  sensitivity in units of their clip (`release_sensitivity`); ConfigError where none up to
+  MAX_NOISE_MULTIPLIER does."""
   def event_of(q, steps, releases, sig):
-    return client_event(q, sig, steps, release_noise_multiplier or sig, releases)
+    return client_event(q, sig, steps, (release_noise_multiplier or sig) / release_sensitivity,
+                        releases)
   triples = sorted({(*s, 0) if len(s) == 2 else tuple(s) for s in schedules})
   return max(_smallest_noise(
       functools.partial(new_accountant, kind), functools.partial(event_of, q, steps, releases),
@@ -136,16 +140,18 @@ class Accountant:
   so one noise multiplier): each client's sampling rate and steps in a round, the noise
   multipliers (sigma, given or calibrated; the releases' z_r, given or sigma), and epsilon from
   the steps each client ran and the private releases it made: `releases` = (per round a client
-  trains, at the start), the method's (releases.releases_of)."""
+  trains, at the start[, their sensitivity in units of the clip C_r: 1, or 2 for a whole output
+  clipped]), the method's (releases.releases_of)."""
 
   def __init__(self, p: ml_collections.ConfigDict, train_n: np.ndarray, batch_size: int,
-               local_epochs: int, num_rounds: int, releases: tuple[int, int] = (0, 0)):
+               local_epochs: int, num_rounds: int, releases: tuple = (0, 0)):
     """`train_n` [R, N]: each seed's clients' trainable samples (the n_k of their rates)."""
     self.kind, self.delta, self.target = p.accountant, float(p.delta), float(p.target_epsilon)
     n = np.atleast_2d(np.asarray(train_n))
     self.q = sampling_rate(batch_size, n).astype(np.float64)
     self.round_steps = local_epochs * ((n + batch_size - 1) // batch_size)
-    self.releases_per_round, self.releases_at_start = map(int, releases)
+    self.releases_per_round, self.releases_at_start = map(int, releases[:2])
+    self.release_sensitivity = float(releases[2]) if len(releases) > 2 else 1.0
     given_release = float(p.get('release_noise_multiplier', 0.0))
     if p.noise_multiplier > 0:
       self.noise_multiplier = float(p.noise_multiplier)
@@ -162,8 +168,14 @@ class Accountant:
       self.noise_multiplier = calibrate(
           self.kind, [(float(q), int(s) * num_rounds, int(self.releases_after(num_rounds)))
                       for q, s in zip(self.q.ravel(), self.round_steps.ravel()) if s],
-          self.target, self.delta, given_release)
+          self.target, self.delta, given_release, self.release_sensitivity)
       self.release_noise_multiplier = given_release or self.noise_multiplier
+
+  @property
+  def release_event_multiplier(self) -> float:
+    """The releases' noise multiplier as dp_accounting's Gaussian events take it: z_r over
+    their sensitivity in units of C_r."""
+    return self.release_noise_multiplier / self.release_sensitivity
 
   def releases_after(self, rounds):
     """The private releases of a client that trained in `rounds` rounds (an int or an array)."""
@@ -172,7 +184,7 @@ class Accountant:
   def client_epsilon(self, i: int, k: int, steps: int, releases: int = 0) -> float:
     """Seed i's client k's epsilon after `steps` DP-SGD steps and `releases` releases."""
     return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta,
-                   self.release_noise_multiplier, int(releases))
+                   self.release_event_multiplier, int(releases))
 
   def epsilons(self, i: int, steps, releases=None) -> np.ndarray:
     """Seed i's clients' epsilons after `steps` [N] DP-SGD steps and `releases` [N] private
@@ -183,7 +195,7 @@ class Accountant:
                                       np.asarray(releases, np.float64)], axis=1),
                             axis=0, return_inverse=True)
     eps = [epsilon(self.kind, float(q), self.noise_multiplier, int(s), self.delta,
-                   self.release_noise_multiplier, int(r)) for q, s, r in rows]
+                   self.release_event_multiplier, int(r)) for q, s, r in rows]
     return np.asarray(eps)[which.reshape(-1)]
 
   def next_round_exceeds(self, i: int, steps, next_cohort, releases=None) -> float | None:

@@ -34,7 +34,8 @@ def default_config() -> ml_collections.ConfigDict:
   p.pass_size = 0             # examples whose gradients 'vmap' builds at once (speed and
                               # memory, not the numbers): 0, automatic (pass_size_for)
   p.release_clip = 10.0      # C_r: under dp_sgd, the L2 norm each example's row of a method's
-                              # private release (its class sums and count) is clipped to
+                              # private release (its class sums and count) is clipped to, or
+                              # a whole release (FedL2G's meta gradient)
   p.release_noise_multiplier = 0.0  # z_r: the releases' noise std z_r C_r (sensitivity 1 for
                                     # the class counts a server reads); 0: noise_multiplier's
                                     # sigma (given or calibrated with the releases)

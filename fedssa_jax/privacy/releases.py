@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax.methods import aggregation, base
-from fedssa_jax.privacy.mechanisms import clip_scale
+from fedssa_jax.privacy.mechanisms import clip_scale, privatize_upload
 from fedssa_jax.streams import RELEASE_AT_START, Stream
 
 SQRT2 = math.sqrt(2.0)
@@ -91,8 +91,22 @@ def noisy_class_counts(counts: np.ndarray, root_keys, noise_multiplier: float) -
   return np.maximum(counts + noise_multiplier * noise, 0.0).astype(np.float32)
 
 
-def releases_of(method) -> tuple[int, int]:
+def release_whole(output, key, *, fields: tuple[str, ...], release: Release):
+  """The release of a step after training's output (Method.release_after_training: FedL2G's
+  meta gradient): its `fields` clipped jointly to the global norm C_r, plus N(0, (z C_r)^2) on
+  every coordinate (each leaf's from fold_in(key, leaf index)); its other fields as they are.
+  Any change of the client's data moves the clipped fields by at most 2 C_r: a Gaussian
+  mechanism of noise multiplier z / 2."""
+  out, _ = privatize_upload(output, None, key, fields=fields, clip_norm=release.clip,
+                            std=release.noise_multiplier * release.clip)
+  return out
+
+
+def releases_of(method) -> tuple[int, int, float]:
   """The private releases `method` makes under DP-SGD, as the accountant counts them: (per
-  round a client trains: 1 for a method with `release_values`, its class sums; at the start: 1
-  for a server that reads the class counts)."""
-  return (int(method.release_values is not None), int(method.server_reads_class_counts))
+  round a client trains or takes part: 1 for a method with `release_values`, its class sums, or
+  with `release_after_training`; at the start: 1 for a server that reads the class counts;
+  their sensitivity in units of C_r: 2 for a whole output clipped, else 1)."""
+  whole = bool(method.release_after_training)
+  return (int(method.release_values is not None or whole),
+          int(method.server_reads_class_counts), 2.0 if whole else 1.0)
