@@ -240,6 +240,9 @@ def test_calibration_covers_the_steps_and_the_releases():
   eps = a.epsilons(0, full, [5, 0])
   assert eps.max() <= 3.0 and eps.max() == pytest.approx(3.0, abs=0.01)
   assert a.epsilons(0, full).max() < 2.9  # the steps alone: the releases took their share
+  with pytest.raises(ConfigError, match='the private releases alone spend epsilon'):
+    accountant((1, 0), (100, 0), noise_multiplier=0.0, target_epsilon=3.0,
+               release_noise_multiplier=0.1)
   # A round that could take a client past the target counts its release too.
   c = accountant((1, 0), (100, 0), noise_multiplier=a.noise_multiplier, target_epsilon=3.0)
   four = a.round_steps[0] * 4

@@ -101,12 +101,13 @@ def _smallest_noise(new_acct: Callable, event_of: Callable, target: float, delta
   stays within `target` at `delta`; a ConfigError that names the config `field`, the `events`
   and the `fix` where none up to MAX_NOISE_MULTIPLIER does."""
   import dp_accounting
+  from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
   try:
     with _quiet():
       z = dp_accounting.calibrate_dp_mechanism(
           new_acct, event_of, target, delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0),
           tol=1e-4)
-  except (ValueError, RuntimeError) as e:
+  except (ValueError, RuntimeError, NoBracketIntervalFoundError) as e:
     raise ConfigError(f'{field}={target} cannot be met: no noise multiplier was found for '
                       f'{events} ({e}). {fix[0].upper()}{fix[1:]}') from None
   require(z <= MAX_NOISE_MULTIPLIER,
@@ -131,7 +132,9 @@ def calibrate(kind: str, schedules, target_epsilon: float, delta: float,
       target_epsilon, delta, field='privacy.target_epsilon',
       events=f'{steps} steps at sampling rate {q:.4g}'
              + (f' and {releases} private releases' if releases else ''),
-      fix='raise the target, or lower num_rounds or local_epochs.')
+      fix='raise the target' + (' or privacy.release_noise_multiplier (0: calibrated too)'
+                                if releases and release_noise_multiplier else '')
+          + ', or lower num_rounds or local_epochs.')
       for q, steps, releases in triples)
 
 
@@ -165,6 +168,12 @@ class Accountant:
                 f'{self.noise_multiplier:g}. Raise the noise multiplier or the target, or set '
                 'privacy.noise_multiplier=0 to calibrate it.')
     else:  # every client training every round ends within the target
+      alone = epsilon(self.kind, 1.0, 1.0, 0, self.delta, given_release / self.release_sensitivity,
+                      int(self.releases_after(num_rounds))) if given_release else 0.0
+      require(alone <= self.target,
+              f'privacy.target_epsilon={self.target:g} cannot be met: the private releases '
+              f'alone spend epsilon {alone:.4g} at release_noise_multiplier={given_release:g}. '
+              'Raise it or the target, or set it to 0 to take the calibrated sigma.')
       self.noise_multiplier = calibrate(
           self.kind, [(float(q), int(s) * num_rounds, int(self.releases_after(num_rounds)))
                       for q, s in zip(self.q.ravel(), self.round_steps.ravel()) if s],
