@@ -311,7 +311,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   system.check_config(c.system, c.num_clients)
   cls = methods.METHODS[c.method]
   privacy.check_config(c.privacy, c.method, cls.per_sample_loss,
-                       functools.partial(cls.upload_refusal, c))
+                       functools.partial(cls.upload_refusal, c),
+                       functools.partial(cls.dp_sgd_refusal, c))
 
 
 def dataset_facts(c: ml_collections.ConfigDict) -> data.DatasetFacts:

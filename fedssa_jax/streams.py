@@ -37,6 +37,8 @@ class Stream(enum.IntEnum):
   NEWCOMERS = 12      # engine/generalization.py: which clients never train (new_clients), per
                       # run; their local training at an evaluation, by round and client id
   GLOBAL_TEST = 13    # engine/generalization.py: the global test sample (eval_global_images)
+  RELEASE = 14        # privacy/releases.py: the noise of DP-SGD's private releases, by round
+                      # and client id (the class counts the server reads, at RELEASE_AT_START)
 
 
 class StepStream(enum.IntEnum):
@@ -64,5 +66,9 @@ class ProfileDraw(enum.IntEnum):
 
 # The server's place beside the client ids in Stream.UPLOAD (its central noise of a round).
 SERVER_UPLOAD_ID = 1 << 30
+
+# The round index, in Stream.RELEASE, of the releases made once before round 0 (the clients'
+# class counts a server reads at the start: Method.server_reads_class_counts).
+RELEASE_AT_START = 1 << 30
 
 REGISTRIES = (Stream, StepStream, SystemDraw, ProfileDraw)

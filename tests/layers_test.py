@@ -131,19 +131,19 @@ def test_every_sub_package_says_what_it_holds(sub):
 
 
 def test_the_privacy_package_is_one_layer_split_by_job():
-  """privacy/ is a package whose modules (its config, mechanisms, DP-SGD's step and the
-  accountants) sit in the privacy layer, beside system, under the engine that calls them; the
+  """privacy/ is a package whose modules (its config, mechanisms, DP-SGD's step, the releases
+  and the accountants) sit in the privacy layer, beside system, under the engine that calls them; the
   mechanisms and DP-SGD's step import no accountant (host-side state stays apart from what runs
   in a compiled call)."""
   mods = modules(REPO, 'fedssa_jax')
-  jobs = {'config', 'mechanisms', 'dp_sgd', 'accountants'}
+  jobs = {'config', 'mechanisms', 'dp_sgd', 'releases', 'accountants'}
   assert {f'fedssa_jax.privacy.{j}' for j in jobs} <= set(mods)
   privacy_layer = layer_of('fedssa_jax.privacy', 'fedssa_jax')
   assert privacy_layer == layer_of('fedssa_jax.system', 'fedssa_jax')
   assert privacy_layer < layer_of('fedssa_jax.engine.simulator', 'fedssa_jax')
   for job in jobs:
     assert layer_of(f'fedssa_jax.privacy.{job}', 'fedssa_jax') == privacy_layer
-  for job in ('mechanisms', 'dp_sgd'):
+  for job in ('mechanisms', 'dp_sgd', 'releases'):
     name = f'fedssa_jax.privacy.{job}'
     assert 'fedssa_jax.privacy.accountants' not in imports(mods[name], name, set(mods),
                                                            'fedssa_jax'), name

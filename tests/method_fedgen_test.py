@@ -305,7 +305,7 @@ def test_options():
       make_method(**{field: value})
   # Client-level DP on the uploads: the header, around H_g; central mode with a uniform mean.
   cfg = config_lib.base_config('cifar10')
-  assert fedgen.FedGen.private_upload == ('value',) and fedgen.FedGen.dp_sgd_uncovered
+  assert fedgen.FedGen.private_upload == ('value',) and fedgen.FedGen.server_reads_class_counts
   assert fedgen.FedGen.upload_refusal(cfg, 'local') is None
   assert 'fedgen.weighting' in fedgen.FedGen.upload_refusal(cfg, 'central')
   cfg.fedgen.weighting = 'uniform'

@@ -22,10 +22,17 @@ def config():
                                                'availability_spread': 0.0}})
 
 
+def dp_stand_in(**fields):
+  """DP-SGD's accountant, with no private releases (a method that makes none), and `fields`."""
+  return types.SimpleNamespace(releases_at_start=0, releases_per_round=0,
+                               round_steps=np.full((2, N), 2), releases_after=lambda r: 0 * r,
+                               **fields)
+
+
 def watching(dp=None, upload=None, cohort=None):
   """The three observers; `dp` and `upload` stand in for the accountants."""
   return [observers.SystemSection(None, config(), (0,)),
-          observers.DPSGDAccounting(dp, N, cohort, 16, config()),
+          observers.DPSGDAccounting(dp or dp_stand_in(), N, cohort, 16, config()),
           observers.UploadAccounting(upload, N, 1.0, 1e-5)]
 
 
@@ -52,7 +59,8 @@ def test_only_the_runs_observers_keep_a_state_and_a_new_one_starts_fresh():
   assert outputs.Progress.from_checkpoint(OLD, []).observers == {}  # the sections off
   system_only = outputs.Progress.from_checkpoint({'sim_seconds': 0.0}, watching())
   assert system_only.observers == {o.name: o.initial() for o in watching()}
-  assert system_only.observers['dp_sgd'] == {'steps': [0] * N, 'budget_reached': False}
+  assert system_only.observers['dp_sgd'] == {'steps': [0] * N, 'releases': [0] * N,
+                                             'budget_reached': False}
 
 
 def round_info(cohort, steps=None, system=None, upload_norms=None):
@@ -62,8 +70,8 @@ def round_info(cohort, steps=None, system=None, upload_norms=None):
 
 def test_each_observer_counts_its_own_rounds():
   eps = lambda counts: np.asarray(counts, np.float64) / 10
-  dp = types.SimpleNamespace(epsilons=lambda i, steps: eps(steps), noise_multiplier=1.1,
-                             q=np.full((1, N), 0.5), target=0.0)
+  dp = dp_stand_in(epsilons=lambda i, steps, releases: eps(steps), noise_multiplier=1.1,
+                   release_noise_multiplier=1.1, q=np.full((1, N), 0.5), target=0.0)
   local = types.SimpleNamespace(central=False, epsilons=eps, noise_multiplier=2.0)
   system, dp_sgd, upload = watching(dp, local)
   states = {o.name: o.initial() for o in (system, dp_sgd, upload)}
@@ -89,8 +97,8 @@ def test_each_observer_counts_its_own_rounds():
 
 
 def test_dp_sgds_budget_stops_the_run_and_each_seed_notes_it(caplog):
-  exceeds = lambda i, steps, cohort: 9.0 if sum(steps) + len(cohort) > 4 else None
-  dp = types.SimpleNamespace(target=8.0, next_round_exceeds=exceeds)
+  exceeds = lambda i, steps, cohort, releases: 9.0 if sum(steps) + len(cohort) > 4 else None
+  dp = dp_stand_in(target=8.0, next_round_exceeds=exceeds)
   dp_sgd = observers.DPSGDAccounting(dp, N, lambda t, i: np.arange(2), 16, config())
   states = {0: {'steps': [1, 1, 0, 0], 'budget_reached': False},
             1: {'steps': [0, 1, 0, 0], 'budget_reached': False}}

@@ -83,13 +83,18 @@ def test_a_model_with_batch_statistics_is_refused():
     privacy.check_models(section(), {'resnet18'})
 
 
-def test_the_methods_that_upload_what_dp_sgd_does_not_cover_declare_it():
+def test_what_each_method_sends_of_the_data_is_a_private_release_or_refused():
+  """Under DP-SGD, every method's upload is covered: by the steps (its trained models), or by
+  its private releases (privacy_releases_test.py), or the method is refused."""
   from fedssa_jax import methods
-  declared = {name: cls.dp_sgd_uncovered for name, cls in methods.METHODS.items()
-              if cls.dp_sgd_uncovered is not None}
-  assert sorted(declared) == ['fd', 'fedgen', 'fedgh', 'fedl2g', 'fedorgp', 'fedproto',
-                              'fedsa', 'fedtgp']
-  assert declared['fedgh'] == 'its prototypes, from a forward pass over the training data'
+  c = config_lib.base_config('cifar10')
+  releases = {name for name, cls in methods.METHODS.items() if cls.release_values is not None}
+  assert sorted(releases) == ['fd', 'fedgh', 'fedorgp', 'fedproto', 'fedsa', 'fedtgp']
+  assert not [name for name, cls in methods.METHODS.items() if cls.dp_sgd_refusal(c)]
+  c.privacy.dp_sgd = True
+  whole = [n for n, cls in methods.METHODS.items() if cls(c, 5, 10).release_after_training]
+  assert whole == ['fedl2g']  # its meta gradient, released whole
+  assert [n for n, cls in methods.METHODS.items() if cls.server_reads_class_counts] == ['fedgen']
 
 
 # --- The batch and the gradient -------------------------------------------------------------
@@ -423,13 +428,14 @@ def test_a_simulator_of_models_with_batch_norm_is_refused(small_ds):
 
 
 @pytest.mark.slow  # simulators compiled and run
-@pytest.mark.parametrize('method', ['fml', 'fd'])  # a jointly trained meme; logits summed
-def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(small_ds, method):
+@pytest.mark.parametrize('method', ['fml', 'fd'])  # a jointly trained meme; a private release
+def test_a_method_with_a_second_model_or_a_release_trains_under_dp_sgd(small_ds, method):
   """Every method that DP-SGD applies to ran two such rounds by hand (docs: the closing note);
   these two keep the paths that differ from plain CE: an aux model's gradient clipped with the
-  client's own, and an accumulator summed over single examples. FML's two models: ghost norms
-  (the default) and each example's gradient built (privacy.per_example='vmap') train the same
-  round."""
+  client's own, and a private release of class sums (FD's logits), which the server receives as
+  the trained model's forward pass over the training split, clipped and noised, by hand. FML's
+  two models: ghost norms (the default) and each example's gradient built
+  (privacy.per_example='vmap') train the same round."""
   from conftest import make_small_sim, params_of, rounds
   modes = ('auto', 'vmap') if method == 'fml' else ('auto',)
   sims = {mode: make_small_sim(small_ds, method, **{'privacy.dp_sgd': True,
@@ -447,6 +453,8 @@ def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(smal
            if not np.allclose(jax.tree.leaves(params_of(sim, state.population.params, k))[0],
                               jax.tree.leaves(before[k])[0])]
   assert moved == list(info.cohort)
+  if method == 'fd':
+    fd_upload_by_hand(sim, state, info)
   if 'vmap' not in sims:
     return
   (built, built_info), = rounds(sims['vmap'], 1, sims['vmap'].init_state())
@@ -455,6 +463,38 @@ def test_a_method_with_a_second_model_or_an_accumulator_trains_under_dp_sgd(smal
     for a, b in zip(jax.tree.leaves(params_of(sim, state.population.params, k)),
                     jax.tree.leaves(params_of(sim, built.population.params, k))):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def fd_upload_by_hand(sim, state, info):
+  """Each participant's FD upload: its trained model's logits over its training split, each
+  clipped to C_r / sqrt2, summed per class with C_r / sqrt2 a count; N(0, (z C_r)^2) from its
+  release key (the count's leaf 0, the sums' 1); the counts times sqrt2 / C_r; the means of its
+  held classes."""
+  from conftest import params_of
+  dp, d = sim.train_cfg.dp, sim.seed_data[0]
+  assert dp.release_noise_multiplier == sim.privacy.noise_multiplier == 1.0
+  half, std = dp.release_clip / math.sqrt(2), dp.release_noise_multiplier * dp.release_clip
+  server = jax.tree.map(lambda a: np.asarray(a[0]), state.server)
+  g = sim.groups[0]
+  for k in info.cohort:
+    idx = np.asarray(d.train_idx[k][:int(d.train_n[k])])
+    x = augment.normalize(d.images[idx], sim.train_cfg.mean, sim.train_cfg.std)
+    logits = np.asarray(g.eval_model.apply({'params': params_of(sim, state.population.params,
+                                                                 k)}, x)[0], np.float64)
+    y = np.asarray(d.labels)[idx]
+    sums, counts = np.zeros((10, 10)), np.zeros(10)
+    for v, c in zip(logits, y):
+      sums[c] += v * min(1.0, half / np.linalg.norm(v))
+      counts[c] += half
+    key = privacy.release_keys(sim.root_keys[0], 0, jnp.array([k]))[0]
+    noise = lambda i, shape: std * np.asarray(jax.random.normal(jax.random.fold_in(key, i),
+                                                                shape))
+    counts = (counts + noise(0, (10,))) * math.sqrt(2) / dp.release_clip
+    sums = sums + noise(1, (10, 10))
+    held = sim.seen[0, k] & (counts > 0)
+    want = np.where(held[:, None], sums / np.maximum(counts, 1.0)[:, None], 0.0)
+    np.testing.assert_allclose(server.uploads[k], want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(server.uploads_has[k], held)
 
 
 def test_a_method_whose_loss_reads_parameters_directly_builds_each_gradient(small_ds):

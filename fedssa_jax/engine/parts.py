@@ -36,7 +36,8 @@ def train_config(config, ds: data.Dataset, accountant=None,
     per_example = p.per_example if methods.METHODS[config.method].ghost_norms else 'vmap'
     dp = privacy.dp_sgd_settings(float(p.clip_norm), accountant.noise_multiplier,
                                  config.batch_size, max_train, pass_size, per_example,
-                                 micro_batch(config), p.max_batch)
+                                 micro_batch(config), p.max_batch, float(p.release_clip),
+                                 accountant.release_noise_multiplier)
   return training.TrainConfig(
       batch_size=config.batch_size, local_epochs=config.local_epochs, optimizer=o.name,
       lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, clip_norm=o.clip_norm,

@@ -68,7 +68,7 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
                 train_one: Callable, pass_one: Callable | None = None,
                 pass_flops_per_sample: float = 0.0, after_one: Callable | None = None,
                 step_flops_per_sample: float = 0.0, uplink: Uplink = Uplink(),
-                download: Callable | None = None):
+                download: Callable | None = None, release: privacy.Release | None = None):
   """Download, local training and upload of a chunk's clients (a device's share of them under a
   mesh), vmapped over the clients; every output has a leading client axis. `train_one` is
   training.local_train for the family's model; `pass_one`, training.forward_pass_sums for its
@@ -82,7 +82,11 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
   client's share of its steps (a straggler's), and its client step takes each upload (client-level
   DP's clip and local noise); by default (the ideal federation, no DP) neither traces anything.
   `download`: the hook that gives each client what it holds before training, `method.download`
-  by default (a new client's evaluation passes `method.newcomer`: generalization.py)."""
+  by default (a new client's evaluation passes `method.newcomer`: generalization.py).
+  `release` (DP-SGD with a method's `release_values` or `release_after_training`): the forward
+  pass's sums are a private release table (privacy.release_class_sums), or the step after
+  training's output is released whole (privacy.release_whole), noised here with each client's
+  key of the round; None (the default) traces nothing of it."""
   ids, data_, t = inputs.ids, inputs.data, inputs.round_index
   n = jnp.where(inputs.active, data_.train_n[ids], 0)
   # Each client's view; the round is the same for all (unbatched).
@@ -113,12 +117,19 @@ def local_round(params, state, server, inputs: ChunkInputs, *, method: methods.M
       {'model': down.params, **down.aux}, down.ctx, keys, split_rows, train_n, data_, *work)
   if when == 'after':
     passed = forward(trainable['model'])
+  if release is not None and method.release_values is not None:
+    passed = jax.vmap(functools.partial(privacy.release_class_sums, release=release))(
+        passed, privacy.release_keys(inputs.root_key, t, ids))
   if after_one is not None:  # keyed by round and client, as the training shuffles
     study_round = jax.random.fold_in(jax.random.fold_in(inputs.root_key, Stream.STUDY), t)
     study_keys = jax.vmap(lambda c: jax.random.fold_in(study_round, c))(ids)
     after, study_count, quiz_count = jax.vmap(
         after_one, in_axes=(0, 0, 0, 0, 0, None, VIEW_AXES))(
             trainable, down.ctx, study_keys, data_.train_idx[ids], n, data_, view)
+  if release is not None and method.release_after_training:
+    after = jax.vmap(functools.partial(privacy.release_whole, fields=method.private_upload,
+                                       release=release))(
+        after, privacy.release_keys(inputs.root_key, t, ids))
   acc = methods.Accumulated(loss=loss_sums, forward_pass=passed, after_training=after)
   up = jax.vmap(method.upload, in_axes=(0, 0, 0, 0, VIEW_AXES))(
       trainable, acc, down.ctx, state, view)
@@ -167,13 +178,26 @@ def local_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
   if method.forward_pass not in (None, *methods.FORWARD_PASS_TIMES):
     raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
                      f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
+  stats_fn, rows, dp = method.forward_pass_stats, method.forward_pass_rows, train_cfg.dp
+  if dp is not None and method.release_after_training:
+    local = functools.partial(local, release=privacy.Release(dp.release_clip,
+                                                             dp.release_noise_multiplier))
+  if dp is not None and method.release_values is not None:
+    # DP-SGD: the pass sums each example's clipped row of the release table, which
+    # local_round noises (privacy/releases.py).
+    if method.forward_pass is None:
+      raise ValueError(f'{type(method).__name__} releases class sums under DP-SGD '
+                       '(release_values) and must set forward_pass for them.')
+    stats_fn, rows = privacy.table_stats(method.release_values, num_classes=method.num_classes,
+                                         clip=dp.release_clip), False
+    local = functools.partial(local, release=privacy.Release(dp.release_clip,
+                                                             dp.release_noise_multiplier))
   if method.forward_pass is not None:
     # training.forward_pass_sums for the group's evaluated model, in evaluation-size batches
     # (at most the longest training split, rounded up to 8, as evaluation cuts test batches).
     pass_one = functools.partial(
         training.forward_pass_sums, apply_fn=g.eval_model.apply, cfg=train_cfg,
-        batch_size=min(eval_batch_size, -(-max_train // 8) * 8),
-        stats_fn=method.forward_pass_stats, rows=method.forward_pass_rows)
+        batch_size=min(eval_batch_size, -(-max_train // 8) * 8), stats_fn=stats_fn, rows=rows)
     local = functools.partial(local, pass_one=pass_one,
                               pass_flops_per_sample=flops.forward(g.family))
   if method.after_training is not None:
@@ -227,7 +251,8 @@ class Simulator:
     # DP-SGD's accountant (None: the privacy section off), and the training settings.
     self.privacy = (privacy.Accountant(
         config.privacy, np.maximum(self.train_n - self.method.held_out_samples, 0),
-        config.batch_size, config.local_epochs, config.num_rounds)
+        config.batch_size, config.local_epochs, config.num_rounds,
+        releases=privacy.releases_of(self.method))
                     if privacy.enabled(config.privacy) else None)
     self.train_cfg = train_config(config, ds, self.privacy,
                                   max(c.train_idx.shape[1] for c in cds))
@@ -235,6 +260,9 @@ class Simulator:
     self.seen_dev = place.replicate(jnp.asarray(self.seen))
     keys = [jax.random.PRNGKey(s) for s in self.seeds]
     self.root_keys = place.replicate(jnp.stack(keys))
+    if self.privacy is not None and self.class_counts is not None:  # a private release
+      self.class_counts = privacy.noisy_class_counts(self.class_counts, jnp.stack(keys),
+                                                     self.privacy.release_noise_multiplier)
     self.evaluated_ids = [np.setdiff1d(ids, new) for ids, new in zip(
         parts.evaluated_ids(config, self.seeds, cds), self.new_clients)]
 

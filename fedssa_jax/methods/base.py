@@ -42,7 +42,10 @@ a chunk of one model family) and then once on the server:
   gradient; training.forward_pass_sums) summing `method.forward_pass_stats(logits, rep, y,
   valid)`, by default `ClassSums` of r (FedGH's and FedTGP's prototypes). Its sums reach
   `upload` as `acc.forward_pass`, and its FLOPs (a forward over n_k samples) count as the
-  client's extra FLOPs.
+  client's extra FLOPs. Under DP-SGD (privacy.dp_sgd), a method defining `release_values`
+  (what it sends class means of) gets instead, as `acc.forward_pass`, a private release of the
+  pass: `ClassSums` of those values and the class counts, each example's row clipped and the
+  table noised (privacy/releases.py; docs/algorithm.md §11).
 - `method.held_out_samples` Q (0 by default) holds positions 0..Q-1 of the client's training
   index row out of local training for good (FedL2G's quiz set): training sees positions
   Q..n_k-1, n_k - Q samples. `method.trains(t)` (True by default) is False in a round whose
@@ -209,6 +212,13 @@ class Norms:
   sum: jax.Array
   count: jax.Array
 
+def dp_sgd_on(config) -> bool:
+  """Whether `config` trains with DP-SGD (privacy.dp_sgd): then a method that sends class means
+  of the data (`Method.release_values`) takes them from one private release."""
+  p = config.get('privacy')
+  return p is not None and bool(p.dp_sgd)
+
+
 def central_share(config, num_clients: int) -> float | None:
   """Under central client-level DP on the uploads (privacy.upload_mode='central'), q = K / N,
   the share of the clients a round samples (engine/schedule.cohort_size's K), by which a server
@@ -267,7 +277,8 @@ class Method:
   loss_draws: bool = False
   # Does the server's initial state need the clients' class counts (FedGen's label prior)? Then
   # the engine calls `init_server` with a keyword `class_counts` [N, C] float32: each client's
-  # training samples of each class. False (the default): it is called without them.
+  # training samples of each class (noised under DP-SGD: a private release). False (the
+  # default): it is called without them.
   server_reads_class_counts: bool = False
   # What evaluation reads besides the client's model (the module docstring), declared by the
   # method (the class, or an instance from its config) and never found out by the engine:
@@ -288,11 +299,16 @@ class Method:
   # jointly (less `upload_reference`) and noises; the payload's other fields (class counts,
   # weights, which rows are sent) go as they are. () (the default): nothing to protect.
   private_upload: tuple[str, ...] = ()
-  # What DP-SGD (privacy.dp_sgd) does not cover: a clause naming what the method uploads that it
-  # computes from the training data outside the DP-SGD steps (a forward pass's sums, a step
-  # after training), which the run's warning quotes; None (the default): every upload is
-  # computed from the trained models alone, and epsilon covers it.
-  dp_sgd_uncovered: str | None = None
+  # Under DP-SGD (privacy.dp_sgd; docs/algorithm.md §11, "Private releases"), what the method
+  # sends of the data beyond the steps, released privately by the engine (one release each
+  # round a client takes part), else nothing traced: `release_values(self, logits, rep)` ->
+  # [B, D], the per-example vectors it sends class means of (FD's logits, the prototypes' r),
+  # summed per class over one forward pass (`forward_pass`, set by the method), each example's
+  # row clipped, the table with its counts noised (to `upload` as `acc.forward_pass`, a noisy
+  # ClassSums); `release_after_training`: the step after training's output, its
+  # `private_upload` fields clipped jointly and noised (FedL2G's meta gradient).
+  release_values: Callable | None = None
+  release_after_training: bool = False
   # Where central client-level DP noises the round's sum of the clipped uploads
   # (`central_noise`): 'inbox', the server's `aggregation.Inbox`, noised in place; 'noise', a
   # server field of the sum's shape that `server_aggregate` adds to its own sum; None (the
@@ -414,6 +430,14 @@ class Method:
       return 'clients send nothing to protect'
     if mode == 'central' and cls.central_noise_into is None:
       return 'server keeps each upload apart, not one sum of them that noise could cover'
+    return None
+
+  @classmethod
+  def dp_sgd_refusal(cls, config) -> str | None:
+    """Why the method cannot run under DP-SGD (privacy.dp_sgd) with `config`: a clause that
+    says what it would send of the data that no private release bounds; None (the default)
+    where every upload is covered (by the steps, or by `release_values`' releases)."""
+    del config
     return None
 
   def central_noise(self, server, key: jax.Array, std: float):

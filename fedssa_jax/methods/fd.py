@@ -15,6 +15,10 @@ Unlike FedSSA, no parameters leave the client: the exchange is per-class mean *l
   D(z, t) = -sum_c softmax(t)_c log softmax(z)_c, the targets constants. Round 0 has no global,
   so it is CE only; so is any sample whose class has no global row (g = 0).
 - Inference: the local model (the default eval_params).
+- Under DP-SGD (privacy.dp_sgd): L_k[c] is the class mean of the logits of one forward pass
+  over the training split after training (Method.forward_pass 'after'), from a private release
+  of the class sums and counts (`release_values`; docs/algorithm.md §11): the training passes
+  visit an example in many batches, which no clip of one example's row bounds.
 Floats per participating client and round: up C * s_k; down C * |{c in S_k : g_k[c]}|, i.e.
 only the rows the client uses (its seen classes that have a global value), the spec's minimum
 (HtFLlib would broadcast every available row, up to C^2). Class indices are metadata.
@@ -75,7 +79,6 @@ class FD(base.Method):
   per_sample_loss = True  # CE plus a per-sample distillation term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('logits',)  # its class-mean logits (`has`, the classes it holds, is sent)
-  dp_sgd_uncovered = "its class-mean logits, summed over the training batches' forward passes"
   central_noise_into = 'noise'
 
   @classmethod
@@ -95,6 +98,11 @@ class FD(base.Method):
     self.lam = float(config.fd.lam)
     self.exclude_own = bool(config.fd.exclude_own)  # a bool field (the config is type-safe)
     self.central_q = base.central_share(config, num_clients)  # None: no central DP
+    # Under DP-SGD: the class means from one forward pass's private release, not the training
+    # passes' sums.
+    self.private = base.dp_sgd_on(config)
+    if self.private:
+      self.forward_pass = 'after'
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes
@@ -125,16 +133,25 @@ class FD(base.Method):
                          floats=(self.num_classes * rows).astype(jnp.int32))
 
   def init_acc(self):
+    if self.private:
+      return None
     return base.ClassSums.zeros(self.num_classes, self.num_classes)
 
   def loss(self, apply_fn, trainable, ctx, views, y, valid):
     logits, _ = apply_fn({'params': trainable['model']}, views[0])
     loss, correct = distill_loss(logits, y, valid, ctx.targets, ctx.has, self.lam)
+    if self.private:
+      return loss, (correct, None)
     acc = base.class_sums(jax.lax.stop_gradient(logits), y, valid, self.num_classes)
     return loss, (correct, acc)
 
+  def release_values(self, logits, rep):
+    """Under DP-SGD, what L_k is class means of: the logits."""
+    del rep
+    return logits
+
   def upload(self, trainable, acc, ctx, state, client):
-    logits, has = base.class_means(acc.loss, client.seen)
+    logits, has = base.class_means(acc.forward_pass if self.private else acc.loss, client.seen)
     return base.Upload(trainable['model'], state, FDUpload(logits=logits, has=has),
                        floats=(self.num_classes * has.sum()).astype(jnp.int32))
 

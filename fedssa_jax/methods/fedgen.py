@@ -153,7 +153,6 @@ class FedGen(headers.SharedHeader):
   ghost_norms = False  # the generated term applies the header outside the model's apply
   loss_draws = True  # the generated labels and noises, each step's own
   server_reads_class_counts = True  # p(y)
-  dp_sgd_uncovered = 'its class counts, from which the server builds the label prior'
   # Client-level DP on the uploads is headers.SharedHeader's: private_upload ('value', the header
   # clipped around the downloaded H_g), central_noise_into ('inbox') and upload_refusal (central
   # mode needs fedgen.weighting='uniform'). The class counts go as metadata (as FedGH's do).

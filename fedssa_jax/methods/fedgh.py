@@ -60,7 +60,6 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedgh'
   per_sample_loss = True  # plain cross-entropy
   ghost_norms = True  # the loss reads the parameters only through the model's apply
-  dp_sgd_uncovered = 'its prototypes, from a forward pass over the training data'
   eval_reads_server = True  # eval_params: H_g (False with eval='post_train', set in __init__)
 
   @classmethod
@@ -99,6 +98,7 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
     self.local_epochs = int(config.local_epochs)
     self.header_floats = self.header_row * num_classes
     self.eval_reads_server = self.eval == 'global_header'
+    self.release_prototypes(config)  # under DP-SGD: one forward pass's private class sums
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes

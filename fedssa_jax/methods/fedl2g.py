@@ -28,6 +28,11 @@ would change the loss of samples never trained on.
   scale min(1, 100 / (||G|| + 1e-6))); V <- V - eta_s G, eta_s = `server_lr`: None takes the
   variant's tuned value (TsingZ0/FedL2G's scripts), 100 for 'feat' and 0.1 for 'logit'.
 - Inference: the local model (the default).
+- Under DP-SGD (privacy.dp_sgd): g_V is released whole (Method.release_after_training;
+  docs/algorithm.md §11): clipped to the global norm C_r = privacy.release_clip and noised by
+  the engine, one release a round; its rows are those of every class in S_k, not only the
+  study batch's (which classes the batch holds comes from the data), absent ones zero before
+  the noise.
 Floats per participating client and round: down D * s_k (V[c] for c in S_k); up D * (classes
 in the study batch) <= D * s_k. Client FLOPs: the meta step, charged as 5/3 CE training steps
 per study sample (the inner gradient, and the JVP, a forward with its tangent) and 1 per quiz
@@ -135,7 +140,6 @@ class FedL2G(base.Method):
   per_sample_loss = True  # CE plus a per-sample guiding term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
   private_upload = ('grad',)  # the meta-gradient rows (`present`, which are sent, goes as is)
-  dp_sgd_uncovered = 'its guiding rows, from a gradient step on a study batch and the quiz set'
   # The meta step: the inner gradient and phi's JVP on the study batch (1 + 2/3 CE training
   # steps per sample), the quiz loss's gradient at theta' (1 per quiz sample).
   after_training_steps = (5.0 / 3.0, 1.0)
@@ -178,6 +182,10 @@ class FedL2G(base.Method):
     self.clip = float(c.server_clip)
     self.held_out_samples = int(c.quiz_size)
     self.inner_lr = float(config.optimizer.lr)  # eta: the local lr, plain SGD
+    # Under DP-SGD, g_V is a private release of its own, whole (Method.release_after_training),
+    # with the rows of every class the client holds.
+    self.private = base.dp_sgd_on(config)
+    self.release_after_training = self.private
 
   def init_server(self, key, seen):
     c, d = self.num_classes, self.dim
@@ -203,6 +211,8 @@ class FedL2G(base.Method):
                          lr=self.inner_lr, weight=self.weight, variant=self.variant)
     _, y, valid = study
     present = (jax.nn.one_hot(y, self.num_classes) * valid[:, None]).sum(axis=0) > 0
+    if self.private:  # which classes the study batch holds is the data's: send all of S_k
+      present = client.seen
     return MetaGradient(grad=jnp.where(present[:, None], grad, 0.0), present=present)
 
   def upload(self, trainable, acc, ctx, state, client):

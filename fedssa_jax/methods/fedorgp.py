@@ -160,7 +160,6 @@ class FedORGP(prototypes.PrototypeUploads, base.Method):
   config_section = 'orgp'
   per_sample_loss = True  # CE plus a per-sample cosine term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
-  dp_sgd_uncovered = 'its prototypes, from a forward pass over the training data'
 
   @classmethod
   def default_config(cls):
@@ -214,6 +213,16 @@ class FedORGP(prototypes.PrototypeUploads, base.Method):
     self.local_epochs = int(config.local_epochs)
     d = self.feature_dim
     self.tgp_size = d * num_classes + 2 * (d * d + d)  # P_T
+    self.release_prototypes(config)  # under DP-SGD: one forward pass's private class sums
+
+  @classmethod
+  def dp_sgd_refusal(cls, config):
+    c = config.orgp
+    if c.filter_outliers or c.variant == 'repo_head':
+      return ("its outlier filter (orgp.filter_outliers, on in variant='repo_head') keeps or "
+              "drops each sample by the others' representations, which no clip of one "
+              "example's share bounds (set filter_outliers=False with variant='paper')")
+    return super().dp_sgd_refusal(config)
 
   def init_server(self, key, seen):
     n, c, d = self.num_clients, self.num_classes, self.feature_dim

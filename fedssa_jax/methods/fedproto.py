@@ -51,7 +51,6 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedproto'
   per_sample_loss = True  # CE plus a per-sample prototype term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
-  dp_sgd_uncovered = "its prototypes, summed over the training batches' forward passes"
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes
 
@@ -82,6 +81,7 @@ class FedProto(prototypes.PrototypeUploads, base.Method):
     self.headline_metric = 'accuracy' if self.inference == 'classifier' else 'prototype_accuracy'
     self.local_epochs = int(config.local_epochs)
     self.central_q = base.central_share(config, num_clients)  # None: no central DP
+    self.release_prototypes(config)  # under DP-SGD: one forward pass's private class sums
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes

@@ -140,8 +140,6 @@ class FedSA(prototypes.PrototypeUploads, base.Method):
   per_sample_loss = True
   # ghost_norms stays False: the calibration term applies the header to the anchors, a second
   # use of the layer, so each example's gradient is built under DP-SGD.
-  dp_sgd_uncovered = ("its prototypes, summed over the training batches' forward passes, and "
-                      "the margin it trains with, which comes from them")
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's P_bar
 
@@ -176,6 +174,9 @@ class FedSA(prototypes.PrototypeUploads, base.Method):
     self.local_epochs, self.batch_size = int(config.local_epochs), int(config.batch_size)
     self.dtype = models.COMPUTE_DTYPES[config.engine.compute_dtype]
     self.central_q = base.central_share(config, num_clients)  # None: no central DP
+    # Under DP-SGD: one forward pass's private class sums (the margin's local gap, from them,
+    # is post-processing).
+    self.release_prototypes(config)
 
   def init_server(self, key, seen):
     n, c, d = self.num_clients, self.num_classes, self.feature_dim

@@ -84,7 +84,6 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedtgp'
   per_sample_loss = True  # CE plus a per-sample prototype term
   ghost_norms = True  # the loss reads the parameters only through the model's apply
-  dp_sgd_uncovered = 'its prototypes, from a forward pass over the training data'
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes P^
 
@@ -138,6 +137,7 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
     self.local_epochs = int(config.local_epochs)
     d = self.feature_dim
     self.tgp_size = d * num_classes + 2 * (d * d + d)  # P_T
+    self.release_prototypes(config)  # under DP-SGD: one forward pass's private class sums
 
   def init_server(self, key, seen):
     n, c = self.num_clients, self.num_classes

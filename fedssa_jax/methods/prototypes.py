@@ -7,6 +7,10 @@ A client's prototypes p_k[c], c in S_k, are class means of its 500-d representat
 the training passes (`proto_source='train_pass'`: V1 class sums accumulated by the loss over all
 E epochs; FedProto's only source) or from a forward pass over the training split
 (`'post_pass'`: Method.forward_pass, one visit of each sample; FedGH's and FedTGP's default).
+Under DP-SGD (privacy.dp_sgd) they always come from one forward pass (`'post_pass'`), as a
+private release of the class sums of r and the class counts (`PrototypeUploads.release_values`,
+`release_prototypes`; docs/algorithm.md §11): the training passes visit an example in many
+batches, which no clip of one example's row bounds.
 """
 from __future__ import annotations
 
@@ -109,6 +113,19 @@ class PrototypeUploads:
   proto_source: str
   local_epochs: int
   private_upload = ('protos',)  # the prototypes (their class counts n are sent as they are)
+
+  def release_values(self, logits, rep):
+    """Under DP-SGD, what the prototypes are class means of: the representation r."""
+    del logits
+    return rep
+
+  def release_prototypes(self, config) -> None:
+    """Under DP-SGD (privacy.dp_sgd), the prototypes from one forward pass: `proto_source`
+    'post_pass', and the pass after training unless the method places it before. A method's
+    __init__ calls it last; without DP-SGD it changes nothing."""
+    if base.dp_sgd_on(config):
+      self.proto_source = 'post_pass'
+      self.forward_pass = self.forward_pass or 'after'
 
   def init_acc(self):
     if self.proto_source != 'train_pass':

@@ -1,5 +1,6 @@
 """The accountants (host side): DP-SGD's (`Accountant`: each client's epsilon from the steps it
-ran, and the noise multiplier, given or calibrated to a target) and client-level DP's on the
+ran composed with the private releases it made (releases.py), and the noise multiplier, given or
+calibrated to a target) and client-level DP's on the
 uploads (`UploadAccountant`: epsilon from the releases), both by Google's `dp_accounting`. They
 count nothing themselves: the run loop keeps the steps and releases so far, in each seed's
 checkpoint, and asks them for epsilon."""
@@ -56,14 +57,41 @@ def _quiet():
     absl_logger.removeFilter(note)
 
 
+def release_event(noise_multiplier: float, releases: int):
+  """`releases` private releases (releases.py), each a Gaussian mechanism of noise std
+  `noise_multiplier` times its sensitivity (z_r for a table of sensitivity C_r and noise std z_r
+  C_r; z_r / 2 for a whole output clipped to C_r, whose sensitivity is 2 C_r), as a
+  dp_accounting event."""
+  import dp_accounting
+  return dp_accounting.SelfComposedDpEvent(
+      dp_accounting.GaussianDpEvent(float(noise_multiplier)), int(releases))
+
+
+def client_event(q: float, noise_multiplier: float, steps: int,
+                 release_noise_multiplier: float = 0.0, releases: int = 0):
+  """A client's events: its `steps` DP-SGD steps and its `releases` private releases, composed
+  (dp_accounting's ComposedDpEvent; the steps alone without releases)."""
+  import dp_accounting
+  steps_event = dp_sgd_event(q, noise_multiplier, steps)
+  if releases <= 0:
+    return steps_event
+  if steps <= 0:  # releases alone (FedGen's counts, before a client first trains)
+    return release_event(release_noise_multiplier, releases)
+  return dp_accounting.ComposedDpEvent(
+      [steps_event, release_event(release_noise_multiplier, releases)])
+
+
 @functools.lru_cache(maxsize=4096)
-def epsilon(kind: str, q: float, noise_multiplier: float, steps: int, delta: float) -> float:
-  """epsilon at `delta` of `steps` DP-SGD steps (dp_sgd_event) by `kind`'s accountant."""
-  if steps <= 0:
+def epsilon(kind: str, q: float, noise_multiplier: float, steps: int, delta: float,
+            release_noise_multiplier: float = 0.0, releases: int = 0) -> float:
+  """epsilon at `delta` of `steps` DP-SGD steps composed with `releases` private releases
+  (client_event) by `kind`'s accountant."""
+  if steps <= 0 and releases <= 0:
     return 0.0
   acct = new_accountant(kind)
   with _quiet():
-    acct.compose(dp_sgd_event(q, noise_multiplier, steps))
+    acct.compose(client_event(q, noise_multiplier, max(int(steps), 0),
+                              release_noise_multiplier, releases))
     return float(acct.get_epsilon(delta))
 
 
@@ -73,12 +101,13 @@ def _smallest_noise(new_acct: Callable, event_of: Callable, target: float, delta
   stays within `target` at `delta`; a ConfigError that names the config `field`, the `events`
   and the `fix` where none up to MAX_NOISE_MULTIPLIER does."""
   import dp_accounting
+  from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
   try:
     with _quiet():
       z = dp_accounting.calibrate_dp_mechanism(
           new_acct, event_of, target, delta, dp_accounting.LowerEndpointAndGuess(0.01, 1.0),
           tol=1e-4)
-  except (ValueError, RuntimeError) as e:
+  except (ValueError, RuntimeError, NoBracketIntervalFoundError) as e:
     raise ConfigError(f'{field}={target} cannot be met: no noise multiplier was found for '
                       f'{events} ({e}). {fix[0].upper()}{fix[1:]}') from None
   require(z <= MAX_NOISE_MULTIPLIER,
@@ -87,35 +116,51 @@ def _smallest_noise(new_acct: Callable, event_of: Callable, target: float, delta
   return float(z)
 
 
-def calibrate(kind: str, schedules, target_epsilon: float, delta: float) -> float:
-  """The smallest noise multiplier with which every (q, steps) of `schedules` ends within
-  `target_epsilon` at `delta` (dp_accounting's calibration); ConfigError where none up to
+def calibrate(kind: str, schedules, target_epsilon: float, delta: float,
+              release_noise_multiplier: float = 0.0, release_sensitivity: float = 1.0) -> float:
+  """The smallest noise multiplier sigma with which every (q, steps) or (q, steps, releases) of
+  `schedules` ends within `target_epsilon` at `delta` (dp_accounting's calibration), the
+  releases' noise multiplier being `release_noise_multiplier` (0: sigma itself) over their
+  sensitivity in units of their clip (`release_sensitivity`); ConfigError where none up to
   MAX_NOISE_MULTIPLIER does."""
+  def event_of(q, steps, releases, sig):
+    return client_event(q, sig, steps, (release_noise_multiplier or sig) / release_sensitivity,
+                        releases)
+  triples = sorted({(*s, 0) if len(s) == 2 else tuple(s) for s in schedules})
   return max(_smallest_noise(
-      functools.partial(new_accountant, kind),
-      functools.partial(lambda q, steps, sig: dp_sgd_event(q, sig, steps), q, steps),
+      functools.partial(new_accountant, kind), functools.partial(event_of, q, steps, releases),
       target_epsilon, delta, field='privacy.target_epsilon',
-      events=f'{steps} steps at sampling rate {q:.4g}',
-      fix='raise the target, or lower num_rounds or local_epochs.')
-      for q, steps in sorted(set(schedules)))
+      events=f'{steps} steps at sampling rate {q:.4g}'
+             + (f' and {releases} private releases' if releases else ''),
+      fix='raise the target' + (' or privacy.release_noise_multiplier (0: calibrated too)'
+                                if releases and release_noise_multiplier else '')
+          + ', or lower num_rounds or local_epochs.')
+      for q, steps, releases in triples)
 
 
 class Accountant:
   """A run's DP-SGD accounting, for each of its seeds (packed seeds share the compiled program,
   so one noise multiplier): each client's sampling rate and steps in a round, the noise
-  multiplier (given or calibrated), and epsilon from the steps each client ran."""
+  multipliers (sigma, given or calibrated; the releases' z_r, given or sigma), and epsilon from
+  the steps each client ran and the private releases it made: `releases` = (per round a client
+  trains, at the start[, their sensitivity in units of the clip C_r: 1, or 2 for a whole output
+  clipped]), the method's (releases.releases_of)."""
 
   def __init__(self, p: ml_collections.ConfigDict, train_n: np.ndarray, batch_size: int,
-               local_epochs: int, num_rounds: int):
+               local_epochs: int, num_rounds: int, releases: tuple = (0, 0)):
     """`train_n` [R, N]: each seed's clients' trainable samples (the n_k of their rates)."""
     self.kind, self.delta, self.target = p.accountant, float(p.delta), float(p.target_epsilon)
     n = np.atleast_2d(np.asarray(train_n))
     self.q = sampling_rate(batch_size, n).astype(np.float64)
     self.round_steps = local_epochs * ((n + batch_size - 1) // batch_size)
+    self.releases_per_round, self.releases_at_start = map(int, releases[:2])
+    self.release_sensitivity = float(releases[2]) if len(releases) > 2 else 1.0
+    given_release = float(p.get('release_noise_multiplier', 0.0))
     if p.noise_multiplier > 0:
       self.noise_multiplier = float(p.noise_multiplier)
+      self.release_noise_multiplier = given_release or self.noise_multiplier
       if self.target:
-        first = max(self.epsilons(i, s).max(initial=0.0)
+        first = max(self.epsilons(i, s, self.releases_after(s > 0)).max(initial=0.0)
                     for i, s in enumerate(self.round_steps))
         require(first <= self.target,
                 f'privacy.target_epsilon={self.target:g} cannot be met: one round of DP-SGD '
@@ -123,31 +168,54 @@ class Accountant:
                 f'{self.noise_multiplier:g}. Raise the noise multiplier or the target, or set '
                 'privacy.noise_multiplier=0 to calibrate it.')
     else:  # every client training every round ends within the target
+      alone = epsilon(self.kind, 1.0, 1.0, 0, self.delta, given_release / self.release_sensitivity,
+                      int(self.releases_after(num_rounds))) if given_release else 0.0
+      require(alone <= self.target,
+              f'privacy.target_epsilon={self.target:g} cannot be met: the private releases '
+              f'alone spend epsilon {alone:.4g} at release_noise_multiplier={given_release:g}. '
+              'Raise it or the target, or set it to 0 to take the calibrated sigma.')
       self.noise_multiplier = calibrate(
-          self.kind, [(float(q), int(s) * num_rounds)
+          self.kind, [(float(q), int(s) * num_rounds, int(self.releases_after(num_rounds)))
                       for q, s in zip(self.q.ravel(), self.round_steps.ravel()) if s],
-          self.target, self.delta)
+          self.target, self.delta, given_release, self.release_sensitivity)
+      self.release_noise_multiplier = given_release or self.noise_multiplier
 
-  def client_epsilon(self, i: int, k: int, steps: int) -> float:
-    """Seed i's client k's epsilon after `steps` DP-SGD steps."""
-    return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta)
+  @property
+  def release_event_multiplier(self) -> float:
+    """The releases' noise multiplier as dp_accounting's Gaussian events take it: z_r over
+    their sensitivity in units of C_r."""
+    return self.release_noise_multiplier / self.release_sensitivity
 
-  def epsilons(self, i: int, steps) -> np.ndarray:
-    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps: one accounting per distinct
-    (rate, steps), however many clients share it."""
-    pairs, which = np.unique(np.stack([self.q[i], np.asarray(steps, np.float64)], axis=1),
-                             axis=0, return_inverse=True)
-    eps = [epsilon(self.kind, float(q), self.noise_multiplier, int(s), self.delta)
-           for q, s in pairs]
+  def releases_after(self, rounds):
+    """The private releases of a client that trained in `rounds` rounds (an int or an array)."""
+    return self.releases_at_start + self.releases_per_round * np.asarray(rounds, np.int64)
+
+  def client_epsilon(self, i: int, k: int, steps: int, releases: int = 0) -> float:
+    """Seed i's client k's epsilon after `steps` DP-SGD steps and `releases` releases."""
+    return epsilon(self.kind, float(self.q[i, k]), self.noise_multiplier, int(steps), self.delta,
+                   self.release_event_multiplier, int(releases))
+
+  def epsilons(self, i: int, steps, releases=None) -> np.ndarray:
+    """Seed i's clients' epsilons after `steps` [N] DP-SGD steps and `releases` [N] private
+    releases (None: none): one accounting per distinct (rate, steps, releases), however many
+    clients share it."""
+    releases = np.zeros(len(self.q[i])) if releases is None else releases
+    rows, which = np.unique(np.stack([self.q[i], np.asarray(steps, np.float64),
+                                      np.asarray(releases, np.float64)], axis=1),
+                            axis=0, return_inverse=True)
+    eps = [epsilon(self.kind, float(q), self.noise_multiplier, int(s), self.delta,
+                   self.release_event_multiplier, int(r)) for q, s, r in rows]
     return np.asarray(eps)[which.reshape(-1)]
 
-  def next_round_exceeds(self, i: int, steps, next_cohort) -> float | None:
+  def next_round_exceeds(self, i: int, steps, next_cohort, releases=None) -> float | None:
     """With a target: the largest epsilon a client of seed i's `next_cohort` would reach by
-    running all its steps of a round after `steps` [N], where that is above the target; else
-    None."""
+    running all its steps of a round, and its releases, after `steps` [N] and `releases` [N]
+    (None: none), where that is above the target; else None."""
     if not self.target:
       return None
-    worst = max((self.client_epsilon(i, k, steps[k] + self.round_steps[i, k])
+    releases = np.zeros(len(self.q[i]), np.int64) if releases is None else releases
+    worst = max((self.client_epsilon(i, k, steps[k] + self.round_steps[i, k],
+                                     releases[k] + self.releases_per_round)
                  for k in next_cohort), default=0.0)
     return worst if worst > self.target else None
 

@@ -33,6 +33,12 @@ def default_config() -> ml_collections.ConfigDict:
                               # example's gradient built (speed and memory, not the numbers)
   p.pass_size = 0             # examples whose gradients 'vmap' builds at once (speed and
                               # memory, not the numbers): 0, automatic (pass_size_for)
+  p.release_clip = 10.0      # C_r: under dp_sgd, the L2 norm each example's row of a method's
+                              # private release (its class sums and count) is clipped to, or
+                              # a whole release (FedL2G's meta gradient)
+  p.release_noise_multiplier = 0.0  # z_r: the releases' noise std z_r C_r (sensitivity 1 for
+                                    # the class counts a server reads); 0: noise_multiplier's
+                                    # sigma (given or calibrated with the releases)
   p.upload = False            # client-level DP: each client's upload clipped and noised
                               # (docs/configuration.md, "Differential privacy")
   p.upload_mode = 'local'     # 'local': each client noises its own upload; 'central': the
@@ -56,9 +62,11 @@ def upload_enabled(p: ml_collections.ConfigDict) -> bool:
 
 
 def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: bool,
-                 upload_refusal: Callable[[str], str | None] = lambda mode: None) -> None:
+                 upload_refusal: Callable[[str], str | None] = lambda mode: None,
+                 dp_sgd_refusal: Callable[[], str | None] = lambda: None) -> None:
   """Every field of the section, before any data is loaded. `upload_refusal(mode)`: the
-  method's Method.upload_refusal(config, mode)."""
+  method's Method.upload_refusal(config, mode); `dp_sgd_refusal()`: its
+  Method.dp_sgd_refusal(config)."""
   check_upload(p, method, upload_refusal)
   _check_gaussian(p, 'clip_norm', "it bounds each example's gradient norm (1.0 is usual)",
                   'noise_multiplier', 'the noise std is noise_multiplier x clip_norm (1.1 is '
@@ -70,8 +78,17 @@ def check_config(p: ml_collections.ConfigDict, method: str, per_sample_loss: boo
   require(p.pass_size >= 0, f'privacy.pass_size must be >= 1, or 0 (automatic); got '
           f'{p.pass_size}.')
   require_one_of('privacy.per_example', p.per_example, PER_EXAMPLE)
+  _check_gaussian(p, 'release_clip', "it bounds each example's row of a private release (a "
+                  'class mean of logits or representations, with its count)',
+                  'release_noise_multiplier', "the releases' noise std is "
+                  "release_noise_multiplier x release_clip (0: noise_multiplier's)",
+                  'target_epsilon')
   if not p.dp_sgd:
     return
+  refusal = dp_sgd_refusal()
+  if refusal is not None:
+    raise ConfigError(f'privacy.dp_sgd does not apply to {method}: {refusal}. Choose another '
+                      'method, or turn privacy.dp_sgd off.')
   _require_noise(p, 'noise_multiplier', 'target_epsilon', ' (1.1 is usual)')
   require(per_sample_loss,
           f'privacy.dp_sgd needs a loss that is a mean of per-example terms, to clip each '

@@ -33,18 +33,24 @@ class DPSGD:
   pass_size: int   # examples per pass of per-example gradients ('vmap'); divides max_batch
   per_example: str = 'auto'  # 'auto' (ghost norms where the taps cover the model) or 'vmap'
   ghost_pass: int = 0        # rows per pass of the ghost norms; divides max_batch (0: all)
+  # A method's private releases of class sums (releases.py; Method.release_values): the clip
+  # C_r and the noise multiplier z_r, the accountant's (given, or sigma).
+  release_clip: float = 0.0
+  release_noise_multiplier: float = 0.0
 
 
 def dp_sgd_settings(clip_norm: float, noise_multiplier: float, batch_size: int,
                     max_train: int, pass_size: int, per_example: str, micro_batch: int,
-                    given_rows: int = 0) -> DPSGD:
+                    given_rows: int = 0, release_clip: float = 0.0,
+                    release_noise_multiplier: float = 0.0) -> DPSGD:
   """DPSGD for batches of expected size `batch_size`: ghost norms ('auto') run in the engine's
   passes of plain training (`micro_batch` rows) where it splits a batch, else all of a step's
   rows at once; the Poisson batch's rows (max_batch) are whole passes of both ways."""
   ghost_pass = micro_batch if per_example == 'auto' and micro_batch < batch_size else 0
   rows = max_batch(batch_size, max_train, math.lcm(pass_size, ghost_pass or 1), given_rows)
   return DPSGD(clip_norm=clip_norm, noise_multiplier=noise_multiplier, max_batch=rows,
-               pass_size=pass_size, per_example=per_example, ghost_pass=ghost_pass)
+               pass_size=pass_size, per_example=per_example, ghost_pass=ghost_pass,
+               release_clip=release_clip, release_noise_multiplier=release_noise_multiplier)
 
 def noisy_clipped_grads(loss_of: Callable, trainable, views, y, valid, key, denom, *,
                         clip_norm: float, noise_multiplier: float, pass_size: int,

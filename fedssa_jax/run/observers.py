@@ -173,8 +173,11 @@ def system_fields(s, sim_seconds: float, client_seconds: bool) -> dict:
 # ----------------------------------------------------------------------------------------------
 class DPSGDAccounting(Observer):
   """DP-SGD's accountant (privacy.Accountant) over the rounds. State: {'steps': each client's
-  DP-SGD steps so far, 'budget_reached': whether the run ended before num_rounds because a
-  further round could take a client past privacy.target_epsilon}."""
+  DP-SGD steps so far, 'releases': the private releases each made so far (its method's at the
+  start, and its releases each round it was in the cohort), 'budget_reached': whether the run
+  ended before num_rounds because a further round could take a client past
+  privacy.target_epsilon}. A state written before the releases were counted has none: its
+  clients' releases are derived from their steps (`releases`)."""
   name = DP_SGD
 
   def __init__(self, accountant: privacy.Accountant, num_clients: int,
@@ -187,15 +190,27 @@ class DPSGDAccounting(Observer):
     self.num_rounds = config.num_rounds
 
   def initial(self) -> dict:
-    return {'steps': [0] * self.num_clients, 'budget_reached': False}
+    return {'steps': [0] * self.num_clients,
+            'releases': [self.accountant.releases_at_start] * self.num_clients,
+            'budget_reached': False}
+
+  def releases(self, i, state) -> np.ndarray:
+    """Seed i's clients' private releases so far: the state's, or, in a state without them,
+    those of the rounds each client's steps show it trained (a full round's steps a round)."""
+    if 'releases' in state:
+      return np.asarray(state['releases'], np.int64)
+    per_round = np.maximum(self.accountant.round_steps[i], 1)
+    return self.accountant.releases_after(-(-np.asarray(state['steps'], np.int64) // per_round))
 
   def observe(self, i, info, state) -> dict:
     steps = np.array(state['steps'], np.int64)
+    releases = self.releases(i, state)
     steps[info.cohort] += np.asarray(info.train_steps, np.int64)
-    return {**state, 'steps': steps.tolist()}
+    releases[info.cohort] += self.accountant.releases_per_round
+    return {**state, 'steps': steps.tolist(), 'releases': releases.tolist()}
 
   def record(self, i, info, state) -> dict:
-    return privacy_fields(self.accountant.epsilons(i, state['steps']))
+    return privacy_fields(self.accountant.epsilons(i, state['steps'], self.releases(i, state)))
 
   def console(self, info, record) -> str:
     return f', epsilon {record["dp_epsilon"]:.3g}' if record else ''
@@ -211,6 +226,7 @@ class DPSGDAccounting(Observer):
     # The noise multiplier (given or calibrated), each client's Poisson rate and the rows a
     # batch may hold.
     return {'dp_noise_multiplier': self.accountant.noise_multiplier,
+            'dp_release_noise_multiplier': self.accountant.release_noise_multiplier,
             'dp_sampling_rate': self.accountant.q[i].tolist(), 'dp_max_batch': self.max_batch}
 
   def stops(self, rounds_done, states) -> bool:
@@ -219,7 +235,8 @@ class DPSGDAccounting(Observer):
     acct = self.accountant
     if not acct.target:
       return False
-    worst = [acct.next_round_exceeds(i, state['steps'], self.cohort(rounds_done, i))
+    worst = [acct.next_round_exceeds(i, state['steps'], self.cohort(rounds_done, i),
+                                     self.releases(i, state))
              for i, state in states.items()]
     if all(w is None for w in worst):
       return False

@@ -32,7 +32,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedssa_jax import config_lib, data, privacy
+from fedssa_jax import config_lib, data
 from fedssa_jax.engine import distributed, parts, per_call, simulator, snapshots
 from fedssa_jax.engine.rows import DamagedRows
 from fedssa_jax.run import checkpoint, guards, observers, outputs, workdir_lock
@@ -222,11 +222,6 @@ def _simulator(configs, workdirs, dataset, ckpts):
                            indent=2, default=outputs.jsonable))
   logging.info('N=%d clients, K=%d per round, groups: %s', sim.num_clients, sim.k,
                ', '.join(f'{g.family} x{g.size}' for g in sim.groups))
-  uncovered = privacy.enabled(c0.privacy) and sim.method.dp_sgd_uncovered
-  if uncovered:
-    logging.warning('privacy.dp_sgd: epsilon covers the clients\' models, not what %s uploads '
-                    'of the data outside the DP-SGD steps: %s (docs/algorithm.md §11).',
-                    c0.method, uncovered)
   return (sim, watching, [checkpoint.run_meta(c, fp) for c, fp in zip(configs, fingerprints)],
           all(meta is None for meta in latest))
 
