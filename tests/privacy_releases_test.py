@@ -271,6 +271,7 @@ def test_a_prototype_runs_recorded_epsilon_is_the_composed_one(tmp_path, small_d
   c = config_lib.build('cifar10', 'hetero,tiny')
   c.method, c.model.families = 'fedproto', ('cnn5',)
   c.num_clients, c.participation, c.num_rounds = 5, 0.4, 2
+  c.eval_batch_size = 16  # make_small_sim's: the evaluation programs of the other small runs
   c.privacy.dp_sgd, c.privacy.noise_multiplier, c.privacy.release_noise_multiplier = True, 1.1, 2.0
   workdir = str(tmp_path / 'run')
   summary = train.train_and_evaluate(c, workdir, dataset=small_ds)
