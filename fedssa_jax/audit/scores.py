@@ -25,11 +25,12 @@ def _auditor(members, non_members):
 
 
 @functools.lru_cache(maxsize=64)
-def ceiling(m: int, delta: float, significance: float = SIGNIFICANCE) -> float:
+def ceiling(m: int, delta: float, significance: float = SIGNIFICANCE,
+            included: int | None = None) -> float:
   """The largest lower bound m canaries can show at `delta`: that of an attack that guesses
-  every one right (half included)."""
-  half = m // 2
-  return float(_auditor(np.arange(half) + m, np.arange(m - half)).epsilon_one_run(
+  every one right, `included` of them included (default: half)."""
+  n_in = m // 2 if included is None else included
+  return float(_auditor(np.arange(n_in) + m, np.arange(m - n_in)).epsilon_one_run(
       significance, delta))
 
 
@@ -55,7 +56,8 @@ def audit(in_scores, out_scores, delta: float, accounted: float,
   lower = float(a.epsilon_one_run(significance, delta))
   return {'epsilon': _finite(accounted), 'epsilon_lower': lower,
           'confidence': 1 - significance, 'delta': float(delta), 'canaries': m,
-          'included': len(in_scores), 'ceiling': ceiling(m, float(delta), significance),
+          'included': len(in_scores),
+          'ceiling': ceiling(m, float(delta), significance, len(in_scores)),
           'auroc': float(a.attack_auroc()),
           'tpr_at_fpr_0.01': float(a.tpr_at_given_fpr(LOW_FPR)),
           'exceeds': bool(lower > accounted)}
