@@ -58,13 +58,15 @@ def run_cli(argv, dataset=None) -> int:
       except Exception as e:  # pylint: disable=broad-except
         if verbose:
           traceback.print_exc()
-        print(f'Command line error: {main_lib._flag_error_text(e)} (python -m '  # pylint: disable=protected-access
-              'fedssa_jax.audit --help lists the flags.)', file=sys.stderr, flush=True)
+        text = main_lib._flag_error_text(e)  # pylint: disable=protected-access
+        print(f'Command line error: {text} (python -m fedssa_jax.audit --help lists the '
+              'flags.)', file=sys.stderr, flush=True)
         return main_lib.EXIT_BAD_INPUT
       try:
-        out = audit_run.run_audit(fv.config, fv.workdir, canaries=fv.canaries,
-                                  upload_canaries=fv.upload_canaries, mechanisms=fv.mechanism,
-                                  dataset=dataset)
+        out = audit_run.run_audit(
+            fv.config, fv.workdir, canaries=fv.canaries, upload_canaries=fv.upload_canaries,
+            mechanisms=fv.mechanism, dataset=dataset,
+            progress=lambda line: print(line, flush=True))
       except tuple(error for error, _ in main_lib.USER_ERRORS) as e:
         if verbose:
           traceback.print_exc()

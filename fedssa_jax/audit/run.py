@@ -45,10 +45,11 @@ def check(config: ml_collections.ConfigDict, canaries: int, upload_canaries: int
 
 def run_audit(config: ml_collections.ConfigDict, workdir: str, *, canaries: int = 1000,
               upload_canaries: int = 1000, mechanisms: str = 'auto',
-              dataset: data.Dataset | None = None) -> dict:
+              dataset: data.Dataset | None = None, progress=logging.info) -> dict:
   """Trains `config` once with `canaries` training-data canaries (each included w.p. 1/2),
   audits them and, with privacy.upload on, `upload_canaries` upload canaries; writes
-  audit.json into `workdir` and returns its contents."""
+  audit.json into `workdir` and returns its contents. `progress(line)` takes a line per round
+  (the command prints them)."""
   config_lib.validate(config)
   check(config, canaries, upload_canaries, mechanisms)
   train.check_workdir_writable(workdir)
@@ -60,8 +61,10 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str, *, canaries: int 
     cd = data.partition_from_config(config, ds)
     drawn = canaries_lib.data_canaries(config.seed, cd, ds.labels, canaries)
     audit_ds, audit_cd, rows = canaries_lib.with_canaries(ds, cd, drawn)
+    progress(f'Auditing {config.method} on {config.dataset}: {canaries} canaries, '
+             f'{int(drawn.included.sum())} of them in training, outputs in {workdir}')
     sim = simulator.Simulator(config, audit_ds, audit_cd)
-    state, record = _train(sim, config)
+    state, record = _train(sim, config, progress)
     out = {'method': config.method, 'dataset': config.dataset, 'rounds': int(state.round),
            'mean_accuracy': float(np.nanmean(sim.evaluate(state).accuracy)),
            'dp_sgd': _data_audit(sim, state, drawn, rows, record, config),
@@ -83,7 +86,7 @@ def _jsonable(x):
   return str(x)
 
 
-def _train(sim: simulator.Simulator, config):
+def _train(sim: simulator.Simulator, config, progress):
   """The run's rounds, its accountants following them as a run's observers do. Returns the
   last state and the observers' record of the last round."""
   watching = observers.watching(sim)
@@ -96,8 +99,8 @@ def _train(sim: simulator.Simulator, config):
     state, (info,) = sim.run_round(state)
     for o in watching:
       states[o.name] = o.observe(0, info, states[o.name])
-    logging.info('round %d/%d: train loss %.4f, %.2f s', state.round, config.num_rounds,
-                 info.train_loss, time.time() - t0)
+    progress(f'round {state.round}/{config.num_rounds}: train loss {info.train_loss:.4f}, '
+             f'{time.time() - t0:.2f} s')
   record = {} if info is None else {
       k: v for o in watching for k, v in o.record(0, info, states[o.name]).items()}
   return state, record
@@ -142,13 +145,14 @@ def _upload_audit(sim, config, m: int, record: dict) -> dict:
 def table(out: dict) -> str:
   """The console's table of an audit's numbers."""
   fmt = lambda x: 'none' if x is None else f'{x:.3g}'
-  lines = [f'{"audit":<22}{"epsilon":>10}{"lower bound":>14}{"canaries":>10}{"AUROC":>8}']
-  for name, what in (('dp_sgd', 'training data (DP-SGD)'), ('upload', 'uploads')):
+  lines = [f'{"canaries in":<16}{"epsilon":>9}{"lower bound (95%)":>19}{"canaries":>10}'
+           f'{"AUROC":>7}']
+  for name, what in (('dp_sgd', 'training data'), ('upload', 'uploads')):
     if name in out:
       a = out[name]
-      lines.append(f'{what:<22}{fmt(a["epsilon"]):>10}{a["epsilon_lower"]:>9.3g} ({a["confidence"]:.0%})'
-                   f'{a["canaries"]:>10}{a["auroc"]:>8.3f}' + ('  ABOVE epsilon: a bug'
-                                                                if a['exceeds'] else ''))
+      lines.append(f'{what:<16}{fmt(a["epsilon"]):>9}{a["epsilon_lower"]:>19.3g}'
+                   f'{a["canaries"]:>10}{a["auroc"]:>7.3f}'
+                   + ('  ABOVE epsilon: a bug' if a['exceeds'] else ''))
   mia = out['mia']
   lines.append(f'membership inference (loss threshold): advantage {mia["advantage"]:.3f}, '
                f'AUROC {mia["auroc"]:.3f}; mean accuracy {out["mean_accuracy"]:.4f}')
