@@ -166,7 +166,7 @@ def test_the_command_writes_audit_json(tmp_path, small_ds, capsys):
   assert 'training data' in capsys.readouterr().out
   out = json.load(open(tmp_path / 'audit.json'))
   assert out['config']['privacy']['dp_sgd'] and out['rounds'] == 1 and 'upload' not in out
-  a = out['dp_sgd']
+  a = out['training_data']
   assert a['canaries'] == 50 and a['confidence'] == 0.95 and a['delta'] == DELTA
   assert a['epsilon'] > 0 and 0 <= a['epsilon_lower'] <= a['ceiling']
   assert 0 <= a['auroc'] <= 1 and a['exceeds'] == (a['epsilon_lower'] > a['epsilon'])

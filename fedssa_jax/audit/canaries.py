@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from fedssa_jax import data
+from fedssa_jax.errors import DataError
 from fedssa_jax.streams import AuditDraw, Stream
 
 
@@ -42,14 +43,15 @@ def _rng(seed: int, kind: AuditDraw) -> np.random.Generator:
 def data_canaries(seed: int, cd: data.ClientData, labels: np.ndarray, m: int) -> DataCanaries:
   """m canaries over `cd`'s trainable clients (those with training data and a seen class),
   their images from the images in no client's training split (distinct while there are
-  enough). Raises ValueError when there is no client or no image to draw from."""
+  enough). Raises DataError when there is no client or no image to draw from."""
   rng = _rng(seed, AuditDraw.DATA)
   clients = np.flatnonzero((cd.train_n > 0) & cd.seen.any(axis=1))
   trained = np.concatenate([cd.train_idx[k, :n] for k, n in enumerate(cd.train_n)])
   pool = np.setdiff1d(np.arange(len(labels)), trained)
   if not len(clients) or not len(pool):
-    raise ValueError('The audit needs clients with training data and images outside every '
-                     'training split (a test or validation pool) for its canaries.')
+    raise DataError('The audit needs clients with training data and images outside every '
+                    'training split (a test or validation pool) for its canaries: use a '
+                    'partition that leaves a test split.')
   owner = rng.permutation(np.resize(clients, m))
   label = np.array([rng.choice(np.flatnonzero(cd.seen[k])) for k in owner], np.int32)
   image = np.empty(m, np.int64)

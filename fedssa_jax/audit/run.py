@@ -63,11 +63,11 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str, *, canaries: int 
     audit_ds, audit_cd, rows = canaries_lib.with_canaries(ds, cd, drawn)
     progress(f'Auditing {config.method} on {config.dataset}: {canaries} canaries, '
              f'{int(drawn.included.sum())} of them in training, outputs in {workdir}')
-    sim = simulator.Simulator(config, audit_ds, audit_cd)
+    sim = simulator.Simulator(config, audit_ds, audit_cd, workdir=workdir)  # its disk store's
     state, record = _train(sim, config, progress)
     out = {'method': config.method, 'dataset': config.dataset, 'rounds': int(state.round),
            'mean_accuracy': float(np.nanmean(sim.evaluate(state).accuracy)),
-           'dp_sgd': _data_audit(sim, state, drawn, rows, record, config),
+           'training_data': _data_audit(sim, state, drawn, rows, record, config),
            'mia': _mia(sim, state, cd, drawn)}
     if privacy.upload_enabled(config.privacy) and mechanisms != 'dp_sgd':
       out['upload'] = _upload_audit(sim, config, upload_canaries, record)
@@ -147,7 +147,7 @@ def table(out: dict) -> str:
   fmt = lambda x: 'none' if x is None else f'{x:.3g}'
   lines = [f'{"canaries in":<16}{"epsilon":>9}{"lower bound (95%)":>19}{"canaries":>10}'
            f'{"AUROC":>7}']
-  for name, what in (('dp_sgd', 'training data'), ('upload', 'uploads')):
+  for name, what in (('training_data', 'training data'), ('upload', 'uploads')):
     if name in out:
       a = out[name]
       lines.append(f'{what:<16}{fmt(a["epsilon"]):>9}{a["epsilon_lower"]:>19.3g}'
