@@ -1,4 +1,4 @@
-"""The audit's command line: main's --config (with its variants and --config.* overrides) and
+r"""The audit's command line: main's --config (with its variants and --config.* overrides) and
 --workdir, and the audit's own flags.
 
   python -m fedssa_jax.audit --config=configs/cifar10.py:hetero,n10 --workdir=runs/audit \
@@ -48,6 +48,9 @@ def run_cli(argv, dataset=None) -> int:
   with console.configured(verbose):
     fv = flags.FlagValues()
     define_flags(fv)
+    if any(a in ('-h', '--help', '--helpshort', '--helpfull') for a in argv[1:]):
+      print(__doc__ + '\n' + fv.get_help(), flush=True)
+      return 0
     previous_argv, sys.argv = sys.argv, list(argv)  # config_flags reads the overrides here
     try:
       try:

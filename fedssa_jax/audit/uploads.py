@@ -71,14 +71,14 @@ def upload_scores(seed: int, m: int, num_rounds: int, first_id: int, *, clip: fl
   """(each canary's score summed over `num_rounds` rounds, which are included): m canary
   clients of ids first_id.. of seed `seed`'s run, clip C_u = `clip`, noise std `std`."""
   directions, included = canaries_lib.upload_canaries(seed, m)
-  rng_reference = np.linspace(-1.0, 1.0, m, dtype=np.float32)  # a known, nonzero reference
+  reference = np.linspace(-1.0, 1.0, m, dtype=np.float32)  # a known, nonzero reference
   sign = np.where(included, 1.0, -1.0).astype(np.float32)[:, None]
-  values = jnp.asarray(rng_reference + PUSH * clip * sign * directions)
+  values = jnp.asarray(reference + PUSH * clip * sign * directions)
   root_key = jax.random.PRNGKey(seed)
   ids = jnp.arange(first_id, first_id + m, dtype=jnp.int32)
   total = jnp.zeros(m, jnp.float32)
   for t in range(num_rounds):
     total = total + _round_scores(root_key, jnp.asarray(t, jnp.int32), ids, values,
-                                  jnp.asarray(rng_reference), jnp.asarray(directions),
+                                  jnp.asarray(reference), jnp.asarray(directions),
                                   clip=float(clip), std=float(std), central=central)
   return np.asarray(total), included
