@@ -15,6 +15,8 @@ modules), from the bottom up:
     engine                   the round: the simulator, the upload path, the population, local
                              training, evaluation
     run                      a whole experiment: training loop, checkpoints, outputs, reports
-    main                     the command line: python -m fedssa_jax.main
+    main, audit              the command lines: python -m fedssa_jax.main, and the privacy
+                             audit (python -m fedssa_jax.audit: canaries, a lower bound on
+                             epsilon, a membership inference attack)
 """
 __version__ = '0.1.0'

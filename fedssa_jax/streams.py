@@ -10,7 +10,8 @@ member has exactly one consumer module and that no value repeats within a regist
 a NumPy generator's seed sequence (np.random.default_rng([seed, stream, ...])).
 `StepStream`: folded into a local step's key (the step's augmentation views take 0, 1, ... below
 them). `SystemDraw` and `ProfileDraw`: the kinds of draw within Stream.SYSTEM (per round) and
-Stream.SYSTEM_PROFILE (per run). The values are those the draws have always used: changing one
+Stream.SYSTEM_PROFILE (per run); `AuditDraw` those within Stream.AUDIT (the privacy audit,
+`python -m fedssa_jax.audit`). The values are those the draws have always used: changing one
 changes every number of the runs that draw from it.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Stream(enum.IntEnum):
   GLOBAL_TEST = 13    # engine/generalization.py: the global test sample (eval_global_images)
   RELEASE = 14        # privacy/releases.py: the noise of DP-SGD's private releases, by round
                       # and client id (the class counts the server reads, at RELEASE_AT_START)
+  AUDIT = 15          # audit/canaries.py: the privacy audit's canaries, per run, by AuditDraw
 
 
 class StepStream(enum.IntEnum):
@@ -64,6 +66,12 @@ class ProfileDraw(enum.IntEnum):
   TIERS = 1
 
 
+class AuditDraw(enum.IntEnum):
+  """Within Stream.AUDIT: np.random.default_rng([seed, AUDIT, kind])."""
+  DATA = 0    # the training-data canaries: owners, images, labels, which are included
+  UPLOAD = 1  # the upload canaries: directions, which are included
+
+
 # The server's place beside the client ids in Stream.UPLOAD (its central noise of a round).
 SERVER_UPLOAD_ID = 1 << 30
 
@@ -71,4 +79,4 @@ SERVER_UPLOAD_ID = 1 << 30
 # class counts a server reads at the start: Method.server_reads_class_counts).
 RELEASE_AT_START = 1 << 30
 
-REGISTRIES = (Stream, StepStream, SystemDraw, ProfileDraw)
+REGISTRIES = (Stream, StepStream, SystemDraw, ProfileDraw, AuditDraw)

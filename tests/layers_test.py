@@ -22,7 +22,7 @@ LAYERS = (
     ('config_lib',),
     ('engine',),
     ('run',),
-    ('main',),
+    ('main', 'audit'),
 )
 
 
