@@ -6,7 +6,9 @@ rows to the call. Results are counts per client; `Evaluation` turns them into ac
 method whose prediction goes beyond the client's model (`Method.eval_forward`, e.g. FedMRL's
 projector and shared model) declares `Method.eval_reads_state`: it is evaluated through that
 forward, and the store then brings the block's per-client method state too; any other method's
-calls are those of the family's apply alone, without the state.
+calls are those of the family's apply alone, without the state. With `eval_validation`, the same
+calls test each client on its own validation split too (the data's val_idx, val_n), with the same
+model and headline metric: what hyperparameters are chosen on (run/tuning.py).
 
 A run with `save_representations=True` writes `representations.npz` into its workdir at the end:
 `representations` [M, d] float16 (M = all clients' test samples), `labels` [M] and `client`
