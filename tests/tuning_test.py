@@ -1,19 +1,17 @@
-"""Tuning without reading the test split: each client's validation split evaluated
-(eval_validation), against a direct forward pass; nothing of it with the field off; the tuning
-sweep's two stages; and the choice of (clip, lr) on validation alone, which poisoned test
+"""Tuning without reading the test split: nothing of eval_validation with the field off (with it
+on, each client's validation accuracy against a direct forward pass is in
+generalization_test.py, on its simulator); a partition without validation splits refused; the
+tuning sweep's two stages; and the choice of (clip, lr) on validation alone, which poisoned test
 accuracies cannot move."""
 import json
 import math
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import load_file, make_small_sim, params_of, rounds
+from conftest import load_file
 from fedssa_jax import config_lib, data
-from fedssa_jax.data import augment
 from fedssa_jax.engine import parts
 from fedssa_jax.engine.evaluation import Evaluation
 from fedssa_jax.errors import ConfigError
@@ -25,44 +23,6 @@ sweeps = load_file('launch/sweep.py', 'sweep_launcher').load_sweeps()
 # ----------------------------------------------------------------------------------------------
 # The validation split evaluated
 # ----------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope='module')
-def val_run(small_ds):
-  """Standalone on 5 CNN-5 clients with eval_validation, after a round (2 clients trained)."""
-  sim = make_small_sim(small_ds, 'standalone', eval_validation=True)
-  (state, info), = rounds(sim, 1)
-  return sim, state, info, sim.evaluate(state)
-
-
-def _right(sim, params, k):
-  """Whether client k's model `params` classifies each image of the data set right, by a direct
-  forward pass (of every image: one shape, one compile)."""
-  d = sim.seed_data[0]
-  x = augment.normalize(d.images, sim.train_cfg.mean, sim.train_cfg.std)
-  logits, _ = jax.jit(sim.groups[sim.group_of[k]].eval_model.apply)({'params': params}, x)
-  return np.argmax(np.asarray(logits), -1) == np.asarray(d.labels)
-
-
-@pytest.mark.slow  # a simulator compiled and run
-def test_val_accuracy_is_each_clients_accuracy_on_its_validation_split(val_run, small_ds):
-  sim, state, info, ev = val_run
-  cd = data.partition_from_config(sim.config, small_ds)
-  assert cd.val_n.min() > 0 and len(ev.evaluated) == 5
-  accs = []
-  for k in ev.evaluated:
-    params = jax.tree.map(jnp.asarray, params_of(sim, state.population.params, k))
-    val = cd.val_idx[k, :cd.val_n[k]]
-    assert not np.isin(val, cd.test_idx[k, :cd.test_n[k]]).any()
-    assert not np.isin(val, cd.train_idx[k, :cd.train_n[k]]).any()
-    right = _right(sim, params, k)
-    assert ev.val_accuracy[k] == pytest.approx(right[val].mean())
-    # The test split's accuracy is what it is without the validation split.
-    assert ev.accuracy[k] == pytest.approx(right[cd.test_idx[k, :cd.test_n[k]]].mean())
-    accs.append(ev.val_accuracy[k])
-  assert len(set(accs)) > 1  # the clients' own splits and models, not one number
-  rec = outputs.record(sim, state.replace(costs=state.costs.of(0)), info, ev)
-  assert rec['val_accuracy'] == pytest.approx(np.mean(accs))
-
 
 def _evaluation(val=None):
   n = 4
