@@ -21,7 +21,9 @@ Mapping of the paper's ablations to config options (docs/algorithm.md §4):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
+import os
 
 METHODS = ('fedssa', 'standalone', 'fd', 'fedproto', 'fml', 'fedkd', 'lg_fedavg',
            'fedclassavg')
@@ -41,7 +43,8 @@ _SHORT = {'partition.classes_per_client': 'k', 'partition.dirichlet_gamma': 'gam
           'privacy.target_epsilon': 'eps', 'privacy.upload': 'updp_',
           'privacy.upload_mode': 'mode_', 'privacy.upload_clip': 'uclip',
           'privacy.upload_noise_multiplier': 'usigma', 'privacy.upload_target_epsilon': 'ueps',
-          'eval_global_images': 'glob', 'new_clients': 'new', 'new_client_epochs': 'newE'}
+          'eval_global_images': 'glob', 'new_clients': 'new', 'new_client_epochs': 'newE',
+          'privacy.clip_norm': 'clip', 'eval_validation': 'val_'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,13 +317,90 @@ def cross_device():
       [{**CROSS_DEVICE_SCHEDULE, **({'fedl2g__warmup': 5} if m == 'fedl2g' else {})}])]
 
 
+# Tuning DP-SGD on validation (docs/results.md, "Under differential privacy"): the `privacy`
+# sweep's setting and budgets, each run also tested on its clients' validation splits, which
+# alone choose (fedssa_jax/run/tuning.py). With most examples' gradients clipped, a DP-SGD step
+# is lr x C times a mean of unit vectors, so the grid pairs each clip with its own lrs, lr x C in
+# {0.02, 0.06, 0.2} (the untuned runs' 0.005 x 1 moved their models too little; lr 0.05 at C = 1
+# reached 78% at epsilon 8): small clips with large lrs, as De et al. (2022) advise, beside
+# C = 1 (the untuned runs') and C = 5, above the median example's gradient norm at
+# initialisation (2.6-3.3), where little is clipped and the noise is 5 times larger.
+DP_TUNING_GRID = {0.1: (0.2, 0.6, 2.0), 1.0: (0.02, 0.06, 0.2), 5.0: (0.004, 0.012, 0.04)}
+# Without DP-SGD (epsilon infinite) the lr alone, around the default 0.005.
+NON_DP_LRS = (0.0025, 0.005, 0.01, 0.02)
+# FedSSA first (its stage-1 grid chooses the other methods' cells), then the baselines.
+TUNING_METHODS = ('fedssa', 'standalone', 'fd', 'fedproto', 'fedgh', 'fedtgp', 'lg_fedavg')
+
+
+def _tuning_runs(method: str, cells: dict) -> list[Run]:
+  """`method`'s runs at hetero,n10, E = 1, 20 rounds, seed 0, eval_validation on: for each
+  budget epsilon of `cells` (math.inf: without DP-SGD) its [(clip or None, lr)]."""
+  out = []
+  for eps, pairs in cells.items():
+    dp = ({} if eps == float('inf') else
+          {'privacy__dp_sgd': True, 'privacy__noise_multiplier': 0.0,
+           'privacy__target_epsilon': eps})
+    out += grid(['cifar10'], ['hetero,n10'], (method,), (0,), [
+        {**SYSTEM_SCHEDULE, **dp, 'eval_validation': True, 'optimizer__lr': lr,
+         **({} if clip is None else {'privacy__clip_norm': clip})} for clip, lr in pairs])
+  return out
+
+
+def _tuning_cells(grid_of_eps) -> dict:
+  """{epsilon: [(clip, lr)]}: infinity's NON_DP_LRS, and each of PRIVACY_EPSILONS's
+  `grid_of_eps(eps)`."""
+  return {float('inf'): [(None, lr) for lr in NON_DP_LRS],
+          **{e: grid_of_eps(e) for e in PRIVACY_EPSILONS}}
+
+
+def dp_tuning():
+  """Stage 1 of the DP-SGD tuning: FedSSA at every (clip, lr) of DP_TUNING_GRID at each epsilon
+  of PRIVACY_EPSILONS, and at each lr of NON_DP_LRS without DP-SGD (31 runs). Then
+  `dp_tuning_others` in the same --sweep_dir."""
+  full = lambda e: [(clip, lr) for clip, lrs in DP_TUNING_GRID.items() for lr in lrs]
+  return _tuning_runs('fedssa', _tuning_cells(full))
+
+
+def dp_tuning_others(sweep_dir: str):
+  """Stage 2: each other method of TUNING_METHODS at each budget, at the clip that FedSSA's
+  stage-1 runs in `sweep_dir` chose on validation and each of that clip's lrs (without DP-SGD,
+  every lr of NON_DP_LRS): 13 runs a method. A ValueError, naming the command, until stage 1
+  has ended."""
+  from fedssa_jax.run import tuning  # pylint: disable=g-import-not-at-top  (no JAX)
+  todo = [r.name for r in dp_tuning() if not any(
+      os.path.exists(os.path.join(sweep_dir, r.name, f)) for f in ('summary.json',
+                                                                   'diverged.json'))]
+  if todo:
+    raise ValueError(
+        f'dp_tuning_others chooses its runs from the dp_tuning runs in {sweep_dir}, of which '
+        f'{len(todo)} have not ended (e.g. {todo[0]}): run python launch/sweep.py '
+        f'--sweep=dp_tuning --sweep_dir={sweep_dir} first, then this sweep with the same '
+        '--sweep_dir.')
+  chosen = tuning.chosen(sweep_dir, 'fedssa')
+  missing = [e for e in PRIVACY_EPSILONS if e not in chosen]
+  if missing:
+    raise ValueError(f'No finished FedSSA run of dp_tuning in {sweep_dir} at epsilon '
+                     f'{missing[0]:g} (all diverged?): nothing to choose the others\' clip by.')
+  row = lambda e: [(chosen[e].clip, lr) for lr in DP_TUNING_GRID[chosen[e].clip]]
+  return [r for m in TUNING_METHODS[1:] for r in _tuning_runs(m, _tuning_cells(row))]
+
+
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
     appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny,
-    system, system_devices, privacy, privacy_upload, cross_device)}
+    system, system_devices, privacy, privacy_upload, cross_device, dp_tuning,
+    dp_tuning_others)}
 
 
-def get_sweep(name: str) -> list[Run]:
+def get_sweep(name: str, sweep_dir: str | None = None) -> list[Run]:
+  """The runs of sweep `name`; a sweep that chooses its runs from earlier ones
+  (dp_tuning_others) reads them in `sweep_dir`."""
   if name not in SWEEPS:
     raise ValueError(f'Unknown sweep {name!r}; known sweeps: {", ".join(SWEEPS)}.')
-  return SWEEPS[name]()
+  sweep = SWEEPS[name]
+  if 'sweep_dir' not in inspect.signature(sweep).parameters:
+    return sweep()
+  if sweep_dir is None:
+    raise ValueError(f'Sweep {name!r} chooses its runs from the runs in its --sweep_dir: give '
+                     'the folder of its first stage.')
+  return sweep(sweep_dir)

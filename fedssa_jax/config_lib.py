@@ -67,9 +67,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.download = False                  # let TFDS download a data set missing from data_dir
   c.image_size = 0                    # 0: images as stored; N: resized to N x N at load time
                                       # (needed where their size varies; at least 16)
-  c.method = 'fedssa'                 # fedssa, standalone, fd, fedproto, fml, fedkd, lg_fedavg,
-                                      # fedclassavg, fedgh, fedtgp, fedl2g, fedmrl, fedgen
-                                      # (fedssa_jax/methods/)
+  c.method = 'fedssa'                 # a name of fedssa_jax/methods/ (methods.METHODS)
   c.num_clients = 10                  # N
   c.participation = 1.0               # C: K = floor(C*N) >= 1 clients per round
   c.num_rounds = 500
@@ -91,6 +89,7 @@ def base_config(dataset: str = 'cifar10') -> ml_collections.ConfigDict:
   c.new_clients = 0.0                 # a fraction of N that never trains: at each evaluation,
                                       # the method's newcomer download, training, a test
   c.new_client_epochs = 1             # local epochs a new client trains (0: none)
+  c.eval_validation = False           # also each client's validation split: val_accuracy
   # Where client models and per-client state live between rounds: 'device' (the accelerator),
   # 'host' (numpy in RAM; each round's cohort moves to the device) or 'disk' (memory-mapped
   # files in <workdir>/population/, for populations larger than RAM). Same results for all three.
@@ -170,8 +169,7 @@ def _optimizer_config() -> ml_collections.ConfigDict:
 
 def _guard_config() -> ml_collections.ConfigDict:
   """The blow-up guard (train.check_blowup): stops a run whose round train loss is finite but
-  diverging. 0 turns a test off. docs/operations.md ("The blow-up guard") justifies the
-  defaults."""
+  diverging; 0 turns a test off (docs/operations.md, "The blow-up guard")."""
   g = ml_collections.ConfigDict()
   g.max_train_loss = 1e3              # a round's mean train loss above this stops the run
   g.loss_growth = 1e3                 # ... or above this factor times the best round so far
@@ -427,6 +425,8 @@ def _check_partition(c: ml_collections.ConfigDict) -> None:
           f'{k * n / num_classes:g}. Set num_clients to a multiple of '
           f'{num_classes // math.gcd(k, num_classes)}, or change partition.classes_per_client.')
   elif p.kind == 'resample':
+    require(not c.eval_validation, "eval_validation needs each client's validation split, and "
+            "partition.kind='resample' draws none: use the pathological or Dirichlet partition.")
     require(p.dirichlet_gamma > 0,
           f'partition.dirichlet_gamma must be > 0, got {p.dirichlet_gamma}: it is the '
           "concentration of each client's class mixture (smaller is more skewed).")

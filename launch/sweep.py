@@ -381,11 +381,11 @@ def plan(sweep: str, sweep_dir: str | None, extra: dict, python: str, remote: bo
   diverged). With `remote`, commands name workdirs relative to the repository (for the copy on a
   TPU VM)."""
   sweeps = load_sweeps()
+  sweep_dir = os.path.abspath(sweep_dir or os.path.join(REPO, 'runs', 'sweeps', sweep))
   try:
-    runs = sweeps.get_sweep(sweep)
+    runs = sweeps.get_sweep(sweep, sweep_dir)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  sweep_dir = os.path.abspath(sweep_dir or os.path.join(REPO, 'runs', 'sweeps', sweep))
   cmd_dir = (os.path.relpath(sweep_dir, REPO) if remote and sweep_dir.startswith(REPO + os.sep)
              else sweep_dir)
   todo = [r for r in runs if not has_ended(sweep_dir, r)]

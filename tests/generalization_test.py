@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import make_small_sim, params_of, rounds
-from fedssa_jax import config_lib, models, system
+from fedssa_jax import config_lib, data, models, system
 from fedssa_jax.data import augment
 from fedssa_jax.engine import generalization, uplink
 from fedssa_jax.engine.evaluation import Evaluation
@@ -104,9 +104,10 @@ def test_new_clients_are_never_sampled_even_under_the_system_section():
 @pytest.fixture(scope='module')
 def lens_run(small_ds):
   """FedSSA on 10 CNN-5 clients, two of them new (never trained; 0 epochs at evaluation), with a
-  global sample of 30 images, after 2 rounds."""
+  global sample of 30 images and each client's validation split evaluated, after 2 rounds."""
   sim = make_small_sim(small_ds, 'fedssa', num_clients=10, participation=0.5,
-                       new_clients=0.2, new_client_epochs=0, eval_global_images=30)
+                       new_clients=0.2, new_client_epochs=0, eval_global_images=30,
+                       eval_validation=True)
   *_, (state, info) = rounds(sim, 2)
   return sim, state, info, sim.evaluate(state)
 
@@ -156,4 +157,27 @@ def test_global_accuracy_is_each_clients_accuracy_on_the_sample(lens_run):
   assert rec['global_accuracy'] == pytest.approx(float(ev.global_accuracy[ev.evaluated].mean()))
   assert rec['participation_gap'] == pytest.approx(
       rec['mean_accuracy'] - rec['new_client_accuracy'])
-  assert set(lens.LENS_FIELDS) <= set(rec) and set(rec) <= set(outputs.METRICS_FIELDS)
+  assert set(lens.LENS_FIELDS) <= set(rec)
+  assert set(rec) - set(outputs.METRICS_FIELDS) == {'val_accuracy'}  # eval_validation's
+
+
+@pytest.mark.slow  # a simulator compiled and run
+def test_val_accuracy_is_each_clients_accuracy_on_its_validation_split(lens_run, small_ds):
+  sim, state, info, ev = lens_run
+  cd = data.partition_from_config(sim.config, small_ds)
+  d = sim.seed_data[0]
+  x = augment.normalize(d.images, sim.train_cfg.mean, sim.train_cfg.std)
+  forward = jax.jit(sim.groups[0].eval_model.apply)  # every client a CNN-5: one compile
+  accs = []
+  for k in ev.evaluated:
+    params = jax.tree.map(jnp.asarray, params_of(sim, state.population.params, k))
+    right = np.argmax(np.asarray(forward({'params': params}, x)[0]), -1) == np.asarray(d.labels)
+    val, test = cd.val_idx[k, :cd.val_n[k]], cd.test_idx[k, :cd.test_n[k]]
+    assert len(val) and not np.isin(val, test).any()
+    assert not np.isin(val, cd.train_idx[k, :cd.train_n[k]]).any()
+    assert ev.val_accuracy[k] == pytest.approx(right[val].mean())
+    assert ev.accuracy[k] == pytest.approx(right[test].mean())  # the test split's as before
+    accs.append(ev.val_accuracy[k])
+  assert len(set(accs)) > 2  # each client's own split and model
+  rec = outputs.record(sim, state.replace(costs=state.costs.of(0)), info, ev)
+  assert rec['val_accuracy'] == pytest.approx(np.mean(accs))

@@ -43,6 +43,10 @@ class DeviceData:
   train_n: jax.Array    # [N] int32
   test_idx: jax.Array   # [N, max_test] int32
   test_n: jax.Array     # [N] int32
+  # The validation splits [N, max_val] and [N], where a run evaluates them (eval_validation);
+  # None otherwise, and then no call takes them.
+  val_idx: jax.Array | None = None
+  val_n: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(

@@ -6,7 +6,9 @@ rows to the call. Results are counts per client; `Evaluation` turns them into ac
 method whose prediction goes beyond the client's model (`Method.eval_forward`, e.g. FedMRL's
 projector and shared model) declares `Method.eval_reads_state`: it is evaluated through that
 forward, and the store then brings the block's per-client method state too; any other method's
-calls are those of the family's apply alone, without the state.
+calls are those of the family's apply alone, without the state. With `eval_validation`, the same
+calls test each client on its own validation split too (the data's val_idx, val_n), with the same
+model and headline metric: what hyperparameters are chosen on (run/tuning.py).
 
 A run with `save_representations=True` writes `representations.npz` into its workdir at the end:
 `representations` [M, d] float16 (M = all clients' test samples), `labels` [M] and `client`
@@ -34,6 +36,9 @@ from fedssa_jax.types import PyTree
 EVAL_BLOCK = 32
 COUNTS = ('correct', 'count', 'batch_acc_sum', 'num_batches')
 GLOBAL_CORRECT = 'global_correct'  # a client's correct count on the global test sample
+# A client's count of its validation samples its headline metric gets right, and of them all
+# (eval_validation).
+VALIDATION = ('val_correct', 'val_count')
 REPRESENTATIONS_FILE = 'representations.npz'
 # Under a mesh, each device evaluates its share of a block's rows (evaluate_rows's arguments;
 # a method that reads the client state adds its rows, STATE_SPEC, after them).
@@ -91,6 +96,8 @@ class Evaluation:
   global_accuracy: np.ndarray | None = None
   # Each new client's accuracy on its own test split (new_clients; None: off), NaN elsewhere.
   new_client_accuracy: np.ndarray | None = None
+  # Each client's headline accuracy on its own validation split (eval_validation; None: off).
+  val_accuracy: np.ndarray | None = None
 
 
 class Evaluator:
@@ -100,7 +107,8 @@ class Evaluator:
 
   def __init__(self, method, groups: list, store, placement, train_cfg: TrainConfig,
                group_of: np.ndarray, slot_of: np.ndarray, *, eval_batch_size: int,
-               clients_per_call: int = 0, phase=None, global_sample=None):
+               clients_per_call: int = 0, phase=None, global_sample=None,
+               validation: bool = False):
     self.method, self.groups, self.store, self.placement = method, groups, store, placement
     self.train_cfg = train_cfg
     self.group_of, self.slot_of = group_of, slot_of
@@ -112,6 +120,9 @@ class Evaluator:
     # None: off, and nothing of them is traced.
     self.global_sample = global_sample
     self.global_on = global_sample is not None
+    # Each client tested on its validation split too (the data's val_idx, val_n); False: nothing
+    # of it is traced.
+    self.validation = validation
     self.calls = [self._eval_call(g) for g in groups]
 
   def _per_call(self, g) -> int:
@@ -135,7 +146,8 @@ class Evaluator:
     counts of a block of group `g`'s members (rows where `valid` is False, padding, evaluate no
     test batch); `state_rows`, the members' client state, only for a method that reads it.
     With the global test sample on (`global_sample`), `server` is (the server state, the
-    sample's indices), and each client's count of it is `GLOBAL_CORRECT`."""
+    sample's indices), and each client's count of it is `GLOBAL_CORRECT`; with `validation`,
+    each client's counts of its validation split are VALIDATION's, of the headline metric."""
     method, cfg, per_call = self.method, self.train_cfg, self._per_call(g)
 
     def evaluate_rows(group_params, cids, valid, server, data_: DeviceData,
@@ -161,12 +173,28 @@ class Evaluator:
           out[GLOBAL_CORRECT] = evaluate_client(
               params, global_idx, jnp.where(ok, size, 0), data_, apply_fn=forward, cfg=cfg,
               eval_batch_size=min(self.eval_batch_size, -(-size // 8) * 8))['correct']
+        if self.validation:
+          out.update(self._validation(params, cid, ok, data_, forward, extra))
         return out
       # Inside shard_map, cids holds this device's rows.
       rows = (group_params, cids, valid) + ((state_rows,) if self.reads_state else ())
       return jax.lax.map(one, rows, batch_size=min(per_call, cids.shape[0]))
 
     return evaluate_rows
+
+  def _validation(self, params, cid, ok, data_: DeviceData, forward, extra) -> dict:
+    """VALIDATION's counts of client `cid` (none for a padding row, `ok` False): its headline
+    metric (the classifier's accuracy, or the method's eval_metrics entry) on its validation
+    split, with the forward and `extra` of its test."""
+    method = self.method
+    headline = method.headline_metric != 'accuracy'
+    out = evaluate_client(
+        params, data_.val_idx[cid], jnp.where(ok, data_.val_n[cid], 0), data_, apply_fn=forward,
+        cfg=self.train_cfg, eval_batch_size=min(self.eval_batch_size,
+                                                -(-data_.val_idx.shape[1] // 8) * 8),
+        extra_fn=extra if headline else None, extra_names=method.eval_metrics if headline else ())
+    return dict(zip(VALIDATION, (out[method.headline_metric if headline else 'correct'],
+                                 out['count'])))
 
   def _eval_call(self, g):
     """The group's jitted call of `rows_fn`, from the store, each device evaluating its share."""
@@ -205,7 +233,8 @@ class Evaluator:
     clients sampled in between (each round's cohort is a function of the seed and the round)
     are evaluated again, and the others' results are copied. The results are the same."""
     method = self.method
-    names = (*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
+    names = ((*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
+             + (VALIDATION if self.validation else ()))
     t = int(state.round)
     reuse = not method.eval_reads_server
     if reuse and previous is not None and previous.round <= t:
@@ -235,7 +264,9 @@ class Evaluator:
         batch_accuracy=counts['batch_acc_sum'] / np.maximum(counts['num_batches'], 1),
         count=counts['count'].copy(), metrics=metrics, counts=counts,
         global_accuracy=(counts[GLOBAL_CORRECT] / self.global_sample.shape[-1]
-                         if self.global_on else None))
+                         if self.global_on else None),
+        val_accuracy=(counts['val_correct'] / np.maximum(counts['val_count'], 1)
+                      if self.validation else None))
 
   # ------------------------------------------------------------------------------------------
   # Representations

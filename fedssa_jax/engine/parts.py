@@ -75,23 +75,39 @@ def check_seeds(config, seeds, widths) -> None:
         'default since 0.5): set JAX_THREEFRY_PARTITIONABLE=1, or fix partition.seed.')
 
 
-def device_data(ds: data.Dataset, cds: list[data.ClientData],
-                place: Placement) -> tuple[list[DeviceData], DeviceData]:
-  """(each seed's own data, which its evaluation reads; the training data of every seed,
-  stacked: its training index rows padded to the widest seed's, its sizes [R, N]), on the
-  devices, the images shared."""
+def device_data(ds: data.Dataset, cds: list[data.ClientData], place: Placement,
+                validation: bool = False) -> tuple[list[DeviceData], DeviceData]:
+  """(each seed's own data, which its evaluation reads, with its validation splits where
+  `validation`; the training data of every seed, stacked: its training index rows padded to the
+  widest seed's, its sizes [R, N]), on the devices, the images shared."""
   images, labels = place.replicate((jnp.asarray(ds.images), jnp.asarray(ds.labels)))
+  val = lambda c: ({'val_idx': jnp.asarray(c.val_idx), 'val_n': jnp.asarray(c.val_n)}
+                   if validation else {})
   seed_data = [place.replicate(DeviceData(
       images=images, labels=labels, train_idx=jnp.asarray(c.train_idx),
       train_n=jnp.asarray(c.train_n), test_idx=jnp.asarray(c.test_idx),
-      test_n=jnp.asarray(c.test_n))) for c in cds]
+      test_n=jnp.asarray(c.test_n), **val(c))) for c in cds]
   width = max(c.train_idx.shape[1] for c in cds)
   pad = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])))
   train_idx = np.stack([pad(c.train_idx) for c in cds])
   stacked = dataclasses.replace(
       seed_data[0], train_idx=place.replicate(jnp.asarray(train_idx)),
-      train_n=place.replicate(jnp.asarray(np.stack([c.train_n for c in cds]))))
+      train_n=place.replicate(jnp.asarray(np.stack([c.train_n for c in cds]))),
+      val_idx=None, val_n=None)  # training never reads the validation splits
   return seed_data, stacked
+
+
+def check_validation(cds: list[data.ClientData], evaluated: list[np.ndarray]) -> None:
+  """A ConfigError, naming the fix, where an evaluated client (`evaluated`, each seed's ids) has
+  no validation sample, so that eval_validation could not score it."""
+  for c, ids in zip(cds, evaluated):
+    empty = ids[c.val_n[ids] == 0]
+    if len(empty):
+      raise ConfigError(
+          f'eval_validation: {len(empty)} of the {len(ids)} evaluated clients (client '
+          f'{int(empty[0])} first) hold no validation sample. Give each client one (fewer '
+          "clients, partition.scheme='reference', whose 10k validation pool is split as the "
+          'training pool is), or set eval_validation=False.')
 
 
 def evaluated_ids(config, seeds, cds: list[data.ClientData]) -> list[np.ndarray]:

@@ -256,7 +256,7 @@ class Simulator:
                     if privacy.enabled(config.privacy) else None)
     self.train_cfg = train_config(config, ds, self.privacy,
                                   max(c.train_idx.shape[1] for c in cds))
-    self.seed_data, self.data = parts.device_data(ds, cds, place)
+    self.seed_data, self.data = parts.device_data(ds, cds, place, config.eval_validation)
     self.seen_dev = place.replicate(jnp.asarray(self.seen))
     keys = [jax.random.PRNGKey(s) for s in self.seeds]
     self.root_keys = place.replicate(jnp.stack(keys))
@@ -265,6 +265,8 @@ class Simulator:
                                                      self.privacy.release_noise_multiplier)
     self.evaluated_ids = [np.setdiff1d(ids, new) for ids, new in zip(
         parts.evaluated_ids(config, self.seeds, cds), self.new_clients)]
+    if config.eval_validation:
+      parts.check_validation(cds, self.evaluated_ids)
 
     self.groups = schedule.make_groups(config, ds.num_classes, self.num_clients, self.k, place,
                                        self.image_shape)
@@ -297,7 +299,7 @@ class Simulator:
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
         self.slot_of, eval_batch_size=config.eval_batch_size,
         clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
-        global_sample=self._global_sample(config, ds, cds))
+        global_sample=self._global_sample(config, ds, cds), validation=config.eval_validation)
     self.newcomers = self._newcomers(config)
 
   def _calls(self, config, workdir: str | None, per_call_choice: dict | None) -> None:

@@ -5,7 +5,8 @@ simulator, the rounds, checkpoints, outputs); `checkpoint` saves and restores, `
 diverged run, `workdir_lock` keeps two runs out of one workdir, `observers` follow the rounds
 beside the engine (the system section's clock, the privacy accountants), `outputs` and
 `console` write the records and the one line a round; `compare`, `report`, `runs` and `plots`
-read finished runs back into tables and figures, and `bench` times the engine's parts. It
+read finished runs back into tables and figures (`tuning` chooses hyperparameters on
+validation), and `bench` times the engine's parts. It
 imports nothing at import time, so a launcher may take `workdir_lock` alone without loading
 JAX.
 """

@@ -41,13 +41,24 @@ def lens(accuracy: np.ndarray, families: list[str], ev) -> dict:
   }
 
 
+def validation(ev) -> dict:
+  """A record's validation field, with eval_validation on: `val_accuracy`, the evaluated
+  clients' mean accuracy (the headline metric's) on their own validation splits, which
+  hyperparameters are chosen on (run/tuning.py); {} when off, so that the record is as
+  before."""
+  if ev.val_accuracy is None:
+    return {}
+  return {'val_accuracy': float(ev.val_accuracy[ev.evaluated].mean())}
+
+
 def lens_text(summary: dict) -> str:
   """The summary's lens for the console's last line: ' (std 0.0812, worst decile 0.6120, global
-  0.3350, new clients 0.5400, gap 0.2010)', the parts that are off left out."""
+  0.3350, new clients 0.5400, gap 0.2010, validation 0.8100)', the parts that are off left
+  out."""
   parts = [(label, summary.get(f'final_{k}')) for label, k in (
       ('std', 'accuracy_std'), ('worst decile', 'worst10_accuracy'),
       ('global', 'global_accuracy'), ('new clients', 'new_client_accuracy'),
-      ('gap', 'participation_gap'))]
+      ('gap', 'participation_gap'), ('validation', 'val_accuracy'))]
   text = ', '.join(f'{label} {v:.4f}' for label, v in parts if v is not None)
   return f' ({text})' if text else ''
 

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 
 from fedssa_jax.run import checkpoint, observers
-from fedssa_jax.run.lens import LENS_FIELDS, lens, lens_text
+from fedssa_jax.run.lens import LENS_FIELDS, lens, lens_text, validation
 
 
 def clu_writers() -> tuple[Any, Any]:
@@ -117,6 +117,9 @@ def make_summary(config, state, progress: Progress, watching=()) -> dict:
       'best_round': history[int(np.argmax(accs))]['round'] if accs else None,
       'final_client_accuracy': history[-1]['client_accuracy'] if history else None,
       **{f'final_{k}': history[-1].get(k) if history else None for k in LENS_FIELDS},
+      # With eval_validation only: the last record's (tuning.py selects on it).
+      **({'final_val_accuracy': history[-1].get('val_accuracy') if history else None}
+         if config.get('eval_validation') else {}),
       'target_accuracy': config.target_accuracy,
       'to_target': first_reaching(history, config.target_accuracy),
       'cum_up_floats': state.costs.up_floats,
@@ -262,6 +265,7 @@ def record(sim, state, info, ev, observed: dict | None = None) -> dict:
       'client_accuracy': client_list(acc),
       'evaluated_clients': 'all' if len(evaluated) == sim.num_clients else len(evaluated),
       **lens(acc, np.array([g.family for g in sim.groups])[sim.group_of[evaluated]], ev),
+      **validation(ev),  # with eval_validation only
       'participant_accuracy_reference': float(cohort_acc.mean()) if len(cohort_acc) else None,
       'train_loss': info.train_loss,
       'train_accuracy': info.train_accuracy,

@@ -25,6 +25,8 @@ as `diverged (round N)`):
                 representations (runs with save_representations=True);
 - lens.md       per setting, the final round's spread, worst decile, global accuracy, new
                 clients' accuracy and participation gap (run/lens.py)
+- tuned.md      where runs evaluated their validation splits (eval_validation): per method and
+                budget, the (clip, lr) chosen on validation and its test accuracy (run/tuning.py)
 - index.md      links to all of them.
 
 Runs of one setting and seed that hold different partitions (their config.json's
@@ -48,12 +50,12 @@ from absl import flags
 import numpy as np
 
 from fedssa_jax.engine import evaluation
-from fedssa_jax.run import lens
+from fedssa_jax.run import lens, tuning
 from fedssa_jax.run.tables import markdown_table, mean_std, sci  # pylint: disable=unused-import
 from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rounds,
                                   plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
                                   plot_training_curves, plot_tsne, robustness_series)
-from fedssa_jax.run.runs import (REFERENCE_METHOD, _method_key, backend_of, by_setting_and_method,
+from fedssa_jax.run.runs import (METHOD_ORDER, REFERENCE_METHOD, _method_key, backend_of, by_setting_and_method,
                                  file_part, has_clock, load_sweep, privacy_budget, reached,
                                  reached_epsilon)
 
@@ -340,6 +342,9 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
            ('lens.md', lens.lens_tables(grouped))]
   if private:
     texts.append(('privacy.md', privacy_tables(private)))
+  tuned = tuning.select(tuning.candidates(sweep_dir))
+  if tuned:
+    texts.append(('tuned.md', tuning.tuned_tables(tuned, METHOD_ORDER)))
   for name, text in texts:
     title, _, rest = text.partition('\n')  # the note goes under each page's title
     with open(os.path.join(out_dir, name), 'w') as f:
@@ -348,6 +353,8 @@ def write_report(sweep_dir: str, out_dir: str | None = None,
   index = _index_head(sweep_dir, out_dir, runs, grouped, diverged, unfinished, note)
   if private:
     index.append(_privacy_link(runs, out_dir))
+  if tuned:
+    index.append('- [Tuned on validation: the privacy-utility frontier](tuned.md)')
   index += ['', *_settings_section(grouped, out_dir), *_robustness_section(grouped, out_dir),
             *_tsne_section(runs, out_dir)]
   path = os.path.join(out_dir, 'index.md')
