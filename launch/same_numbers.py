@@ -63,7 +63,10 @@ RUNS['fedssa-disk'] = ({'method': 'fedssa', 'population_store': 'disk'}, {})
 RUNS['fedssa-mesh2'] = ({'method': 'fedssa', 'engine.mesh_devices': 2},
                         {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
 # The three newest methods from every store and on the mesh, as FedSSA (their numbers must
-# equal their device-store runs': `--match_variants` compares them).
+# equal their device-store runs': `--match_variants` compares them). FedGen's mesh run agrees to
+# 4e-5 in round 2's server loss and then drifts past VARIANT_RTOL (0.5 points of accuracy by
+# round 5): its server trains the generator for 100 steps on headers summed in another order,
+# which amplifies the rounding; its clients' losses still agree to 4e-5 in round 3.
 for _m in ('fedsa', 'fedorgp', 'fedgen'):
   RUNS[f'{_m}-host'] = ({'method': _m, 'population_store': 'host'}, {})
   RUNS[f'{_m}-disk'] = ({'method': _m, 'population_store': 'disk'}, {})
