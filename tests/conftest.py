@@ -62,15 +62,25 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes',
                   int(os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES']))
 
 
-# The files that take longest, longest first: pytest-xdist hands out whole files in collection
-# order (setup.cfg: --dist loadfile --no-loadscope-reorder), so these start at once and the
-# short ones fill the workers in at the end. A file missing here only runs later (see the
-# slowest durations every run prints); the order changes nothing else.
+# The files by the time they take, longest first: pytest-xdist hands out whole files in
+# collection order (setup.cfg: --dist loadfile --no-loadscope-reorder), so the long ones start
+# at once and the short ones fill the workers in at the end (longest processing time first: a
+# long file handed out last leaves the other worker idle while it runs). A file missing here
+# runs after them all, so a new file of more than a few seconds belongs in this list, by the
+# slowest durations every run prints; the order changes nothing else.
 LONGEST_FILES = ('sharding_test.py', 'multihost_test.py', 'main_every_method_test.py',
-                 'zoo_test.py', 'checkpoint_test.py', 'sweep_test.py', 'replicas_test.py',
-                 'engine_test.py', 'model_state_test.py', 'bench_test.py', 'system_test.py',
-                 'client_test.py',
-                 'main_bad_input_test.py', 'population_test.py', 'precision_test.py')
+                 'privacy_test.py', 'zoo_test.py', 'checkpoint_test.py', 'sweep_test.py',
+                 'replicas_test.py', 'engine_test.py', 'model_state_test.py', 'system_test.py',
+                 'method_fedkd_test.py', 'population_test.py', 'client_test.py', 'bench_test.py',
+                 'main_bad_input_test.py', 'report_test.py', 'method_fedmrl_test.py',
+                 'method_fedsa_test.py', 'method_standalone_test.py', 'method_fedssa_test.py',
+                 'data_test.py', 'precision_test.py', 'models_test.py',
+                 'method_fedclassavg_test.py', 'method_fedgen_test.py',
+                 'privacy_releases_test.py', 'audit_test.py', 'generalization_test.py',
+                 'method_fedl2g_test.py', 'method_fedorgp_test.py', 'method_fml_test.py',
+                 'method_fedproto_test.py', 'method_fd_test.py', 'method_fedgh_test.py',
+                 'main_test.py', 'per_call_test.py', 'method_fedtgp_test.py', 'compare_test.py',
+                 'feature_dim_test.py')
 
 
 @pytest.hookimpl(trylast=True)
