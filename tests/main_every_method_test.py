@@ -40,11 +40,10 @@ PG = (32 + C) * 512 + 3 * 512 + 512 * D + D
 PACKED_SEEDS = (3, 0)
 # The methods packed here: one of each kind of server (its state and rule), each a separate
 # path through the seed axis. Those left out share their kind's path: Standalone has no server,
-# LG-FedAvg and FedClassAvg average headers as FedSSA does, FedProto averages prototypes as
-# FedSA and FD do, FedTGP's server is FedORGP's without the regulariser, FML averages a model
-# as FedMRL does. Every method is packed by launch/same_numbers.py's `-seeds3` runs.
-PACKED_METHODS = ('fd', 'fedgen', 'fedgh', 'fedkd', 'fedl2g', 'fedmrl', 'fedorgp', 'fedsa',
-                  'fedssa')
+# LG-FedAvg and FedClassAvg average headers as FedSSA does, FedProto and FD average class means
+# as FedSA does, FedTGP and FedGH train on (prototype, class) pairs as FedORGP does, FML averages
+# a model as FedMRL does. Every method is packed by launch/same_numbers.py's `-seeds3` runs.
+PACKED_METHODS = ('fedgen', 'fedkd', 'fedl2g', 'fedmrl', 'fedorgp', 'fedsa', 'fedssa')
 TIMINGS = ('round_seconds', 'elapsed_seconds', 'wall_seconds', 'seconds_per_round_steady',
            'first_round_seconds')
 
