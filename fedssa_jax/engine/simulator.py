@@ -179,7 +179,7 @@ def local_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
     raise ValueError(f'{type(method).__name__}.forward_pass must be None or one of '
                      f'{methods.FORWARD_PASS_TIMES}, got {method.forward_pass!r}.')
   stats_fn, rows, dp = method.forward_pass_stats, method.forward_pass_rows, train_cfg.dp
-  if dp is not None and method.release_after_training:
+  if dp is not None and (method.release_after_training or method.release_values is not None):
     local = functools.partial(local, release=privacy.Release(dp.release_clip,
                                                              dp.release_noise_multiplier))
   if dp is not None and method.release_values is not None:
@@ -190,8 +190,6 @@ def local_fn(g: schedule.Group, method: methods.Method, train_cfg: training.Trai
                        '(release_values) and must set forward_pass for them.')
     stats_fn, rows = privacy.table_stats(method.release_values, num_classes=method.num_classes,
                                          clip=dp.release_clip), False
-    local = functools.partial(local, release=privacy.Release(dp.release_clip,
-                                                             dp.release_noise_multiplier))
   if method.forward_pass is not None:
     # training.forward_pass_sums for the group's evaluated model, in evaluation-size batches
     # (at most the longest training split, rounded up to 8, as evaluation cuts test batches).
