@@ -225,17 +225,36 @@ def test_mixed_group_resumes_to_the_uninterrupted_run(mixed_runs):
   np.testing.assert_array_equal(info.client_up_floats, want.client_up_floats)
 
 
-@pytest.mark.slow  # a simulator of two families, compiled and run
-def test_fedproto_round_on_a_mixed_group(few_images):
-  """FedProto's prototypes from both families, 512 wide; its evaluation (classifier and nearest
-  prototype) through the ResNet's running statistics."""
-  sim = mixed_sim(few_images, 'fedproto')
+# The methods whose server works on representations or a generator (the prototype methods, and
+# FedGen's header and generator): one round each on a mixed group, d = 512 as HtFLlib's model
+# groups have it, each with what the round must leave on its server.
+REPRESENTATION_METHODS = ('fedproto', 'fedsa', 'fedorgp', 'fedgen')
+
+
+@pytest.mark.slow  # a simulator of two families, compiled and run, a method each
+@pytest.mark.parametrize('method', REPRESENTATION_METHODS)
+def test_a_representation_methods_round_on_a_mixed_group(few_images, method):
+  """The method's uploads from both families, 512 wide, reach its server; its evaluation
+  (classifier, and the nearest prototype where the method logs it) goes through the ResNet's
+  running statistics."""
+  sim = mixed_sim(few_images, method)
   state, (info,) = sim.run_round(sim.init_state())
   assert np.isfinite(info.train_loss) and info.train_samples.sum() > 0
-  np.testing.assert_array_equal(info.client_up_floats, 512 * sim.seen[0][info.cohort].sum(1))
-  assert state.server.protos.shape[-1] == 512 and bool(np.all(state.server.avail))
+  seen = sim.seen[0][info.cohort].sum(1)
+  server = state.server
+  if method == 'fedgen':  # the headers (d + 1 a row) of every class
+    np.testing.assert_array_equal(info.client_up_floats, 513 * sim.num_classes)
+    assert server.global_header.shape[-1] == 513
+    assert np.all(np.isfinite(np.asarray(server.global_header)))
+  else:  # a 512-d prototype per held class
+    np.testing.assert_array_equal(info.client_up_floats, 512 * seen)
+    assert server.protos.shape[-1] == 512 and bool(np.all(server.avail))
+    assert np.all(np.isfinite(np.asarray(server.protos)))
   ev = sim.evaluate(state)
-  assert np.all(np.isfinite(ev.accuracy)) and set(ev.metrics) == {'prototype_accuracy'}
+  assert np.all(np.isfinite(ev.accuracy))
+  assert set(ev.metrics) == set(sim.method.eval_metrics)
+  if method in ('fedproto', 'fedsa'):
+    assert set(ev.metrics) == {'prototype_accuracy'}
 
 
 @pytest.mark.slow  # a third simulator
