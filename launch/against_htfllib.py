@@ -48,7 +48,8 @@ and the cross-device federation's (the n1000 variant's N, C, batch and Dirichlet
 `-nc 1000 -jr 0.1`; both sides evaluate every client every round, as HtFLlib does):
 
   python launch/against_htfllib.py ... --batch_size=10 --num_clients=1000 --participation=0.1 \
-      --partition=dirichlet --alpha=1.0 --lr=0.01 --methods=standalone,fedproto,fedtgp --rounds=20
+      --partition=dirichlet --alpha=1.0 --lr=0.01 --methods=standalone,fedproto,fedtgp --rounds=50 \
+      --out=results/against_htfllib_n1000
 
 and its files are named with the federation (`_b10_n20_dir0.1_lr0.01`), so each federation's
 runs resume on their own. `--model_group=htfe2` trains HtFLlib's own HtFE-img-2 (FedAvgCNN and
