@@ -149,6 +149,14 @@ def make_small_sim(ds, method, workdir=None, **overrides):
   return simulator.Simulator(c, ds, data.partition_from_config(c, ds), workdir)
 
 
+@pytest.fixture(scope='session')
+def few_images():
+  """100 training and 50 test images (20 a client of make_small_sim's five): for tests whose
+  time is training, not compiling (a ResNet's steps, DP-SGD's per-example work), which the
+  tests' XLA level runs slowly (its convolutions' gradients about 10x slower)."""
+  return synthetic_dataset(num_train=100, num_test=50)
+
+
 @pytest.fixture
 def small_sim(small_ds):
   """make(method, **overrides): make_small_sim on small_ds."""

@@ -18,7 +18,7 @@ from fedssa_jax.engine import snapshots, training
 from fedssa_jax.methods import standalone
 from fedssa_jax.run import checkpoint
 
-from conftest import make_small_sim, params_of, synthetic_dataset
+from conftest import make_small_sim, params_of
 
 SIZES = [5, 13, 0]  # uneven clients (13: a partial second batch of 8), one empty (a dummy)
 B = 8
@@ -158,13 +158,6 @@ def mixed_sim(ds, method, workdir=None, **more):
                             'model.families': ('cnn5', 'resnet4'),
                             'model.feature_dim': 512, 'participation': 1.0,
                             'batch_size': 8, 'eval_batch_size': 8})
-
-
-@pytest.fixture(scope='module')
-def few_images():
-  """100 training and 50 test images: a ResNet's training steps are slow on the tests' XLA
-  flags (level 0 runs its convolutions' gradients about 10x slower than the default does)."""
-  return synthetic_dataset(num_train=100, num_test=50)
 
 
 @pytest.fixture(scope='module')

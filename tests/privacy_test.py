@@ -36,8 +36,6 @@ from fedssa_jax.methods import standalone
 from fedssa_jax.streams import StepStream
 from fedssa_jax.run import observers, train
 
-from conftest import synthetic_dataset
-
 
 def section(**fields):
   p = privacy.default_config()
@@ -431,14 +429,14 @@ def test_a_simulator_of_models_with_batch_norm_is_refused(small_ds):
 
 @pytest.mark.slow  # simulators compiled and run
 @pytest.mark.parametrize('method', ['fml', 'fd'])  # a jointly trained meme; a private release
-def test_a_method_with_a_second_model_or_a_release_trains_under_dp_sgd(method):
+def test_a_method_with_a_second_model_or_a_release_trains_under_dp_sgd(few_images, method):
   """Every method that DP-SGD applies to ran two such rounds by hand (docs: the closing note);
   these two keep the paths that differ from plain CE: an aux model's gradient clipped with the
   client's own, and a private release of class sums (FD's logits), which the server receives as
   the trained model's forward pass over the training split, clipped and noised, by hand. FML's
   two models: ghost norms (the default) and each example's gradient built
   (privacy.per_example='vmap') train the same round."""
-  small_ds = synthetic_dataset(num_train=100, num_test=50)  # 20 training images a client
+  small_ds = few_images  # 20 training images a client
   from conftest import make_small_sim, params_of, rounds
   modes = ('auto', 'vmap') if method == 'fml' else ('auto',)
   sims = {mode: make_small_sim(small_ds, method, **{'privacy.dp_sgd': True,
@@ -547,8 +545,9 @@ class RoundCounter(observers.Observer):
 
 
 @pytest.mark.slow  # whole runs, compiled
-def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, monkeypatch):
-  small_ds = synthetic_dataset(num_train=100, num_test=50)  # 20 training images a client
+def test_a_run_reports_epsilon_resumes_exactly_and_ends_at_its_budget(tmp_path, few_images,
+                                                                      monkeypatch):
+  small_ds = few_images  # 20 training images a client
   # The loop reaches the accountants only through its observers, as it reaches any other.
   accountants = observers.watching
   monkeypatch.setattr(observers, 'watching', lambda sim: [*accountants(sim), RoundCounter()])
