@@ -29,6 +29,7 @@ from flax import struct
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine.placement import REPLICATED, SHARDED
+from fedssa_jax.engine.state import TableRows
 from fedssa_jax.engine.training import TrainConfig
 from fedssa_jax.types import PyTree
 
@@ -77,6 +78,14 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
                          jnp.zeros((), jnp.int32), extra0))
   return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
           'num_batches': num_batches, **extra}
+
+
+def _block(group_params) -> tuple:
+  """(what a block's loop runs over, the client's parameters of one of its elements): the
+  rows themselves, or the slots of a TableRows and the row each names."""
+  if isinstance(group_params, TableRows):
+    return group_params.slots, group_params.row
+  return group_params, lambda params: params
 
 
 @struct.dataclass
@@ -144,7 +153,7 @@ class Evaluator:
   def rows_fn(self, g) -> Callable:
     """`evaluate_rows(group_params, cids, valid, server, data, state_rows=None)`: the test
     counts of a block of group `g`'s members (rows where `valid` is False, padding, evaluate no
-    test batch); `state_rows`, the members' client state, only for a method that reads it.
+    test batch), `group_params` their rows or a TableRows naming them; `state_rows`, the members' client state, only for a method that reads it.
     With the global test sample on (`global_sample`), `server` is (the server state, the
     sample's indices), and each client's count of it is `GLOBAL_CORRECT`; with `validation`,
     each client's counts of its validation split are VALIDATION's, of the headline metric."""
@@ -158,9 +167,11 @@ class Evaluator:
       max_test = data_.test_idx.shape[1]
       eval_batch = min(self.eval_batch_size, -(-max_test // 8) * 8)
 
+      mapped, row = _block(group_params)
+
       def one(args):
         params, cid, ok, *state = args  # state: [the client's state] if the method reads it
-        params = method.eval_params(params, server, cid)
+        params = method.eval_params(row(params), server, cid)
         extra = functools.partial(method.eval_extra, server, cid)
         forward = self._forward(g, state, server, cid)
         # A padding row has no test sample, so its test loop runs no batch (one row at a time,
@@ -177,7 +188,7 @@ class Evaluator:
           out.update(self._validation(params, cid, ok, data_, forward, extra))
         return out
       # Inside shard_map, cids holds this device's rows.
-      rows = (group_params, cids, valid) + ((state_rows,) if self.reads_state else ())
+      rows = (mapped, cids, valid) + ((state_rows,) if self.reads_state else ())
       return jax.lax.map(one, rows, batch_size=min(per_call, cids.shape[0]))
 
     return evaluate_rows
@@ -276,14 +287,16 @@ class Evaluator:
 
     def rows_reps(group_params, cids, valid, server, data_: DeviceData, state_rows=None):
       del valid
+      mapped, row = _block(group_params)
+
       def one(args):
         params, cid, *state = args
-        params = method.eval_params(params, server, cid)
+        params = method.eval_params(row(params), server, cid)
         idx = data_.test_idx[cid]
         x = augment.normalize(data_.images[idx], cfg.mean, cfg.std)
         forward = self._forward(g, state, server, cid)
         return forward({'params': params}, x)[1].astype(jnp.float16), data_.labels[idx]
-      return jax.lax.map(one, (group_params, cids) + ((state_rows,) if self.reads_state else ()))
+      return jax.lax.map(one, (mapped, cids) + ((state_rows,) if self.reads_state else ()))
 
     return self.store.eval_call(g, self.placement.per_device(rows_reps, self._specs()),
                                 with_state=self.reads_state)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax.engine.evaluation import ROWS_SPECS, STATE_SPEC
-from fedssa_jax.engine.state import ChunkInputs
+from fedssa_jax.engine.state import ChunkInputs, block_rows
 from fedssa_jax.streams import Stream
 
 
@@ -115,7 +115,7 @@ class Newcomers:
                            round_index=ctx.round_index,
                            root_key=jax.random.fold_in(ctx.root_key, Stream.NEWCOMERS),
                            system=None)
-      params, state, _, _ = local(group_params, state_rows, server, inputs)
+      params, state, _, _ = local(block_rows(group_params), state_rows, server, inputs)
       return evaluate_rows(params, cids, valid, ctx.server, data_,
                            *((state,) if reads_state else ()))
     return newcomer_rows

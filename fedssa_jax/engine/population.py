@@ -60,7 +60,7 @@ import numpy as np
 
 from fedssa_jax.engine.placement import Placement, over_replicas
 from fedssa_jax.engine.rows import DiskRows, HostRows
-from fedssa_jax.engine.state import SEED_AXES, Population, StalePopulation, Tables
+from fedssa_jax.engine.state import SEED_AXES, Population, StalePopulation, TableRows, Tables
 from fedssa_jax.errors import ConfigError
 from fedssa_jax.types import PyTree
 
@@ -73,16 +73,39 @@ def _take(tree: PyTree, rows) -> PyTree:
   return jax.tree.map(lambda a: a[rows], tree)
 
 
-def jit_chunk_call(call: Callable, place: Placement, num_seeds: int) -> Callable:
-  """`call(rows, state, server, inputs)` of one seed, jitted over the `num_seeds` seeds, its
-  rows, state and server donated, placed as the run state is between calls."""
+def jit_chunk_call(call: Callable, place: Placement, num_seeds: int,
+                   donate: tuple[int, ...] = (0, 1, 2)) -> Callable:
+  """`call(rows, state, server, inputs)` of one seed, jitted over the `num_seeds` seeds, the
+  arguments `donate` donated (its rows, state and server by default), placed as the run state
+  is between calls."""
   over = over_replicas(call, num_seeds, (0, 0, 0, SEED_AXES))
 
   def seeds(rows, state, server, inputs):
     rows, state, server, stats = over(rows, state, server, inputs)
     return (place.constrain(rows, True, stacked=True), place.constrain(state, True, stacked=True),
             place.constrain(server, False), stats)
-  return jax.jit(seeds, donate_argnums=(0, 1, 2))
+  return jax.jit(seeds, donate_argnums=donate)
+
+
+class TrainThenWrite:
+  """The device store's chunk call: `train(tables, state table, server, inputs)` reads the
+  chunk's rows of the tables and trains them, and `write(tables, state table, rows, state,
+  inputs)` writes them back, in a call of its own whose tables are donated and only written, so
+  that XLA updates them in place. (In one call, XLA ordered a read of the rows that the write
+  does not wait for, FedTGP's forward pass before training, after the write, and copied each
+  whole table to keep it: at N = 1,000, 2 GB twice a client.) Called as the stores' chunk calls
+  are, `call(tables, state table, server, inputs)`."""
+
+  def __init__(self, train: Callable, write: Callable):
+    self.train, self.write = train, write
+
+  def __call__(self, tables, state_table, server, inputs):
+    rows, state, server, stats = self.train(tables, state_table, server, inputs)
+    return (*self.write(tables, state_table, rows, state, inputs), server, stats)
+
+  def _cache_size(self) -> int:
+    """The programs of the more retraced of the two calls (1: neither retraced)."""
+    return max(self.train._cache_size(), self.write._cache_size())  # pylint: disable=protected-access
 
 
 class Store:
@@ -237,19 +260,25 @@ class DeviceStore(Store):
     return Population(params=tuple(params), client_state=client_state)
 
   def train_call(self, g, train_chunk):
-    def call(group_params, client_state, server, inputs):
+    def train(group_params, client_state, server, inputs):
       """Trains one chunk of one seed. inputs.slots [P] index the group (g.rows = dummy)."""
       safe = jnp.minimum(inputs.slots, g.size - 1)
-      new_params, new_state, server, stats = train_chunk(
-          _take(group_params, safe), _take(client_state, inputs.ids), server, inputs)
+      return train_chunk(_take(group_params, safe), _take(client_state, inputs.ids), server,
+                         inputs)
+
+    def write(group_params, client_state, new_params, new_state, inputs):
       # Dummies scatter out of range, so their writes are dropped.
       put = lambda tree, new, dest: jax.tree.map(
           lambda a, b: a.at[dest].set(b, mode='drop'), tree, new)
-      group_params = put(group_params, new_params, jnp.where(inputs.active, inputs.slots, g.rows))
-      client_state = put(client_state, new_state,
-                         jnp.where(inputs.active, inputs.ids, self.client_rows))
-      return group_params, client_state, server, stats
-    return self._jit_chunk_call(call)
+      return (put(group_params, new_params, jnp.where(inputs.active, inputs.slots, g.rows)),
+              put(client_state, new_state, jnp.where(inputs.active, inputs.ids, self.client_rows)))
+
+    place = self.placement
+    over = over_replicas(write, self.num_seeds, (0, 0, 0, 0, SEED_AXES))
+    return TrainThenWrite(
+        jit_chunk_call(train, place, self.num_seeds, donate=(2,)),  # the server alone
+        jax.jit(lambda *a: tuple(place.constrain(t, True, stacked=True) for t in over(*a)),
+                donate_argnums=(0, 1)))
 
   def train(self, population, server, chunks, calls, inputs):
     params, client_state = self._arrays(population)
@@ -262,12 +291,22 @@ class DeviceStore(Store):
 
   def eval_call(self, g, evaluate_rows, with_state=False):
     members = jnp.asarray(g.members)
+    mesh = self.placement.mesh
+
+    def rows(group_params, i, slots):
+      # Without a mesh, each client's row is read from the table in the evaluation's loop: a
+      # gather of the block copied its rows first, at N = 1,000 most of an evaluation's time
+      # (the CPU's page faults of a fresh block each call). Under a mesh, the block's rows are
+      # gathered and each device gets its share.
+      if mesh is None:
+        return TableRows(group_params, i, slots)
+      return jax.tree.map(lambda a: a[i, slots], group_params)
     if not with_state:
       return jax.jit(lambda group_params, i, slots, valid, server, data_: evaluate_rows(
-          jax.tree.map(lambda a: a[i, slots], group_params), members[slots], valid,
+          rows(group_params, i, slots), members[slots], valid,
           jax.tree.map(lambda a: a[i], server), data_))
     return jax.jit(lambda group_params, i, slots, valid, server, data_, client_state: (
-        evaluate_rows(jax.tree.map(lambda a: a[i, slots], group_params), members[slots], valid,
+        evaluate_rows(rows(group_params, i, slots), members[slots], valid,
                       jax.tree.map(lambda a: a[i], server), data_,
                       jax.tree.map(lambda a: a[i, members[slots]], client_state))))
 

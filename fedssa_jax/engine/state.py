@@ -189,3 +189,27 @@ SEED_AXES = ChunkInputs(
     slots=0, ids=0, active=0, seen=0, round_index=None, root_key=0, system=0,
     data=DeviceData(images=None, labels=None, train_idx=0, train_n=0, test_idx=None,
                     test_n=None))  # the images are shared
+
+
+@struct.dataclass
+class TableRows:
+  """A block of a group's clients to evaluate, named rather than gathered: `table` the group's
+  stacked rows [R, rows, ...] of every seed, `seed` the seed's index and `slots` [P] the block's
+  rows. The evaluation reads each client's row inside its loop (`row`), so the block's rows are
+  never copied out of the table first. The device store's evaluation without a mesh passes it;
+  otherwise the rows themselves come."""
+  table: PyTree
+  seed: jax.Array
+  slots: jax.Array
+
+  def row(self, slot: jax.Array) -> PyTree:
+    return jax.tree.map(lambda a: a[self.seed, slot], self.table)
+
+
+def block_rows(group_params) -> PyTree:
+  """The rows of a block as an evaluation call gets them (the rows, or a TableRows): gathered
+  where a computation needs them all at once (a new client's training)."""
+  if isinstance(group_params, TableRows):
+    return group_params.row(group_params.slots)
+  return group_params
+
