@@ -12,6 +12,7 @@ import pytest
 from fedssa_jax import config_lib, methods, models
 from fedssa_jax.engine import population, schedule, snapshots
 from fedssa_jax.engine.placement import Placement
+from fedssa_jax.engine.state import block_rows
 from fedssa_jax.methods import base, fedmrl
 from fedssa_jax.methods.aggregation import Inbox
 
@@ -265,7 +266,7 @@ def test_stores_bring_the_members_state_rows_to_evaluation_calls_only_when_asked
     held = store.stacked([((slot_params,), state)])  # the store's own, as from a checkpoint
     for with_state in (False, True):
       def rows(p, cids, valid, server, data_, *state_rows):
-        return p, cids, valid, state_rows
+        return block_rows(p), cids, valid, state_rows  # the device store names the rows
       calls = [store.eval_call(g, rows, with_state=with_state)]
       (_, _, (p, cids, valid, state_rows)), = store.evaluate(
           held, 0, jobs, calls, server, None, with_state)

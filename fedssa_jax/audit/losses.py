@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax.data import augment
-from fedssa_jax.engine.evaluation import ROWS_SPECS, STATE_SPEC
+from fedssa_jax.engine.evaluation import ROWS_SPECS, STATE_SPEC, block_loop
 
 
 def _rows_fn(sim, g, batch: int):
@@ -21,10 +21,11 @@ def _rows_fn(sim, g, batch: int):
 
   def rows(group_params, cids, valid, server, data_, state_rows=None):
     del valid
+    mapped, row = block_loop(group_params)  # the rows, or the slots of the table's rows
 
     def one(args):
       params, cid, *state = args
-      params = method.eval_params(params, server, cid)
+      params = method.eval_params(row(params), server, cid)
       if reads_state:
         forward = lambda v, x: method.eval_forward(g.eval_model.apply, v['params'], state[0],
                                                    server, cid, x)
@@ -36,7 +37,7 @@ def _rows_fn(sim, g, batch: int):
         logp = jax.nn.log_softmax(forward({'params': params}, x)[0].astype(jnp.float32))
         return -jnp.take_along_axis(logp, data_.labels[idx][:, None], axis=1)[:, 0]
       return jax.lax.map(losses, data_.test_idx[cid].reshape(-1, batch)).reshape(-1)
-    return jax.lax.map(one, (group_params, cids) + ((state_rows,) if reads_state else ()))
+    return jax.lax.map(one, (mapped, cids) + ((state_rows,) if reads_state else ()))
 
   specs = ROWS_SPECS + ((STATE_SPEC,) if reads_state else ())
   return sim.store.eval_call(g, sim.placement.per_device(rows, specs), with_state=reads_state)

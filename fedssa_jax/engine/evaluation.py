@@ -80,7 +80,7 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
           'num_batches': num_batches, **extra}
 
 
-def _block(group_params) -> tuple:
+def block_loop(group_params) -> tuple:
   """(what a block's loop runs over, the client's parameters of one of its elements): the
   rows themselves, or the slots of a TableRows and the row each names."""
   if isinstance(group_params, TableRows):
@@ -167,7 +167,7 @@ class Evaluator:
       max_test = data_.test_idx.shape[1]
       eval_batch = min(self.eval_batch_size, -(-max_test // 8) * 8)
 
-      mapped, row = _block(group_params)
+      mapped, row = block_loop(group_params)
 
       def one(args):
         params, cid, ok, *state = args  # state: [the client's state] if the method reads it
@@ -287,7 +287,7 @@ class Evaluator:
 
     def rows_reps(group_params, cids, valid, server, data_: DeviceData, state_rows=None):
       del valid
-      mapped, row = _block(group_params)
+      mapped, row = block_loop(group_params)
 
       def one(args):
         params, cid, *state = args

@@ -49,7 +49,8 @@ from fedssa_jax.engine import (costs, evaluation, generalization, parts, per_cal
                                training)
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
-from fedssa_jax.engine.population import jit_chunk_call, make_store
+from fedssa_jax.engine.chunk_calls import jit_chunk_call
+from fedssa_jax.engine.population import make_store
 from fedssa_jax.engine.schedule import cohort_size
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
                                      RoundInfo, RunState, ServerState)
