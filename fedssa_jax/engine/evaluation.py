@@ -153,7 +153,8 @@ class Evaluator:
   def rows_fn(self, g) -> Callable:
     """`evaluate_rows(group_params, cids, valid, server, data, state_rows=None)`: the test
     counts of a block of group `g`'s members (rows where `valid` is False, padding, evaluate no
-    test batch), `group_params` their rows or a TableRows naming them; `state_rows`, the members' client state, only for a method that reads it.
+    test batch), `group_params` their rows or a TableRows naming them; `state_rows`, the
+    members' client state, only for a method that reads it.
     With the global test sample on (`global_sample`), `server` is (the server state, the
     sample's indices), and each client's count of it is `GLOBAL_CORRECT`; with `validation`,
     each client's counts of its validation split are VALIDATION's, of the headline metric."""
