@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,9 @@ flags.DEFINE_enum('mode', 'local', ['local', 'slurm', 'tpu'],
                   'local: run here; slurm, tpu: write one job script per run into '
                   '<sweep_dir>/jobs and print how to submit them.')
 flags.DEFINE_integer('parallel', 1, 'local: runs at once, sharing the devices.')
+flags.DEFINE_bool('drop_checkpoints', False, 'local: delete a run\'s checkpoints/ once it has '
+                  'finished (written its summary.json). A finished run needs them only to be '
+                  'extended to more rounds; at N = 1,000 each is about 10 GB.')
 flags.DEFINE_bool('pack_seeds', False, 'Runs that differ only in their seed run packed, in '
                   'one process and the same compiled calls (fedssa_jax.main --seeds), each in '
                   'its own workdir. For accelerators; memory grows with the seeds packed.')
@@ -207,10 +211,18 @@ def _die_with_parent(parent: int):
   return preexec
 
 
-def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str]:
+def drop_checkpoints(workdirs: list[str]) -> None:
+  """Deletes the checkpoints/ of each of `workdirs` whose run has finished (summary.json)."""
+  for w in workdirs:
+    if _read_json(os.path.join(w, 'summary.json')) is not None:
+      shutil.rmtree(os.path.join(w, 'checkpoints'), ignore_errors=True)
+
+
+def run_local(jobs: list[tuple[str, list[str], str]], parallel: int,
+              drop: bool = False) -> list[str]:
   """Runs (name, command, workdir) jobs, `parallel` at a time, each logging to
   <workdir>/sweep.log. Returns the names of the runs that did not finish (one that diverged has
-  ended: it is not among them). SIGTERM to the launcher is passed on to the runs, which stop
+  ended: it is not among them). With `drop`, a finished run's checkpoints are deleted. SIGTERM to the launcher is passed on to the runs, which stop
   after their round, checkpointed; so is SIGINT where it would not reach them otherwise
   (passed_on_signals)."""
   env = dict(os.environ)
@@ -256,6 +268,8 @@ def run_local(jobs: list[tuple[str, list[str], str]], parallel: int) -> list[str
         del running[name]
         diverged = _diverged_outcome(rc, workdirs)
         print(f'{name}: {diverged or _outcome(rc, workdir)}', flush=True)
+        if drop:
+          drop_checkpoints(workdirs)
         if rc and not diverged:
           unfinished.append(name)
   except KeyboardInterrupt:
@@ -401,6 +415,9 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if FLAGS.parallel < 1:
     raise app.UsageError(f'--parallel must be >= 1, got {FLAGS.parallel}.')
+  if FLAGS.drop_checkpoints and FLAGS.mode != 'local':
+    raise app.UsageError('--drop_checkpoints works with --mode=local only: delete the '
+                         'checkpoints/ of finished runs by hand on the cluster.')
   python = FLAGS.python or (sys.executable if FLAGS.mode == 'local' else 'python')
   extra = extra_overrides(FLAGS.data_dir, FLAGS.num_rounds, FLAGS.local_epochs, FLAGS.set)
   sweep_dir, runs, jobs = plan(FLAGS.sweep, FLAGS.sweep_dir, extra, python,
@@ -425,7 +442,8 @@ def main(argv):
                'runs': [{'name': r.name, 'config': r.config, 'overrides': r.override_dict}
                         for r in runs]}, f, indent=2)
   if FLAGS.mode == 'local':
-    text, status = tally(sweep_dir, runs, run_local(jobs, FLAGS.parallel))
+    text, status = tally(sweep_dir, runs, run_local(jobs, FLAGS.parallel,
+                                                      FLAGS.drop_checkpoints))
     print(text)
     return status
   paths = write_jobs(FLAGS.mode, jobs, sweep_dir, FLAGS.slurm_option, FLAGS.tpu_repo)

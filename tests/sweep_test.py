@@ -127,6 +127,21 @@ def test_local_mode_runs_jobs_in_parallel_and_reports_unfinished_ones(tmp_path, 
 
 
 @pytest.mark.slow  # starts subprocesses
+def test_drop_checkpoints_deletes_those_of_finished_runs_only(tmp_path):
+  """With drop, a run that wrote its summary.json loses its checkpoints/; one that stopped
+  (preempted, to resume) keeps them."""
+  write = ('import os, sys; os.makedirs(os.path.join(sys.argv[1], "checkpoints", "3")); '
+           'open(os.path.join(sys.argv[1], "summary.json"), "w").write(sys.argv[2]); '
+           'raise SystemExit(int(sys.argv[3]))')
+  done, stopped = tmp_path / 'done', tmp_path / 'stopped'
+  jobs = [('done', [sys.executable, '-c', write, str(done), '{"final": 1}', '0'], str(done)),
+          ('stopped', [sys.executable, '-c', write, str(stopped), '{', '75'], str(stopped))]
+  assert sweep.run_local(jobs, parallel=1, drop=True) == ['stopped']
+  assert not (done / 'checkpoints').exists() and (done / 'summary.json').exists()
+  assert (stopped / 'checkpoints' / '3').is_dir()  # its summary.json does not read whole
+
+
+@pytest.mark.slow  # starts subprocesses
 def test_local_mode_never_starts_a_second_copy_of_a_run(tmp_path, capsys):
   """A run whose workdir another process holds (another sweep, a user) is not started; one that
   got past that check is refused by the run itself (exit status 73), and both are reported."""
