@@ -44,7 +44,9 @@ _SHORT = {'partition.classes_per_client': 'k', 'partition.dirichlet_gamma': 'gam
           'privacy.upload_mode': 'mode_', 'privacy.upload_clip': 'uclip',
           'privacy.upload_noise_multiplier': 'usigma', 'privacy.upload_target_epsilon': 'ueps',
           'eval_global_images': 'glob', 'new_clients': 'new', 'new_client_epochs': 'newE',
-          'privacy.clip_norm': 'clip', 'eval_validation': 'val_'}
+          'privacy.clip_norm': 'clip', 'eval_validation': 'val_',
+          'system.availability': 'avail', 'system.availability_spread': 'aspread',
+          'system.device_tiers': 'tiers_'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,13 +310,64 @@ CROSS_DEVICE_SCHEDULE = {'num_rounds': 50, 'eval_every': 5, 'eval_global_images'
                          'new_clients': 0.1, 'new_client_epochs': 1}
 
 
+def _cross_device(methods, conditions) -> list[Run]:
+  """Each of `methods` at hetero,n1000 with the lens of CROSS_DEVICE_SCHEDULE, seed 0, under
+  each override set of `conditions`, method by method (FedL2G with a warm-up of a tenth of the
+  rounds)."""
+  return [r for m in methods for r in grid(
+      ['cifar10'], ['hetero,n1000'], (m,), (0,),
+      [{**CROSS_DEVICE_SCHEDULE, **({'fedl2g__warmup': 5} if m == 'fedl2g' else {}), **c}
+       for c in conditions])]
+
+
 def cross_device():
   """Cross-device scale: every method at hetero,n1000 (N = 1,000, C = 10% of the 900 that train,
   E = 1, the Dirichlet partition of the n1000 variant), CIFAR-10, seed 0, each at its defaults
   (FedL2G with a warm-up of a tenth of the rounds), with the lens of CROSS_DEVICE_SCHEDULE."""
-  return [r for m in ALL_FIFTEEN for r in grid(
-      ['cifar10'], ['hetero,n1000'], (m,), (0,),
-      [{**CROSS_DEVICE_SCHEDULE, **({'fedl2g__warmup': 5} if m == 'fedl2g' else {})}])]
+  return _cross_device(ALL_FIFTEEN, [{}])
+
+
+# The cross-device federation of the system section (docs/algorithm.md §10), every mechanism at
+# once: a client is online with its own probability (Beta, mean 0.8, std 0.1), a sampled one
+# drops out with probability 0.1, a training one straggles with probability 0.3 (doing 20-100% of
+# its steps), and the three_tiers clock (random tiers) with a deadline of 1 simulated second.
+# At n1000 a client of about 40 samples trains in 0.02-0.6 s on those devices; what it sends
+# sets the rest: FedSSA's participants arrive in 0.02-1.6 s (median 0.2; 1.0 s is its 90th
+# percentile in round 1 without a deadline), FedKD's, which send a compressed global model, in
+# 0.4-9.6 s (median 1.6) (commit of the sweep, 2 rounds each, client_seconds).
+CROSS_DEVICE_SYSTEM = {'system__availability': 0.8, 'system__availability_spread': 0.1,
+                       'system__dropout': 0.1, 'system__straggler_rate': 0.3,
+                       'system__min_work': 0.2, 'system__device_tiers': 'three_tiers',
+                       'system__deadline': 1.0}
+
+
+def cross_device_system():
+  """The cross_device sweep's fifteen methods under CROSS_DEVICE_SYSTEM."""
+  return _cross_device(ALL_FIFTEEN, [CROSS_DEVICE_SYSTEM])
+
+
+# Client-level DP on the uploads at n1000: each method's upload_clip near the median norm of its
+# uploads (less their reference) in round 10 of 50 without noise and clip (commit of the sweep):
+# FedSSA's rows 0.016, FD's logits 0.37, FedProto's prototypes 2.97, FedGH's 3.20. A client of
+# about 40 samples trains 4 steps a round, so these are far below n10's (UPLOAD_CLIPS).
+CROSS_DEVICE_UPLOAD_CLIPS = {'fedssa': 0.016, 'fd': 0.37, 'fedproto': 3.0, 'fedgh': 3.2}
+
+
+def cross_device_upload():
+  """Client-level DP on the uploads at n1000 (K = 90 of 900 a round share central noise),
+  with the cross_device sweep's schedule and lens, seed 0: central mode for FedSSA (scope
+  participants), FD and FedProto, then local mode for them and FedGH, each at
+  CROSS_DEVICE_UPLOAD_CLIPS with the noise calibrated to each epsilon of PRIVACY_EPSILONS
+  (delta 1e-5) over the 50 rounds; the runs without DP are the cross_device sweep's."""
+  def budget(method, mode, eps):
+    return {**({'fedssa__scope': 'participants'} if mode == 'central' else {}),
+            'privacy__upload': True, 'privacy__upload_mode': mode,
+            'privacy__upload_clip': CROSS_DEVICE_UPLOAD_CLIPS[method],
+            'privacy__upload_noise_multiplier': 0.0, 'privacy__upload_target_epsilon': eps}
+  cells = ([(m, 'central') for m in ('fedssa', 'fd', 'fedproto')]
+           + [(m, 'local') for m in CROSS_DEVICE_UPLOAD_CLIPS])
+  return [r for m, mode in cells
+          for r in _cross_device((m,), [budget(m, mode, e) for e in PRIVACY_EPSILONS])]
 
 
 # Tuning DP-SGD on validation (docs/results.md, "Under differential privacy"): the `privacy`
@@ -388,7 +441,8 @@ def dp_tuning_others(sweep_dir: str):
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
     appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny,
-    system, system_devices, privacy, privacy_upload, cross_device, dp_tuning,
+    system, system_devices, privacy, privacy_upload, cross_device, cross_device_system,
+    cross_device_upload, dp_tuning,
     dp_tuning_others)}
 
 

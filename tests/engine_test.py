@@ -107,6 +107,38 @@ def test_methods_reading_the_server_are_evaluated_whole(small_sim):
 
 
 @pytest.mark.slow  # simulators compiled and run
+@pytest.mark.parametrize('method', ['fedproto', 'fedtgp'])
+def test_prototype_methods_test_only_the_trained_clients_again(small_sim, method):
+  """A method whose results read the server only in eval_extra (the nearest prototype) tests
+  again only the clients that trained; the others' prototype counts are computed again from
+  their kept test representations. The results equal a whole evaluation's, and those of the
+  evaluation that computes the counts inside the test loop (no values kept)."""
+  sim = small_sim(method, num_rounds=4)
+  assert sim.evaluator.reuse_kept
+  state, evs = sim.init_state(), []
+  for _ in range(4):
+    state, (info,) = sim.run_round(state)
+    evs.append(sim.evaluate(state, previous=evs[-1] if evs else None))
+  ev = evs[-1]
+  assert ev.reevaluated == len(info.cohort) < sim.num_clients
+  # The server's prototypes moved a client that did not train: copying its count would fail.
+  idle = np.setdiff1d(np.arange(sim.num_clients), info.cohort)
+  proto = lambda e: e.counts['prototype_accuracy'][idle]
+  assert any((proto(e) != proto(ev)).any() for e in evs[:-1])
+  whole = sim.evaluate(state)
+  assert whole.reevaluated == sim.num_clients
+  plain = sim.evaluator
+  plain.keep = plain.reuse_kept = False
+  plain.calls = [plain._eval_call(g) for g in plain.groups]
+  in_loop = sim.evaluate(state)
+  assert in_loop.kept is None
+  for other in (whole, in_loop):
+    for k in (*evaluation.COUNTS, 'prototype_accuracy'):
+      np.testing.assert_array_equal(ev.counts[k], other.counts[k])
+    np.testing.assert_array_equal(ev.accuracy, other.accuracy)
+
+
+@pytest.mark.slow  # simulators compiled and run
 def test_costs_match_hand_counts(runs):
   sim, state, infos, _ = runs[1]
   cfg = sim.config

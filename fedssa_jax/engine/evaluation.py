@@ -37,6 +37,8 @@ from fedssa_jax.types import PyTree
 EVAL_BLOCK = 32
 COUNTS = ('correct', 'count', 'batch_acc_sum', 'num_batches')
 GLOBAL_CORRECT = 'global_correct'  # a client's correct count on the global test sample
+# What a method of `Method.eval_server_in_extra` keeps of each client's test batches.
+KEPT = ('kept_logits', 'kept_reps')
 # A client's count of its validation samples its headline metric gets right, and of them all
 # (eval_validation).
 VALIDATION = ('val_correct', 'val_count')
@@ -49,15 +51,22 @@ STATE_SPEC = SHARDED
 
 def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: DeviceData, *,
              apply_fn: Callable, cfg: TrainConfig, eval_batch_size: int,
-             extra_fn: Callable | None = None, extra_names: tuple[str, ...] = ()):
+             extra_fn: Callable | None = None, extra_names: tuple[str, ...] = (),
+             keep: bool = False):
   """One client's test results: correct, count, and the sum/number of per-batch accuracies.
 
   The per-batch sums give the reference code's metric (mean of per-batch accuracies).
   `extra_fn(logits, rep, y, valid)` returns further int32 counts named `extra_names` (summed).
+  With `keep`, the test batches' logits and representations are kept (KEPT: [batches, b, ...],
+  zero past the client's last batch) and the extra counts are computed from them after the loop
+  (`kept_extras`), as a later evaluation computes them again from the kept values.
   """
   b = eval_batch_size
   padded_len = -(-test_idx.shape[0] // b) * b
   idx_pad = jnp.pad(test_idx, (0, padded_len - test_idx.shape[0]))
+  x0 = augment.normalize(data.images[idx_pad[:b]], cfg.mean, cfg.std)
+  kept0 = (jax.tree.map(lambda a: jnp.zeros((padded_len // b,) + a.shape, a.dtype),
+                        jax.eval_shape(apply_fn, {'params': params}, x0)) if keep else ())
 
   def body(step, acc):
     idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
@@ -67,17 +76,41 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
     y = data.labels[idx]
     correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
     batch_acc = correct / jnp.maximum(valid.sum(), 1)
-    extra = extra_fn(logits, rep, y, valid) if extra_fn else {}
-    return (acc[0] + correct, acc[1] + batch_acc, acc[2] + 1,
-            jax.tree_util.tree_map(jnp.add, acc[3], extra))
+    if keep:
+      kept = jax.tree.map(lambda buf, v: buf.at[step].set(v), acc[3], (logits, rep))
+    else:
+      kept = jax.tree_util.tree_map(jnp.add, acc[3],
+                                    extra_fn(logits, rep, y, valid) if extra_fn else {})
+    return (acc[0] + correct, acc[1] + batch_acc, acc[2] + 1, kept)
 
   batches = (n + b - 1) // b
   extra0 = {name: jnp.zeros((), jnp.int32) for name in extra_names}
-  correct, batch_acc_sum, num_batches, extra = jax.lax.fori_loop(
+  correct, batch_acc_sum, num_batches, last = jax.lax.fori_loop(
       0, batches, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32),
-                         jnp.zeros((), jnp.int32), extra0))
-  return {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
-          'num_batches': num_batches, **extra}
+                         jnp.zeros((), jnp.int32), kept0 if keep else extra0))
+  out = {'correct': correct, 'count': n, 'batch_acc_sum': batch_acc_sum,
+         'num_batches': num_batches}
+  if not keep:
+    return {**out, **last}
+  return {**out, **kept_extras(last, test_idx, n, data.labels, extra_fn, extra_names),
+          **dict(zip(KEPT, last))}
+
+
+def kept_extras(kept: tuple, test_idx: jax.Array, n: jax.Array, labels: jax.Array,
+                extra_fn: Callable, extra_names: tuple[str, ...]) -> dict:
+  """The extra counts of one client from its kept test logits and representations (`kept`,
+  [batches, b, ...] each; evaluate_client's `keep`), batch by batch as its test loop ran."""
+  logits, _ = kept
+  b = logits.shape[1]
+  idx_pad = jnp.pad(test_idx, (0, logits.shape[0] * b - test_idx.shape[0]))
+
+  def body(step, acc):
+    y = labels[jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))]
+    valid = step * b + jnp.arange(b) < n
+    extra = extra_fn(*(a[step] for a in kept), y, valid)
+    return jax.tree_util.tree_map(jnp.add, acc, extra)
+  return jax.lax.fori_loop(0, (n + b - 1) // b, body,
+                           {name: jnp.zeros((), jnp.int32) for name in extra_names})
 
 
 def block_loop(group_params) -> tuple:
@@ -107,6 +140,9 @@ class Evaluation:
   new_client_accuracy: np.ndarray | None = None
   # Each client's headline accuracy on its own validation split (eval_validation; None: off).
   val_accuracy: np.ndarray | None = None
+  # Under Method.eval_server_in_extra: each evaluated client's test logits and representations
+  # (KEPT), host arrays [N, batches, b, ...], for the next evaluation's extra counts.
+  kept: dict | None = None
 
 
 class Evaluator:
@@ -132,7 +168,15 @@ class Evaluator:
     # Each client tested on its validation split too (the data's val_idx, val_n); False: nothing
     # of it is traced.
     self.validation = validation
+    # A method whose test results read the server only in eval_extra has its clients' test
+    # logits and representations kept (its extras computed from them, in a run on any store or
+    # mesh), and, without a mesh, a client that has not trained since the last evaluation has
+    # only its extras computed again, from the kept values (`extra_calls`).
+    self.keep = (method.eval_server_in_extra and bool(method.eval_metrics)
+                 and not self.reads_state and not validation)
+    self.reuse_kept = self.keep and placement.mesh is None
     self.calls = [self._eval_call(g) for g in groups]
+    self.extra_call = self._extra_call() if self.reuse_kept else None
 
   def _per_call(self, g) -> int:
     return self.clients_per_call or (
@@ -179,7 +223,9 @@ class Evaluator:
         # as on the CPU, it costs nothing).
         out = evaluate_client(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
                               data_, apply_fn=forward, cfg=cfg, eval_batch_size=eval_batch,
-                              extra_fn=extra, extra_names=method.eval_metrics)
+                              extra_fn=extra, extra_names=method.eval_metrics, keep=self.keep)
+        if not self.reuse_kept:
+          out = {k: v for k, v in out.items() if k not in KEPT}
         if global_idx is not None:  # the same images for every client
           size = global_idx.shape[0]
           out[GLOBAL_CORRECT] = evaluate_client(
@@ -212,6 +258,35 @@ class Evaluator:
     """The group's jitted call of `rows_fn`, from the store, each device evaluating its share."""
     return self.store.eval_call(g, self.placement.per_device(self.rows_fn(g), self._specs()),
                                 with_state=self.reads_state)
+
+  def _extra_call(self) -> Callable:
+    """The jitted extra counts of a block of clients from their kept test logits and
+    representations (`kept`: KEPT's arrays [block, batches, b, ...]), with one seed's server
+    and data; rows where `valid` is False (padding) count nothing."""
+    method = self.method
+
+    def extras(kept, cids, valid, server, data_: DeviceData):
+      def one(args):
+        kept_one, cid, ok = args
+        return kept_extras(kept_one, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
+                           data_.labels, functools.partial(method.eval_extra, server, cid),
+                           method.eval_metrics)
+      return jax.lax.map(one, (kept, cids, valid))
+    return jax.jit(extras)
+
+  def _extras_again(self, kept: dict, ids: np.ndarray, server, seed_index: int,
+                    data: DeviceData, counts: dict) -> None:
+    """Writes into `counts` the extra counts of clients `ids` (not trained since their kept
+    values were), computed again with the server's state now, in blocks of EVAL_BLOCK."""
+    server = jax.tree.map(lambda a: a[seed_index], server)
+    for i in range(0, len(ids), EVAL_BLOCK):
+      block = np.pad(ids[i:i + EVAL_BLOCK], (0, max(0, i + EVAL_BLOCK - len(ids))), mode='edge')
+      n = min(EVAL_BLOCK, len(ids) - i)
+      out = jax.device_get(self.extra_call(
+          tuple(kept[k][block] for k in KEPT), jnp.asarray(block, jnp.int32),
+          jnp.asarray(np.arange(EVAL_BLOCK) < n), server, data))
+      for k in self.method.eval_metrics:
+        counts[k][block[:n]] = out[k][:n]
 
   def server_arg(self, server, global_sample):
     """What `rows_fn`'s calls take as their server argument: the server state, with the seeds'
@@ -248,11 +323,16 @@ class Evaluator:
     names = ((*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
              + (VALIDATION if self.validation else ()))
     t = int(state.round)
-    reuse = not method.eval_reads_server
-    if reuse and previous is not None and previous.round <= t:
+    # Without a server in the results (or with it in the extras alone, whose inputs are kept),
+    # a client's results change only when it trains.
+    reuse = not method.eval_reads_server or self.reuse_kept
+    kept = None
+    if (reuse and previous is not None and previous.round <= t
+        and (previous.kept is not None or not self.reuse_kept)):
       counts = {k: v.copy() for k, v in previous.counts.items()}
       trained = [cohort(r) for r in range(previous.round, t)]
       ids = np.intersect1d(evaluated_ids, np.concatenate([np.zeros(0, int), *trained]))
+      kept = previous.kept and {k: v.copy() for k, v in previous.kept.items()}
     else:
       counts = {k: np.full(len(self.group_of), np.nan) for k in names}
       ids = evaluated_ids
@@ -263,7 +343,17 @@ class Evaluator:
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
       members = self.groups[gi].members[slots[:n]]
       for k, v in self.placement.fetch(r).items():
-        counts[k][members] = v[:n]
+        if k in KEPT:
+          if kept is None:
+            kept = {}
+          if k not in kept:
+            kept[k] = np.zeros((len(self.group_of),) + v.shape[1:], v.dtype)
+          kept[k][members] = v[:n]
+        else:
+          counts[k][members] = v[:n]
+    if self.reuse_kept and len(ids) < len(evaluated_ids):
+      self._extras_again(kept, np.setdiff1d(evaluated_ids, ids), state.server, seed_index,
+                         data, counts)
     self.phase('evaluate')
     per_sample = lambda k: counts[k] / np.maximum(counts['count'], 1)
     metrics = {name: per_sample(name) for name in method.eval_metrics}
@@ -278,7 +368,8 @@ class Evaluator:
         global_accuracy=(counts[GLOBAL_CORRECT] / self.global_sample.shape[-1]
                          if self.global_on else None),
         val_accuracy=(counts['val_correct'] / np.maximum(counts['val_count'], 1)
-                      if self.validation else None))
+                      if self.validation else None),
+        kept=kept)
 
   # ------------------------------------------------------------------------------------------
   # Representations

@@ -283,15 +283,16 @@ class Method:
   # What evaluation reads besides the client's model (the module docstring), declared by the
   # method (the class, or an instance from its config) and never found out by the engine:
   # - eval_reads_state: evaluation brings each client's persistent state to `eval_forward`,
-  #   which the method overrides. False (the default): evaluation runs the family's apply alone
-  #   and never calls `eval_forward` nor reads the state.
+  #   which the method overrides. False (the default): the family's apply alone, no state.
   # - eval_reads_server: a client's test results depend on the server's state (LG-FedAvg's
   #   global header, FedProto's prototypes), through the `eval_params`, `eval_forward` or
   #   `eval_extra` the method overrides. False (the default): they change only when the client
-  #   trains, and the engine re-evaluates only the clients that trained since the last
-  #   evaluation.
+  #   trains, and the engine re-evaluates only the clients that trained since the last one.
+  # - eval_server_in_extra: the server reaches the results through `eval_extra` alone (FedProto's
+  #   nearest prototype); its inputs are kept, and an untrained client has only it run again.
   eval_reads_state: bool = False
   eval_reads_server: bool = False
+  eval_server_in_extra: bool = False
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
   headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
   # Client-level DP on the uploads (privacy.upload; docs/algorithm.md §11): the names of the
@@ -309,10 +310,9 @@ class Method:
   # `private_upload` fields clipped jointly and noised (FedL2G's meta gradient).
   release_values: Callable | None = None
   release_after_training: bool = False
-  # Where central client-level DP noises the round's sum of the clipped uploads
-  # (`central_noise`): 'inbox', the server's `aggregation.Inbox`, noised in place; 'noise', a
-  # server field of the sum's shape that `server_aggregate` adds to its own sum; None (the
-  # default): the server keeps no one sum, and central mode is refused.
+  # Where central client-level DP noises the round's sum of the clipped uploads (`central_noise`):
+  # 'inbox', the server's `aggregation.Inbox`, in place; 'noise', a server field of the sum's
+  # shape that `server_aggregate` adds to its own; None (the default): central mode is refused.
   central_noise_into: str | None = None
 
   def __init__(self, config, num_clients: int, num_classes: int,

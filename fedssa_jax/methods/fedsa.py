@@ -142,6 +142,7 @@ class FedSA(prototypes.PrototypeUploads, base.Method):
   # use of the layer, so each example's gradient is built under DP-SGD.
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's P_bar
+  eval_server_in_extra = True  # and nowhere else
 
   @classmethod
   def default_config(cls):

@@ -86,6 +86,7 @@ class FedTGP(prototypes.PrototypeUploads, base.Method):
   ghost_norms = True  # the loss reads the parameters only through the model's apply
   eval_metrics = ('prototype_accuracy',)
   eval_reads_server = True  # eval_extra: the server's prototypes P^
+  eval_server_in_extra = True  # and nowhere else
 
   @classmethod
   def default_config(cls):
