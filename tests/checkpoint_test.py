@@ -282,3 +282,30 @@ def test_a_template_with_numpy_scalars_restores(tmp_path):
   restored = checkpoint.Checkpointer(str(tmp_path / 'checkpoints')).restore_latest(template)
   assert float(restored.state['server']['weight']) == 2.5
   np.testing.assert_array_equal(np.asarray(restored.state['server']['rows']), np.arange(6))
+
+
+def test_a_save_writes_the_arrays_without_copying_them(tmp_path, monkeypatch):
+  """A save is synchronous, so orbax's defensive copy of each numpy array (a second copy of
+  the population in host memory: at N = 1,000, 5 GB) is turned off for it, and only for it; the
+  state digest reads each array in place, and is the hash of its bytes as before."""
+  import copy  # pylint: disable=g-import-not-at-top
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+  copied = []
+  deepcopy = copy.deepcopy
+  monkeypatch.setattr(copy, 'deepcopy', lambda v, *a: copied.append(v is rows) or deepcopy(v, *a))
+  state = {'params': {'rows': rows}, 'round': 1}
+  ckpt = checkpoint.Checkpointer(str(tmp_path / 'checkpoints'))
+  ckpt.save(state, {'round': 1}, {'config': {}})
+  ckpt.close()
+  assert not any(copied)
+  assert ocp.type_handlers.get_type_handler(np.ndarray)._deepcopy_host_arrays  # restored
+  template = {'params': {'rows': np.zeros((3, 4), np.float32)}, 'round': 0}
+  restored = checkpoint.Checkpointer(str(tmp_path / 'checkpoints')).restore_latest(template)
+  np.testing.assert_array_equal(np.asarray(restored.state['params']['rows']), rows)
+  want = hashlib.sha256()
+  for name, a in (('params/rows', rows), ('round', np.ascontiguousarray(1))):
+    want.update(f'{name} {a.dtype}{a.shape}'.encode())
+    want.update(a.tobytes())
+  assert checkpoint.state_digest(state) == want.hexdigest()
