@@ -81,6 +81,8 @@ RUNS['fedssa-stragglers'] = ({'method': 'fedssa', 'system.straggler_rate': 0.6,
                               'system.min_work': 0.2}, {})
 RUNS['fedssa-upload-loss'] = ({'method': 'fedssa', 'system.upload_loss': 0.4}, {})
 RUNS['fedproto-upload-loss'] = ({'method': 'fedproto', 'system.upload_loss': 0.4}, {})
+# FedTGP with HtFLlib's order (its forward pass before training), the side by side's.
+RUNS['fedtgp-pre-train'] = ({'method': 'fedtgp', 'fedtgp.proto_timing': 'pre_train'}, {})
 RUNS['fedssa-clock'] = ({'method': 'fedssa', 'system.device_tiers': 'three_tiers',
                          'system.deadline': 1.0, 'system.client_seconds': True}, {})
 RUNS['fedssa-devices'] = ({'method': 'fedssa', 'system.device_tiers': 'three_tiers',

@@ -1,10 +1,11 @@
 """What every registered method declares and exchanges, checked on all of them: the hooks of
-evaluation it overrides are declared (`eval_reads_state`, `eval_reads_server`), since the engine
-reads the declarations and never looks at which functions a method overrides; and its hook data
-(per-client state, the loss's constants, the accumulator, the forward pass's sums, the step after
-training's output, the payload) are typed, flax.struct dataclasses or None, never dicts. Each
-checker is first shown to find what it looks for, on a method made to break the rule. The hooks
-are traced with jax.eval_shape: nothing compiles."""
+evaluation it overrides are declared (`eval_reads_state`, `eval_reads_server`,
+`eval_server_in_extra`), since the engine reads the declarations and never looks at which
+functions a method overrides; and its hook data (per-client state, the loss's constants, the
+accumulator, the forward pass's sums, the step after training's output, the payload) are typed,
+flax.struct dataclasses or None, never dicts. Each checker is first shown to find what it looks
+for, on a method made to break the rule. The hooks are traced with jax.eval_shape: nothing
+compiles."""
 import dataclasses
 
 import jax
@@ -31,6 +32,9 @@ def undeclared(cls) -> list[str]:
   if cls.eval_reads_state and 'eval_forward' not in overrides:
     found.append(f'{cls.__name__} declares eval_reads_state but keeps the default eval_forward, '
                  'which reads no state')
+  if cls.eval_server_in_extra and (overrides - {'eval_extra'} or not cls.eval_reads_server):
+    found.append(f'{cls.__name__} declares eval_server_in_extra but its server reaches more than '
+                 'eval_extra (a kept result would go stale)')
   return found
 
 
@@ -48,12 +52,21 @@ def test_the_declaration_checker_finds_an_undeclared_override():
   class DeclaresInVain(standalone.Standalone):
     eval_reads_state = True
 
+  class ServerBeyondExtra(standalone.Standalone):
+    eval_reads_server = eval_server_in_extra = True
+
+    def eval_params(self, params, server, client_id):
+      return server.header
+
   assert undeclared(ReadsPrototypes) == [
       'ReadsPrototypes overrides eval_extra but does not declare eval_reads_server = True']
   assert undeclared(PredictsThroughState) == [
       'PredictsThroughState overrides eval_forward but does not declare eval_reads_state = True '
       '(evaluation would never call it)']
   assert len(undeclared(DeclaresInVain)) == 1
+  assert undeclared(ServerBeyondExtra) == [
+      'ServerBeyondExtra declares eval_server_in_extra but its server reaches more than '
+      'eval_extra (a kept result would go stale)']
 
 
 def test_every_method_declares_the_evaluation_hooks_it_overrides():
