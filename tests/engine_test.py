@@ -107,26 +107,31 @@ def test_methods_reading_the_server_are_evaluated_whole(small_sim):
 
 
 @pytest.mark.slow  # simulators compiled and run
-@pytest.mark.parametrize('method', ['fedproto', 'fedtgp'])
-def test_prototype_methods_test_only_the_trained_clients_again(small_sim, method):
+@pytest.mark.parametrize('method,eval_clients', [('fedproto', 0), ('fedtgp', 0),
+                                                 ('fedproto', 4)])
+def test_prototype_methods_test_only_the_trained_clients_again(small_sim, method,
+                                                                eval_clients):
   """A method whose results read the server only in eval_extra (the nearest prototype) tests
   again only the clients that trained; the others' prototype counts are computed again from
-  their kept test representations. The results equal a whole evaluation's, and those of the
-  evaluation that computes the counts inside the test loop (no values kept)."""
-  sim = small_sim(method, num_rounds=4)
+  their kept test representations (kept for the evaluated clients alone). The results equal a
+  whole evaluation's, and those of the evaluation that computes the counts inside the test loop
+  (no values kept)."""
+  sim = small_sim(method, num_rounds=4, eval_clients=eval_clients)
   assert sim.evaluator.reuse_kept
+  evaluated = sim.evaluated_ids[0]
   state, evs = sim.init_state(), []
   for _ in range(4):
     state, (info,) = sim.run_round(state)
     evs.append(sim.evaluate(state, previous=evs[-1] if evs else None))
   ev = evs[-1]
-  assert ev.reevaluated == len(info.cohort) < sim.num_clients
+  assert ev.reevaluated == len(np.intersect1d(info.cohort, evaluated)) < len(evaluated)
+  assert len(ev.kept['kept_reps']) == len(evaluated)
   # The server's prototypes moved a client that did not train: copying its count would fail.
-  idle = np.setdiff1d(np.arange(sim.num_clients), info.cohort)
+  idle = np.setdiff1d(evaluated, info.cohort)
   proto = lambda e: e.counts['prototype_accuracy'][idle]
   assert any((proto(e) != proto(ev)).any() for e in evs[:-1])
   whole = sim.evaluate(state)
-  assert whole.reevaluated == sim.num_clients
+  assert whole.reevaluated == len(evaluated)
   plain = sim.evaluator
   plain.keep = plain.reuse_kept = False
   plain.calls = [plain._eval_call(g) for g in plain.groups]

@@ -141,7 +141,8 @@ class Evaluation:
   # Each client's headline accuracy on its own validation split (eval_validation; None: off).
   val_accuracy: np.ndarray | None = None
   # Under Method.eval_server_in_extra: each evaluated client's test logits and representations
-  # (KEPT), host arrays [N, batches, b, ...], for the next evaluation's extra counts.
+  # (KEPT), host arrays [M, batches, b, ...] in the order of `evaluated`, for the next
+  # evaluation's extra counts.
   kept: dict | None = None
 
 
@@ -274,16 +275,17 @@ class Evaluator:
       return jax.lax.map(one, (kept, cids, valid))
     return jax.jit(extras)
 
-  def _extras_again(self, kept: dict, ids: np.ndarray, server, seed_index: int,
-                    data: DeviceData, counts: dict) -> None:
+  def _extras_again(self, kept: dict, row: np.ndarray, ids: np.ndarray, server,
+                    seed_index: int, data: DeviceData, counts: dict) -> None:
     """Writes into `counts` the extra counts of clients `ids` (not trained since their kept
-    values were), computed again with the server's state now, in blocks of EVAL_BLOCK."""
+    values were, at rows `row[ids]` of `kept`), computed again with the server's state now, in
+    blocks of EVAL_BLOCK."""
     server = jax.tree.map(lambda a: a[seed_index], server)
     for i in range(0, len(ids), EVAL_BLOCK):
       block = np.pad(ids[i:i + EVAL_BLOCK], (0, max(0, i + EVAL_BLOCK - len(ids))), mode='edge')
       n = min(EVAL_BLOCK, len(ids) - i)
       out = jax.device_get(self.extra_call(
-          tuple(kept[k][block] for k in KEPT), jnp.asarray(block, jnp.int32),
+          tuple(kept[k][row[block]] for k in KEPT), jnp.asarray(block, jnp.int32),
           jnp.asarray(np.arange(EVAL_BLOCK) < n), server, data))
       for k in self.method.eval_metrics:
         counts[k][block[:n]] = out[k][:n]
@@ -328,7 +330,8 @@ class Evaluator:
     reuse = not method.eval_reads_server or self.reuse_kept
     kept = None
     if (reuse and previous is not None and previous.round <= t
-        and (previous.kept is not None or not self.reuse_kept)):
+        and (not self.reuse_kept or (previous.kept is not None
+                                     and np.array_equal(previous.evaluated, evaluated_ids)))):
       counts = {k: v.copy() for k, v in previous.counts.items()}
       trained = [cohort(r) for r in range(previous.round, t)]
       ids = np.intersect1d(evaluated_ids, np.concatenate([np.zeros(0, int), *trained]))
@@ -340,6 +343,8 @@ class Evaluator:
     blocks = self.store.evaluate(state.population, seed_index, jobs, self.calls,
                                  self.server_arg(state.server, self.global_sample), data,
                                  with_state=self.reads_state)
+    row = np.full(len(self.group_of), -1)  # a client's row of `kept`, in evaluated_ids' order
+    row[evaluated_ids] = np.arange(len(evaluated_ids))
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
       members = self.groups[gi].members[slots[:n]]
       for k, v in self.placement.fetch(r).items():
@@ -347,12 +352,12 @@ class Evaluator:
           if kept is None:
             kept = {}
           if k not in kept:
-            kept[k] = np.zeros((len(self.group_of),) + v.shape[1:], v.dtype)
-          kept[k][members] = v[:n]
+            kept[k] = np.zeros((len(evaluated_ids),) + v.shape[1:], v.dtype)
+          kept[k][row[members]] = v[:n]
         else:
           counts[k][members] = v[:n]
     if self.reuse_kept and len(ids) < len(evaluated_ids):
-      self._extras_again(kept, np.setdiff1d(evaluated_ids, ids), state.server, seed_index,
+      self._extras_again(kept, row, np.setdiff1d(evaluated_ids, ids), state.server, seed_index,
                          data, counts)
     self.phase('evaluate')
     per_sample = lambda k: counts[k] / np.maximum(counts['count'], 1)
