@@ -172,7 +172,7 @@ class Evaluator:
     # A method whose test results read the server only in eval_extra has its clients' test
     # logits and representations kept (its extras computed from them, in a run on any store or
     # mesh), and, without a mesh, a client that has not trained since the last evaluation has
-    # only its extras computed again, from the kept values (`extra_calls`).
+    # only its extras computed again, from the kept values (`extra_call`).
     self.keep = (method.eval_server_in_extra and bool(method.eval_metrics)
                  and not self.reads_state and not validation)
     self.reuse_kept = self.keep and placement.mesh is None
