@@ -64,9 +64,10 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
   b = eval_batch_size
   padded_len = -(-test_idx.shape[0] // b) * b
   idx_pad = jnp.pad(test_idx, (0, padded_len - test_idx.shape[0]))
-  x0 = augment.normalize(data.images[idx_pad[:b]], cfg.mean, cfg.std)
-  kept0 = (jax.tree.map(lambda a: jnp.zeros((padded_len // b,) + a.shape, a.dtype),
-                        jax.eval_shape(apply_fn, {'params': params}, x0)) if keep else ())
+  kept0 = () if not keep else jax.tree.map(  # a buffer per output, [batches, b, ...]
+      lambda a: jnp.zeros((padded_len // b,) + a.shape, a.dtype),
+      jax.eval_shape(apply_fn, {'params': params},
+                     augment.normalize(data.images[idx_pad[:b]], cfg.mean, cfg.std)))
 
   def body(step, acc):
     idx = jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))
@@ -281,14 +282,16 @@ class Evaluator:
     values were, at rows `row[ids]` of `kept`), computed again with the server's state now, in
     blocks of EVAL_BLOCK."""
     server = jax.tree.map(lambda a: a[seed_index], server)
-    for i in range(0, len(ids), EVAL_BLOCK):
+    blocks = []
+    for i in range(0, len(ids), EVAL_BLOCK):  # every block dispatched, then one fetch
       block = np.pad(ids[i:i + EVAL_BLOCK], (0, max(0, i + EVAL_BLOCK - len(ids))), mode='edge')
       n = min(EVAL_BLOCK, len(ids) - i)
-      out = jax.device_get(self.extra_call(
+      blocks.append((block[:n], self.extra_call(
           tuple(kept[k][row[block]] for k in KEPT), jnp.asarray(block, jnp.int32),
-          jnp.asarray(np.arange(EVAL_BLOCK) < n), server, data))
+          jnp.asarray(np.arange(EVAL_BLOCK) < n), server, data)))
+    for members, out in jax.device_get(blocks):
       for k in self.method.eval_metrics:
-        counts[k][block[:n]] = out[k][:n]
+        counts[k][members] = out[k][:len(members)]
 
   def server_arg(self, server, global_sample):
     """What `rows_fn`'s calls take as their server argument: the server state, with the seeds'
