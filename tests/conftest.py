@@ -16,10 +16,12 @@ import tempfile
 # - `xla_backend_optimization_level=0` (LLVM's passes): its programs run slower, but the whole
 #   suite took 13 min 6 s against 15 min 22 s at the default level.
 # Set before JAX starts a backend; exported, so the subprocesses the tests start get them too.
+# (Beside the package's own, fedssa_jax.XLA_FLAGS, set when it is imported.)
 TEST_XLA_FLAGS = {'xla_cpu_use_fusion_emitters': 'false', 'xla_backend_optimization_level': '0'}
-for _name, _value in TEST_XLA_FLAGS.items():
-  if _name not in os.environ.get('XLA_FLAGS', ''):
-    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} --{_name}={_value}".strip()
+import fedssa_jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+os.environ['XLA_FLAGS'] = fedssa_jax.with_xla_flags(os.environ.get('XLA_FLAGS', ''),
+                                                    TEST_XLA_FLAGS)
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position

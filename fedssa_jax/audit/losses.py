@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedssa_jax.data import augment
-from fedssa_jax.engine.evaluation import ROWS_SPECS, STATE_SPEC, block_loop
+from fedssa_jax.engine.evaluation import ROWS_SPECS, STATE_SPEC
+from fedssa_jax.engine.state import block_loop
 
 
 def _rows_fn(sim, g, batch: int):

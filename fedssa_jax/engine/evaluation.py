@@ -29,7 +29,7 @@ from flax import struct
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine.placement import REPLICATED, SHARDED
-from fedssa_jax.engine.state import TableRows
+from fedssa_jax.engine.state import block_loop
 from fedssa_jax.engine.training import TrainConfig
 from fedssa_jax.types import PyTree
 
@@ -112,14 +112,6 @@ def kept_extras(kept: tuple, test_idx: jax.Array, n: jax.Array, labels: jax.Arra
     return jax.tree_util.tree_map(jnp.add, acc, extra)
   return jax.lax.fori_loop(0, (n + b - 1) // b, body,
                            {name: jnp.zeros((), jnp.int32) for name in extra_names})
-
-
-def block_loop(group_params) -> tuple:
-  """(what a block's loop runs over, the client's parameters of one of its elements): the
-  rows themselves, or the slots of a TableRows and the row each names."""
-  if isinstance(group_params, TableRows):
-    return group_params.slots, group_params.row
-  return group_params, lambda params: params
 
 
 @struct.dataclass

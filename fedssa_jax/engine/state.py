@@ -206,6 +206,14 @@ class TableRows:
     return jax.tree.map(lambda a: a[self.seed, slot], self.table)
 
 
+def block_loop(group_params) -> tuple:
+  """(what a block's loop runs over, the client's parameters of one of its elements): the
+  rows themselves, or the slots of a TableRows and the row each names."""
+  if isinstance(group_params, TableRows):
+    return group_params.slots, group_params.row
+  return group_params, lambda params: params
+
+
 def block_rows(group_params) -> PyTree:
   """The rows of a block as an evaluation call gets them (the rows, or a TableRows): gathered
   where a computation needs them all at once (a new client's training)."""
