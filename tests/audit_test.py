@@ -166,9 +166,53 @@ def test_the_command_writes_audit_json(tmp_path, small_ds, capsys):
   assert 'training data' in capsys.readouterr().out
   out = json.load(open(tmp_path / 'audit.json'))
   assert out['config']['privacy']['dp_sgd'] and out['rounds'] == 1 and 'upload' not in out
+  assert out['trained']
   a = out['training_data']
   assert a['canaries'] == 50 and a['confidence'] == 0.95 and a['delta'] == DELTA
   assert a['epsilon'] > 0 and 0 <= a['epsilon_lower'] <= a['ceiling']
   assert 0 <= a['auroc'] <= 1 and a['exceeds'] == (a['epsilon_lower'] > a['epsilon'])
   mia = out['mia']
   assert 0 <= mia['advantage'] <= 1 and mia['members'] == 240 and mia['non_members'] > 0
+
+
+@pytest.mark.parametrize('mode', ['local', 'central'])
+def test_notrain_audits_the_uploads_mechanism_alone_as_a_run_would(tmp_path, mode, capsys):
+  from fedssa_jax.audit import __main__ as cli  # pylint: disable=g-import-not-at-top
+  z, clip, rounds = 2.0, 0.5, 3
+  argv = ['audit', f'--config={os.path.join(REPO, "configs", "tiny.py")}',
+          f'--workdir={tmp_path}', f'--config.num_rounds={rounds}', '--upload_canaries=200',
+          '--config.privacy.upload=True', f'--config.privacy.upload_mode={mode}',
+          f'--config.privacy.upload_noise_multiplier={z}', '--config.participation=0.5',
+          f'--config.privacy.upload_clip={clip}', '--config.privacy.accountant=rdp', '--notrain']
+  if mode == 'central':
+    argv.append('--config.fedssa.scope=participants')
+  assert cli.run_cli(argv) == 0
+  assert 'not trained' in capsys.readouterr().out
+  out = json.load(open(tmp_path / 'audit.json'))
+  assert not out['trained'] and 'training_data' not in out and 'mia' not in out
+  n, seed = out['config']['num_clients'], out['config']['seed']
+  # The same scores a trained audit of this config computes: the canaries after the n clients.
+  score, included = uploads.upload_scores(seed, 200, rounds, n, clip=clip, std=z * clip,
+                                          central=mode == 'central')
+  want = scores.audit(score[included], score[~included], DELTA,
+                      privacy.upload_epsilon('rdp', z, rounds, DELTA))
+  got = out['upload']
+  assert {k: got[k] for k in want} == pytest.approx(want)
+  assert got['noise_multiplier'] == z and got['mode'] == mode
+  if mode == 'central':  # the run's epsilon: its rounds, each a sampled release of the sum
+    k = n // 2
+    assert got['run_epsilon'] == pytest.approx(
+        privacy.upload_epsilon('rdp', z, rounds, DELTA, n, k)) and got['run_epsilon'] < got[
+            'epsilon']
+  else:
+    assert got['run_epsilon'] is None
+
+
+def test_notrain_refuses_what_it_cannot_audit(tmp_path):
+  with pytest.raises(ConfigError, match='privacy.upload=True, or drop --notrain'):
+    audit_run.check(tiny_config(), 100, 1000, 'auto', training=False)
+  with pytest.raises(ConfigError, match='drop --notrain'):
+    audit_run.check(tiny_config(**{'privacy.upload': True, 'privacy.dp_sgd': True}), 100,
+                    1000, 'dp_sgd', training=False)
+  with pytest.raises(ConfigError, match='--upload_canaries=5'):
+    audit_run.check(tiny_config(**{'privacy.upload': True}), 100, 5, 'auto', training=False)

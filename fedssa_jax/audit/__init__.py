@@ -14,7 +14,8 @@ docs/algorithm.md §11, "Auditing").
    scores into a lower bound on epsilon at the run's delta that holds with 95% confidence,
    beside DP-SGD's accounted epsilon (none without DP-SGD: the audit of no DP).
 2. **Upload canaries** (privacy.upload on): a mechanism-level audit of the engine's own clip and
-   noise code (uploads.py).
+   noise code (uploads.py). It reads no data and no model: `--notrain` runs it alone
+   (run.mechanism_audit), without the other two.
 3. **Membership inference**: a loss threshold's advantage (max over thresholds of TPR - FPR;
    Yeom et al. 2018), members every client's training samples and non-members its test
    samples, each scored by its own client's model, pooled over the clients.

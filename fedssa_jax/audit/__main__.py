@@ -4,6 +4,9 @@ r"""The audit's command line: main's --config (with its variants and --config.* 
   python -m fedssa_jax.audit --config=configs/cifar10.py:hetero,n10 --workdir=runs/audit \
       --config.privacy.dp_sgd=True --config.privacy.noise_multiplier=1.1 --canaries=1000
 
+  python -m fedssa_jax.audit --config=configs/cifar10.py:hetero,n10 --workdir=runs/audit \
+      --config.privacy.upload=True --config.privacy.upload_target_epsilon=4 --notrain
+
 Prints the table and writes audit.json into --workdir. Exit statuses are main's: 2 for input
 that cannot work (with one paragraph naming the fix), 1 for a failure.
 """
@@ -37,6 +40,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_enum('mechanism', 'auto', ['auto', 'dp_sgd', 'upload'], 'What to audit: auto '
                     '(what the config turns on; training-data canaries always), or require '
                     'dp_sgd or upload to be on.', flag_values=fv)
+  flags.DEFINE_bool('train', True, 'Train the config with canaries (the default). --notrain '
+                    "audits the uploads' clip and noise alone (privacy.upload on), from the "
+                    'config, without data or a run: seconds.', flag_values=fv)
   flags.DEFINE_bool('verbose', False, 'Tracebacks for every error, and every library\'s logs.',
                     flag_values=fv)
 
@@ -68,7 +74,7 @@ def run_cli(argv, dataset=None) -> int:
       try:
         out = audit_run.run_audit(
             fv.config, fv.workdir, canaries=fv.canaries, upload_canaries=fv.upload_canaries,
-            mechanisms=fv.mechanism, dataset=dataset,
+            mechanisms=fv.mechanism, training=fv.train, dataset=dataset,
             progress=lambda line: print(line, flush=True))
       except tuple(error for error, _ in main_lib.USER_ERRORS) as e:
         if verbose:

@@ -16,6 +16,7 @@ from fedssa_jax import config_lib, data, privacy
 from fedssa_jax.audit import canaries as canaries_lib
 from fedssa_jax.audit import losses, scores, uploads
 from fedssa_jax.engine import simulator
+from fedssa_jax.engine.schedule import cohort_size
 from fedssa_jax.errors import require
 from fedssa_jax.run import observers, train
 
@@ -23,12 +24,22 @@ FILE = 'audit.json'
 
 
 def check(config: ml_collections.ConfigDict, canaries: int, upload_canaries: int,
-          mechanisms: str) -> None:
+          mechanisms: str, training: bool = True) -> None:
   """The audit's own checks, before any data loads (after config_lib.validate's)."""
   p = config.privacy
   require(mechanisms in ('auto', 'dp_sgd', 'upload'),
           f"--mechanism={mechanisms!r}: choose 'auto' (what the config turns on), 'dp_sgd' "
           "or 'upload'.")
+  if not training:
+    require(mechanisms != 'dp_sgd', '--notrain audits the uploads\' mechanism alone; DP-SGD '
+            'is audited through a run: drop --notrain.')
+    require(privacy.upload_enabled(p), '--notrain audits client-level DP on the uploads, which '
+            'this config leaves off: add --config.privacy.upload=True, or drop --notrain to '
+            'train the config with canaries.')
+    require(config.new_clients == 0, 'The audit counts every client as a participant: set '
+            '--config.new_clients=0.')
+    scores.check_canaries(upload_canaries, p.delta, '--upload_canaries')
+    return
   require(mechanisms != 'dp_sgd' or privacy.enabled(p),
           '--mechanism=dp_sgd audits DP-SGD, which this config leaves off: add '
           '--config.privacy.dp_sgd=True (and a noise_multiplier or target_epsilon), or use '
@@ -44,15 +55,18 @@ def check(config: ml_collections.ConfigDict, canaries: int, upload_canaries: int
 
 
 def run_audit(config: ml_collections.ConfigDict, workdir: str, *, canaries: int = 1000,
-              upload_canaries: int = 1000, mechanisms: str = 'auto',
+              upload_canaries: int = 1000, mechanisms: str = 'auto', training: bool = True,
               dataset: data.Dataset | None = None, progress=logging.info) -> dict:
   """Trains `config` once with `canaries` training-data canaries (each included w.p. 1/2),
   audits them and, with privacy.upload on, `upload_canaries` upload canaries; writes
   audit.json into `workdir` and returns its contents. `progress(line)` takes a line per round
-  (the command prints them)."""
+  (the command prints them). Without `training`, only the uploads' mechanism is audited (it
+  reads no data and no model: `mechanism_audit`)."""
   config_lib.validate(config)
-  check(config, canaries, upload_canaries, mechanisms)
+  check(config, canaries, upload_canaries, mechanisms, training)
   train.check_workdir_writable(workdir)
+  if not training:
+    return _write(config, workdir, mechanism_audit(config, upload_canaries))
   start = time.time()
   with config_lib.matmul_precision(config):
     ds = dataset or data.load_dataset(config.dataset, config.data_dir, config.download,
@@ -66,12 +80,34 @@ def run_audit(config: ml_collections.ConfigDict, workdir: str, *, canaries: int 
     sim = simulator.Simulator(config, audit_ds, audit_cd, workdir=workdir)  # its disk store's
     state, record = _train(sim, config, progress)
     out = {'method': config.method, 'dataset': config.dataset, 'rounds': int(state.round),
+           'trained': True,
            'mean_accuracy': float(np.nanmean(sim.evaluate(state).accuracy)),
            'training_data': _data_audit(sim, state, drawn, rows, record, config),
            'mia': _mia(sim, state, cd, drawn)}
     if privacy.upload_enabled(config.privacy) and mechanisms != 'dp_sgd':
-      out['upload'] = _upload_audit(sim, config, upload_canaries, record)
+      out['upload'] = _upload_audit(config, sim.upload_privacy, sim.num_clients,
+                                    upload_canaries, record.get('dp_upload_epsilon'))
   out['seconds'] = round(time.time() - start, 1)
+  return _write(config, workdir, out)
+
+
+def mechanism_audit(config: ml_collections.ConfigDict, upload_canaries: int = 1000) -> dict:
+  """The uploads' mechanism-level audit of `config` without its run: the accountant a run of
+  it builds (every client a participant: new_clients 0), its canary clients after the
+  config's num_clients. `run_epsilon` is the run's epsilon where it is the same for every
+  client (central mode: each round a release of the sum); in local mode it depends on how
+  often each client is drawn, and only a run gives it (None here)."""
+  start = time.time()
+  n = int(config.num_clients)
+  acct = privacy.UploadAccountant(config.privacy, n, cohort_size(n, config.participation),
+                                  config.num_rounds)
+  run_eps = float(acct.epsilons([config.num_rounds])[0]) if acct.central else None
+  return {'method': config.method, 'rounds': int(config.num_rounds), 'trained': False,
+          'upload': _upload_audit(config, acct, n, upload_canaries, run_eps),
+          'seconds': round(time.time() - start, 1)}
+
+
+def _write(config, workdir: str, out: dict) -> dict:
   if jax.process_index() == 0:
     with open(os.path.join(workdir, FILE), 'w') as f:
       f.write(json.dumps({'config': config.to_dict(), **out}, indent=2, default=_jsonable))
@@ -129,17 +165,19 @@ def _mia(sim, state, cd: data.ClientData, drawn: canaries_lib.DataCanaries) -> d
           'pooled': 'over clients'}
 
 
-def _upload_audit(sim, config, m: int, record: dict) -> dict:
-  """The uploads' mechanism-level audit (uploads.py), beside the run's accounted epsilon."""
-  acct, p = sim.upload_privacy, config.privacy
+def _upload_audit(config, acct, num_clients: int, m: int, run_epsilon) -> dict:
+  """The uploads' mechanism-level audit (uploads.py) with the accountant `acct` of a run of
+  `num_clients` clients (the canaries' ids follow theirs), beside the epsilon of its
+  num_rounds releases without sampling; `run_epsilon` the run's own (None: not known)."""
+  p = config.privacy
   score, included = uploads.upload_scores(
-      config.seed, m, config.num_rounds, sim.num_clients, clip=float(p.upload_clip),
+      config.seed, m, config.num_rounds, num_clients, clip=float(p.upload_clip),
       std=float(acct.std), central=acct.central)
   audited = privacy.upload_epsilon(p.accountant, acct.noise_multiplier, config.num_rounds,
                                    p.delta)
   return {**scores.audit(score[included], score[~included], p.delta, audited),
-          'mode': p.upload_mode, 'run_epsilon': record.get('dp_upload_epsilon'),
-          'level': 'mechanism'}
+          'mode': p.upload_mode, 'noise_multiplier': float(acct.noise_multiplier),
+          'run_epsilon': run_epsilon, 'level': 'mechanism'}
 
 
 def table(out: dict) -> str:
@@ -153,7 +191,10 @@ def table(out: dict) -> str:
       lines.append(f'{what:<16}{fmt(a["epsilon"]):>9}{a["epsilon_lower"]:>19.3g}'
                    f'{a["canaries"]:>10}{a["auroc"]:>7.3f}'
                    + ('  ABOVE epsilon: a bug' if a['exceeds'] else ''))
-  mia = out['mia']
-  lines.append(f'membership inference (loss threshold): advantage {mia["advantage"]:.3f}, '
-               f'AUROC {mia["auroc"]:.3f}; mean accuracy {out["mean_accuracy"]:.4f}')
+  if 'mia' in out:
+    mia = out['mia']
+    lines.append(f'membership inference (loss threshold): advantage {mia["advantage"]:.3f}, '
+                 f'AUROC {mia["auroc"]:.3f}; mean accuracy {out["mean_accuracy"]:.4f}')
+  else:
+    lines.append('not trained (--notrain): the uploads\' mechanism alone')
   return '\n'.join(lines)
