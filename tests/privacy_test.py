@@ -701,6 +701,29 @@ def test_the_upload_accountants_epsilon_is_the_librarys_for_the_same_mechanism()
     privacy.UploadAccountant(upload_section(upload_mode='central', accountant='pld'), 10, 3, 20)
 
 
+def test_central_mode_drops_the_amplification_where_clients_have_unequal_chances(caplog):
+  """A client online more often than the others is in more cohorts than K of N drawn uniformly:
+  with a spread of availability (or a trace) the rounds are accounted without sampling."""
+  from fedssa_jax.engine import uplink  # pylint: disable=g-import-not-at-top
+  c = config_lib.base_config('cifar10')
+  c.num_rounds = 20
+  c.privacy = upload_section(upload_mode='central', upload_noise_multiplier=4.0,
+                             accountant='rdp')
+  c.system.availability = 0.8
+  uniform = uplink.upload_accountant(c, 10, 3)  # the same chances for all: amplified
+  assert uniform.cohort == 3 and not caplog.records
+  c.system.availability_spread = 0.1
+  unequal = uplink.upload_accountant(c, 10, 3)
+  assert unequal.cohort == 0 and 'without amplification' in caplog.text
+  eps = unequal.epsilons([5] * 10)[0]
+  assert eps == pytest.approx(privacy.upload_epsilon('rdp', 4.0, 5, 1e-5))
+  assert eps > uniform.epsilons([5] * 10)[0]
+  c.system.availability_spread, c.system.availability_trace = 0.0, 'trace.npy'
+  assert uplink.upload_accountant(c, 10, 3).cohort == 0
+  c.privacy.upload_mode = 'local'  # no amplification to drop
+  assert uplink.upload_accountant(c, 10, 3).epsilons([5])[0] == unequal.epsilons([5])[0]
+
+
 def test_upload_calibration_meets_the_target_at_num_rounds():
   for mode in privacy.UPLOAD_MODES:
     a = privacy.UploadAccountant(upload_section(

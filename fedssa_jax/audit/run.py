@@ -15,7 +15,7 @@ import numpy as np
 from fedssa_jax import config_lib, data, privacy
 from fedssa_jax.audit import canaries as canaries_lib
 from fedssa_jax.audit import losses, scores, uploads
-from fedssa_jax.engine import simulator
+from fedssa_jax.engine import simulator, uplink
 from fedssa_jax.engine.schedule import cohort_size
 from fedssa_jax.errors import require
 from fedssa_jax.run import observers, train
@@ -99,8 +99,7 @@ def mechanism_audit(config: ml_collections.ConfigDict, upload_canaries: int = 10
   often each client is drawn, and only a run gives it (None here)."""
   start = time.time()
   n = int(config.num_clients)
-  acct = privacy.UploadAccountant(config.privacy, n, cohort_size(n, config.participation),
-                                  config.num_rounds)
+  acct = uplink.upload_accountant(config, n, cohort_size(n, config.participation))
   run_eps = float(acct.epsilons([config.num_rounds])[0]) if acct.central else None
   return {'method': config.method, 'rounds': int(config.num_rounds), 'trained': False,
           'upload': _upload_audit(config, acct, n, upload_canaries, run_eps),

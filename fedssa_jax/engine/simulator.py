@@ -54,7 +54,7 @@ from fedssa_jax.engine.population import make_store
 from fedssa_jax.engine.schedule import cohort_size
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
                                      RoundInfo, RunState, ServerState)
-from fedssa_jax.engine.uplink import VIEW_AXES, Uplink
+from fedssa_jax.engine.uplink import VIEW_AXES, Uplink, upload_accountant
 from fedssa_jax.streams import Stream
 
 
@@ -282,10 +282,8 @@ class Simulator:
                    if system.enabled(config.system) else None)
     self.initial = parts.Initial(config, self.method, keys, place)
     # Client-level DP on the uploads: its accountant (None: off).
-    self.upload_privacy = (privacy.UploadAccountant(config.privacy,
-                                                    self.num_clients - len(self.new_clients[0]),
-                                                    self.k,
-                                                    config.num_rounds)
+    self.upload_privacy = (upload_accountant(config, self.num_clients - len(self.new_clients[0]),
+                                             self.k)
                            if privacy.upload_enabled(config.privacy) else None)
     # The path of the uploads from client to server, with the federation's and privacy's steps
     # that are on (uplink.py), and what the calls take of the devices, once (each round adds

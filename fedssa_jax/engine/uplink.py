@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,23 @@ from fedssa_jax.streams import Stream
 
 # How the engine vmaps a ClientView over a chunk's clients: the round is the same for all.
 VIEW_AXES = methods.ClientView(id=0, seen=0, num_samples=0, round=None)
+
+
+def upload_accountant(config, eligible: int, k: int) -> privacy.UploadAccountant:
+  """Client-level DP's accountant for a run of `eligible` clients that may train, K = `k` a
+  round. Central mode amplifies by sampling K of them without replacement; where the `system`
+  section gives clients unequal chances to be sampled (system.equal_chances: a spread of
+  availability, or a trace), a client online more often than the rest would be in more cohorts
+  than that accounts for, so the rounds are accounted without sampling (each a release of
+  every client's upload: a valid bound, and more noise for a calibrated target)."""
+  p = config.privacy
+  if (p.upload_mode == 'central' and 0 < k < eligible
+      and not system.equal_chances(config.system)):
+    logging.warning('Central upload DP with clients online at unequal rates (system.'
+                    'availability_spread or availability_trace): its rounds are accounted '
+                    'without amplification by sampling (docs/algorithm.md §11).')
+    k = 0
+  return privacy.UploadAccountant(p, eligible, k, config.num_rounds)
 
 
 @dataclasses.dataclass(frozen=True)
