@@ -86,7 +86,7 @@ def has_clock(s: ml_collections.ConfigDict) -> bool:
 def equal_chances(s: ml_collections.ConfigDict) -> bool:
   """Whether every client is as likely as any other to be in a round's cohort: no spread of
   availability and no trace. Client-level DP's amplification by sampling in central mode
-  assumes it (engine/simulator.py's `upload_accountant`); dropout, stragglers, lost uploads and
+  assumes it (engine/uplink.py's `upload_accountant`); dropout, stragglers, lost uploads and
   a deadline only remove uploads, with chances that do not depend on the data."""
   return not (s.availability_spread > 0 or s.availability_trace)
 
