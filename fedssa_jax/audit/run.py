@@ -30,26 +30,23 @@ def check(config: ml_collections.ConfigDict, canaries: int, upload_canaries: int
   require(mechanisms in ('auto', 'dp_sgd', 'upload'),
           f"--mechanism={mechanisms!r}: choose 'auto' (what the config turns on), 'dp_sgd' "
           "or 'upload'.")
-  if not training:
+  require(config.new_clients == 0, 'The audit counts every client a participant: set '
+          '--config.new_clients=0 (new clients hold no canary and are never trained).')
+  if training:
+    require(mechanisms != 'dp_sgd' or privacy.enabled(p),
+            '--mechanism=dp_sgd audits DP-SGD, which this config leaves off: add '
+            '--config.privacy.dp_sgd=True (and a noise_multiplier or target_epsilon), or use '
+            '--mechanism=auto.')
+    require(mechanisms != 'upload' or privacy.upload_enabled(p),
+            '--mechanism=upload audits client-level DP on the uploads, which this config '
+            'leaves off: add --config.privacy.upload=True, or use --mechanism=auto.')
+    scores.check_canaries(canaries, p.delta, '--canaries')
+  else:
     require(mechanisms != 'dp_sgd', '--notrain audits the uploads\' mechanism alone; DP-SGD '
             'is audited through a run: drop --notrain.')
     require(privacy.upload_enabled(p), '--notrain audits client-level DP on the uploads, which '
             'this config leaves off: add --config.privacy.upload=True, or drop --notrain to '
             'train the config with canaries.')
-    require(config.new_clients == 0, 'The audit counts every client as a participant: set '
-            '--config.new_clients=0.')
-    scores.check_canaries(upload_canaries, p.delta, '--upload_canaries')
-    return
-  require(mechanisms != 'dp_sgd' or privacy.enabled(p),
-          '--mechanism=dp_sgd audits DP-SGD, which this config leaves off: add '
-          '--config.privacy.dp_sgd=True (and a noise_multiplier or target_epsilon), or use '
-          '--mechanism=auto.')
-  require(mechanisms != 'upload' or privacy.upload_enabled(p),
-          '--mechanism=upload audits client-level DP on the uploads, which this config leaves '
-          'off: add --config.privacy.upload=True, or use --mechanism=auto.')
-  require(config.new_clients == 0, 'The audit trains every client: set '
-          '--config.new_clients=0 (new clients hold no canary and are never trained).')
-  scores.check_canaries(canaries, p.delta, '--canaries')
   if privacy.upload_enabled(p) and mechanisms != 'dp_sgd':
     scores.check_canaries(upload_canaries, p.delta, '--upload_canaries')
 
