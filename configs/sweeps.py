@@ -369,7 +369,8 @@ def cross_device_upload():
   CROSS_DEVICE_UPLOAD_CLIPS with the noise calibrated to each epsilon of PRIVACY_EPSILONS
   (delta 1e-5) over the 50 rounds; the runs without DP are the cross_device sweep's."""
   def budget(method, mode, eps):
-    return {**({'fedssa__scope': 'participants'} if mode == 'central' else {}),
+    central_fedssa = mode == 'central' and method == 'fedssa'
+    return {**({'fedssa__scope': 'participants'} if central_fedssa else {}),
             'privacy__upload': True, 'privacy__upload_mode': mode,
             'privacy__upload_clip': CROSS_DEVICE_UPLOAD_CLIPS[method],
             'privacy__upload_noise_multiplier': 0.0, 'privacy__upload_target_epsilon': eps}
