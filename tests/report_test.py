@@ -12,9 +12,11 @@ from fedssa_jax.run import plots, report, runs
 
 def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dataset='cifar10',
               accs=(0.5, 0.7), to_target=None, overrides=None, clients=(0.6, 0.8),
-              derived=None, sim_seconds=None, summary_extra=None, diverged=None):
+              derived=None, sim_seconds=None, summary_extra=None, diverged=None,
+              records_extra=None):
   """A run folder as train.py writes it: config.json, metrics.jsonl, summary.json (or, given
-  `diverged`, diverged.json instead: the run ended with a DivergenceError)."""
+  `diverged`, diverged.json instead: the run ended with a DivergenceError). `records_extra`:
+  {field: a value per round} added to the records."""
   c = config_lib.build(dataset, variants)
   c.method, c.seed = method, seed
   for field, value in (overrides or {}).items():
@@ -33,6 +35,7 @@ def write_run(root, name, *, method='fedssa', seed=0, variants='hetero,n10', dat
                 'cum_client_flops': 1e9 * (i + 1)}
       if sim_seconds:  # the system section's clock: sim_seconds a round
         record['cum_sim_seconds'] = sim_seconds * (i + 1)
+      record.update({k: v[i] for k, v in (records_extra or {}).items()})
       f.write(json.dumps(record) + '\n')
   if diverged is not None:
     with open(os.path.join(d, 'diverged.json'), 'w') as f:
@@ -316,6 +319,31 @@ def test_plots_and_index(sweep):
     assert f'({p})' in text
     assert open(os.path.join(out, p), 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
   assert '(accuracy.md)' in text and '(costs.md)' in text
+
+
+def test_the_lens_is_drawn_for_the_settings_that_recorded_it(tmp_path, monkeypatch):
+  root = str(tmp_path)
+  write_run(root, 'a', variants='hetero,n1000', accs=(0.2, 0.3), records_extra={
+      'worst10_accuracy': (0.05, 0.1), 'global_accuracy': (0.1, 0.15),
+      'new_client_accuracy': (None, 0.25)})
+  write_run(root, 'b', method='standalone', variants='hetero,n1000', accs=(0.2, 0.25),
+            records_extra={'worst10_accuracy': (0.04, 0.08)})  # no global or new clients
+  write_run(root, 'c', accs=(0.5, 0.7), records_extra={'worst10_accuracy': (0.4, 0.6)})
+  grouped = runs.by_setting_and_method(runs.load_runs(root)[0])
+  n1000 = next(s for s in grouped if '_n1000_' in s.slug)
+  index = open(report.write_report(root)).read()
+  links = [w.split(')')[0] for w in index.split('(') if w.startswith('lens_')]
+  assert links == [f'lens_{n1000.slug}.png']  # n10 recorded no global accuracy
+  assert os.path.exists(tmp_path / 'report' / links[0])
+  figures = []
+  monkeypatch.setattr(plots, '_save', lambda fig, path: figures.append(fig) or path)
+  plots.plot_lens_curves(n1000, grouped[n1000], 'unused.png')
+  panels = [{l.get_label(): (list(l.get_xdata()), list(l.get_ydata())) for l in ax.lines}
+            for ax in figures[0].axes]
+  assert panels[0] == {'fedssa': ([1, 2], [20.0, 30.0]), 'standalone': ([1, 2], [20.0, 25.0])}
+  assert panels[1] == {'fedssa': ([1, 2], [5.0, 10.0]), 'standalone': ([1, 2], [4.0, 8.0])}
+  assert panels[2] == {'fedssa': ([1, 2], [10.0, 15.0])}
+  assert panels[3] == {'fedssa': ([2], [25.0])}  # the rounds that recorded it
 
 
 def test_series_keeps_the_rounds_every_run_recorded():

@@ -120,6 +120,45 @@ def plot_training_curves(setting: Setting, methods, path: str) -> str:
   return _save(fig, path)
 
 
+# The lens's panels (docs/outputs.md): record field, axis label.
+LENS_PANELS = (('mean_accuracy', 'local accuracy: mean (%)'),
+               ('worst10_accuracy', 'local accuracy: worst decile (%)'),
+               ('global_accuracy', 'global accuracy (%)'),
+               ('new_client_accuracy', 'new clients\' accuracy (%)'))
+
+
+def has_lens_curves(methods) -> bool:
+  """Whether any run of `methods` recorded the global or new clients' accuracy."""
+  return any(series([r], k)[0] for rs in methods.values() for r in rs
+             for k in ('global_accuracy', 'new_client_accuracy'))
+
+
+def plot_lens_curves(setting: Setting, methods, path: str) -> str:
+  """The lens against rounds, a panel per LENS_PANELS field (the seeds' mean per method): what
+  a client scores on its own test split, on average and in the worst tenth, and what the
+  federation gave beyond it, on the global test sample and to the clients that never trained.
+  A panel no run recorded is left empty."""
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, 4, figsize=(16 + 2 * (len(methods) > 8), 3.8))
+  styles = line_styles(methods)
+  for m, rs in methods.items():
+    for ax, (key, _) in zip(axes, LENS_PANELS):
+      rounds, ys = series(rs, key)
+      if rounds:
+        ax.plot(rounds, ys.mean(0) * 100, label=m,
+                marker='.' if len(rounds) < 30 else None, **styles[m])
+  for ax, (_, label) in zip(axes, LENS_PANELS):
+    ax.set(xlabel='round', ylabel=label)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+  if len(methods) > 8:
+    axes[-1].legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+  else:
+    axes[0].legend(fontsize=7)
+  fig.suptitle(setting.label, fontsize=10)
+  return _save(fig, path)
+
+
 def boxplot_methods(methods) -> list[str]:
   """FedSSA and the two best other methods by mean final accuracy (the paper's Figure 4;
   variants with options, such as ablations, are not candidates); every method when there are

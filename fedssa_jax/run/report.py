@@ -52,8 +52,9 @@ import numpy as np
 from fedssa_jax.engine import evaluation
 from fedssa_jax.run import lens, tuning
 from fedssa_jax.run.tables import markdown_table, mean_std, sci  # pylint: disable=unused-import
-from fedssa_jax.run.plots import (plot_accuracy_vs_epsilon, plot_accuracy_vs_rounds,
-                                  plot_accuracy_vs_sim_time, plot_client_boxes, plot_robustness,
+from fedssa_jax.run.plots import (has_lens_curves, plot_accuracy_vs_epsilon,
+                                  plot_accuracy_vs_rounds, plot_accuracy_vs_sim_time,
+                                  plot_client_boxes, plot_lens_curves, plot_robustness,
                                   plot_training_curves, plot_tsne, robustness_series)
 from fedssa_jax.run.runs import (METHOD_ORDER, REFERENCE_METHOD, _method_key, backend_of, by_setting_and_method,
                                  file_part, has_clock, load_sweep, privacy_budget, reached,
@@ -405,11 +406,14 @@ def _settings_section(grouped, out_dir) -> list[str]:
     training = plot_training_curves(s, methods, png('training', s))
     clock = any(has_clock(r) for rs in methods.values() for r in rs)
     sim = rel(plot_accuracy_vs_sim_time(s, methods, png('simtime', s))) if clock else '—'
+    lens_png = (rel(plot_lens_curves(s, methods, png('lens', s)))
+                if has_lens_curves(methods) else '—')
     rows.append([s.label, len(methods), '/'.join(map(str, rounds)), rel(curves), rel(boxes),
-                 rel(training), sim])
+                 rel(training), sim, lens_png])
   return ['## Per setting', '', markdown_table(
       ['setting', 'methods', 'rounds', 'accuracy against rounds', 'client accuracy boxes',
-       'accuracy, train loss and header norms', 'accuracy against simulated time'], rows)]
+       'accuracy, train loss and header norms', 'accuracy against simulated time',
+       'the lens against rounds (worst decile, global, new clients)'], rows)]
 
 
 def _robustness_section(grouped, out_dir) -> list[str]:
