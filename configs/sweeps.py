@@ -310,12 +310,12 @@ CROSS_DEVICE_SCHEDULE = {'num_rounds': 50, 'eval_every': 5, 'eval_global_images'
                          'new_clients': 0.1, 'new_client_epochs': 1}
 
 
-def _cross_device(methods, conditions) -> list[Run]:
-  """Each of `methods` at hetero,n1000 with the lens of CROSS_DEVICE_SCHEDULE, seed 0, under
+def _cross_device(methods, conditions, seeds=(0,)) -> list[Run]:
+  """Each of `methods` at hetero,n1000 with the lens of CROSS_DEVICE_SCHEDULE, at `seeds`, under
   each override set of `conditions`, method by method (FedL2G with a warm-up of a tenth of the
   rounds)."""
   return [r for m in methods for r in grid(
-      ['cifar10'], ['hetero,n1000'], (m,), (0,),
+      ['cifar10'], ['hetero,n1000'], (m,), seeds,
       [{**CROSS_DEVICE_SCHEDULE, **({'fedl2g__warmup': 5} if m == 'fedl2g' else {}), **c}
        for c in conditions])]
 
@@ -325,6 +325,12 @@ def cross_device():
   E = 1, the Dirichlet partition of the n1000 variant), CIFAR-10, seed 0, each at its defaults
   (FedL2G with a warm-up of a tenth of the rounds), with the lens of CROSS_DEVICE_SCHEDULE."""
   return _cross_device(ALL_FIFTEEN, [{}])
+
+
+def cross_device_seeds():
+  """The cross_device sweep's runs at seeds 1 and 2 (its table is seed 0's): with
+  `--pack_seeds` each method's two seeds run as one program."""
+  return _cross_device(ALL_FIFTEEN, [{}], seeds=(1, 2))
 
 
 def cross_device_long():
@@ -451,7 +457,8 @@ def dp_tuning_others(sweep_dir: str):
 SWEEPS = {f.__name__: f for f in (
     table1, table2, comm_compute, fig4, fig5, fig6_7, appendix_participation,
     appendix_ablation, appendix_mu0, appendix_t_stable, fig8, partial, partial_homo, small, tiny,
-    system, system_devices, privacy, privacy_upload, cross_device, cross_device_long,
+    system, system_devices, privacy, privacy_upload, cross_device, cross_device_seeds,
+    cross_device_long,
     cross_device_system, cross_device_upload, dp_tuning,
     dp_tuning_others)}
 

@@ -24,7 +24,8 @@ sweeps = sweep.load_sweeps()
     ('appendix_mu0', 2 * 7 * 3), ('appendix_t_stable', 2 * 7 * 3), ('small', 6),
     ('partial', 8 * 3 + 2 + 3), ('partial_homo', 8 * 3 + 2 + 3), ('tiny', 3),
     ('system', 12 * 4 * 3), ('system_devices', 8), ('privacy', 5 * 4 + 1),
-    ('privacy_upload', 7 * 3), ('cross_device', 15), ('cross_device_long', 3),
+    ('privacy_upload', 7 * 3), ('cross_device', 15), ('cross_device_seeds', 15 * 2),
+    ('cross_device_long', 3),
     ('cross_device_system', 15),
     ('cross_device_upload', 7 * 3)])
 def test_every_sweep_expands_to_unique_names_and_valid_configs(name, count):
