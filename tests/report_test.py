@@ -204,11 +204,35 @@ def test_privacy_budgets_are_columns_of_a_table_against_epsilon(tmp_path):
   upload = text.split(', upload DP, local')[1]
   assert '| method | ε = 1 | ε = 6.5 | ε = ∞ |' in upload
   assert '| fedssa | 70.00 (ε 1) | 75.00 (ε 6.5) | 81.00 ± 1.41 |' in upload
+  assert 'Global accuracy' not in text and 'New clients' not in text  # no lens recorded
   # The ideal runs stay a setting of their own in accuracy.md (two seeds, no private run).
   assert table_row(open(os.path.join(out, 'accuracy.md')).read(), 'fedssa')[1] == '**81.00 ± 1.41**'
   index = open(os.path.join(out, 'index.md')).read()
   plots = [w.split(')')[0] for w in index.split('(') if w.startswith('privacy_')]
   assert len(plots) == 2 and all(os.path.exists(os.path.join(out, p)) for p in plots)
+
+
+def test_privacy_tables_add_the_lens_where_the_runs_recorded_it(tmp_path):
+  """Upload DP at the cross-device scale: the global and new clients' accuracies at each
+  epsilon, in tables of their own after the mean accuracy's; a cell without the value is '—'."""
+  root = str(tmp_path)
+  up = lambda e: {'privacy.upload': True, 'privacy.upload_clip': 0.016,
+                  'privacy.upload_noise_multiplier': 0.0, 'privacy.upload_target_epsilon': e}
+  lens = lambda g, n: {'final_global_accuracy': g, 'final_new_client_accuracy': n}
+  write_run(root, 'ideal', variants='hetero,n1000', accs=(0.2, 0.28),
+            summary_extra=lens(0.11, 0.22))
+  write_run(root, 'u1', variants='hetero,n1000', accs=(0.2, 0.26), overrides=up(1.0),
+            summary_extra={**lens(0.10, None), 'dp_upload_epsilon': 1.0})
+  write_run(root, 'u4', variants='hetero,n1000', accs=(0.2, 0.27), overrides=up(4.0),
+            summary_extra={**lens(0.105, 0.21), 'dp_upload_epsilon': 4.0})
+  write_run(root, 'u4s1', variants='hetero,n1000', seed=1, accs=(0.2, 0.27), overrides=up(4.0),
+            summary_extra={**lens(0.115, 0.23), 'dp_upload_epsilon': 4.0})
+  text = open(os.path.join(os.path.dirname(report.write_report(root)), 'privacy.md')).read()
+  accuracy, rest = text.split('Global accuracy (%), the same runs:')
+  glob, new = rest.split('New clients\' accuracy (%), the same runs:')
+  assert '| fedssa | 26.00 (ε 1) | 27.00 ± 0.00 (ε 4) | 28.00 |' in accuracy
+  assert '| fedssa | 10.00 | 11.00 ± 0.71 | 11.00 |' in glob
+  assert '| fedssa | — | 22.00 ± 1.41 | 22.00 |' in new
 
 
 def test_runs_of_one_setting_on_two_partitions_are_flagged(tmp_path, capsys):

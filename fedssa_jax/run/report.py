@@ -282,23 +282,15 @@ def privacy_tables(series) -> str:
   for (base, mechanism), methods in series.items():
     budgets = sorted({e for points in methods.values() for e in points})
     rows, speed = [], []
+    lens_keys = [(k, title) for k, title in PRIVACY_LENS if any(
+        r.summary.get(k) is not None for points in methods.values() for rs in points.values()
+        for r in rs if r.diverged is None)]
+    lens_rows = {k: [] for k, _ in lens_keys}
     for m, points in methods.items():
-      cells = []
-      for e in budgets:
-        rs = points.get(e)
-        if not rs:
-          cells.append('—')
-          continue
-        done = [r for r in rs if r.diverged is None]
-        text = ''
-        if done:
-          text = mean_std([r.summary['final_mean_accuracy'] for r in done])
-          reached = [x for x in map(reached_epsilon, done) if x is not None]
-          text += f' (ε {max(reached):.3g})' if reached and e != math.inf else ''
-        if len(done) < len(rs):
-          text += ('; ' if text else '') + diverged_cell(rs)
-        cells.append(text)
-      rows.append([m, *cells])
+      rows.append([m, *(_privacy_cell(points.get(e), e, 'final_mean_accuracy')
+                        for e in budgets)])
+      for k, _ in lens_keys:
+        lens_rows[k].append([m, *(_privacy_cell(points.get(e), e, k) for e in budgets)])
       for backend in sorted({backend_of(r) for rs in points.values() for r in rs}):
         steady = lambda rs: [r.summary.get('seconds_per_round_steady') for r in rs
                              if backend_of(r) == backend]
@@ -309,10 +301,36 @@ def privacy_tables(series) -> str:
           speed.append([m, backend, f'{np.mean(base_t):.1f}' if base_t else '—',
                         f'{np.mean(priv):.1f}', ratio])
     names = ['ε = ∞' if e == math.inf else f'ε = {e:.3g}' for e in budgets]
-    out += [f'## {base.label}, {mechanism}', '', markdown_table(['method', *names], rows),
-            markdown_table(['method', 'backend', 's/round, ε = ∞', 's/round, private',
+    out += [f'## {base.label}, {mechanism}', '', markdown_table(['method', *names], rows)]
+    for k, title in lens_keys:
+      out += [f'{title} (%), the same runs:', '', markdown_table(['method', *names], lens_rows[k])]
+    out += [markdown_table(['method', 'backend', 's/round, ε = ∞', 's/round, private',
                             'private / ∞'], speed), '']
   return '\n'.join(out)
+
+
+# The lens's final values (docs/outputs.md) that privacy.md tables beside the mean accuracy,
+# for a setting whose runs recorded them: what can tell a shared header from noise.
+PRIVACY_LENS = (('final_global_accuracy', 'Global accuracy'),
+                ('final_new_client_accuracy', 'New clients\' accuracy'))
+
+
+def _privacy_cell(rs, eps: float, key: str) -> str:
+  """privacy_tables' cell of runs `rs` (the seeds of one method at budget `eps`) for the
+  summary's `key` (%, mean ± std over the seeds that finished), with the largest epsilon they
+  reached after the mean accuracy, and 'diverged (round N)' for those that diverged."""
+  if not rs:
+    return '—'
+  done = [r for r in rs if r.diverged is None]
+  values = [r.summary[key] for r in done if r.summary.get(key) is not None]
+  text = mean_std(values) if values else ('—' if done else '')
+  if values:
+    reached = [x for x in map(reached_epsilon, done) if x is not None]
+    if key == 'final_mean_accuracy' and reached and eps != math.inf:
+      text += f' (ε {max(reached):.3g})'
+  if len(done) < len(rs):
+    text += ('; ' if text else '') + diverged_cell(rs)
+  return text
 
 
 # ----------------------------------------------------------------------------------------------
