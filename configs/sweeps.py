@@ -373,7 +373,8 @@ def cross_device_upload():
   with the cross_device sweep's schedule and lens, seed 0: central mode for FedSSA (scope
   participants), FD and FedProto, then local mode for them and FedGH, each at
   CROSS_DEVICE_UPLOAD_CLIPS with the noise calibrated to each epsilon of PRIVACY_EPSILONS
-  (delta 1e-5) over the 50 rounds; the runs without DP are the cross_device sweep's."""
+  (delta 1e-5) over the 50 rounds; the runs without DP are the cross_device sweep's, and
+  FedSSA's at scope participants, the first run here."""
   def budget(method, mode, eps):
     central_fedssa = mode == 'central' and method == 'fedssa'
     return {**({'fedssa__scope': 'participants'} if central_fedssa else {}),
@@ -382,8 +383,11 @@ def cross_device_upload():
             'privacy__upload_noise_multiplier': 0.0, 'privacy__upload_target_epsilon': eps}
   cells = ([(m, 'central') for m in ('fedssa', 'fd', 'fedproto')]
            + [(m, 'local') for m in CROSS_DEVICE_UPLOAD_CLIPS])
-  return [r for m, mode in cells
-          for r in _cross_device((m,), [budget(m, mode, e) for e in PRIVACY_EPSILONS])]
+  # FedSSA's central runs average the round's participants' rows (scope participants), not
+  # the cross_device run's table of every owner's latest: their run without DP is its own.
+  return _cross_device(('fedssa',), [{'fedssa__scope': 'participants'}]) + [
+      r for m, mode in cells
+      for r in _cross_device((m,), [budget(m, mode, e) for e in PRIVACY_EPSILONS])]
 
 
 # Tuning DP-SGD on validation (docs/results.md, "Under differential privacy"): the `privacy`

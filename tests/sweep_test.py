@@ -27,7 +27,7 @@ sweeps = sweep.load_sweeps()
     ('privacy_upload', 7 * 3), ('cross_device', 15), ('cross_device_seeds', 15 * 2),
     ('cross_device_long', 3),
     ('cross_device_system', 15),
-    ('cross_device_upload', 7 * 3)])
+    ('cross_device_upload', 1 + 7 * 3)])
 def test_every_sweep_expands_to_unique_names_and_valid_configs(name, count):
   from fedssa_jax import config_lib
   runs = sweeps.get_sweep(name)
