@@ -97,13 +97,50 @@ def test_methods_say_whether_evaluation_reads_the_server(method, reads):
 
 @pytest.mark.slow  # simulators compiled and run
 def test_methods_reading_the_server_are_evaluated_whole(small_sim):
-  sim = small_sim('lg_fedavg')
+  sim = small_sim('fedmrl')  # its prediction reads the shared model and the client's state
   state, ev = sim.init_state(), None
   for _ in range(2):
     state, _ = sim.run_round(state)
     ev = sim.evaluate(state, previous=ev)
   assert ev.reevaluated == sim.num_clients
   np.testing.assert_array_equal(ev.accuracy, sim.evaluate(state).accuracy)
+
+
+@pytest.mark.slow  # simulators compiled and run
+@pytest.mark.parametrize('method,global_images', [('lg_fedavg', 30), ('fedgh', 0)])
+def test_header_methods_test_only_the_trained_clients_again(small_sim, method, global_images):
+  """A method whose results read the server through the header alone (the global header on
+  the client's extractor) tests again only the clients that trained; the others' test and
+  global sample counts are computed again from their kept representations under the header
+  now. The counts equal a whole evaluation's, and those of the evaluation that keeps nothing."""
+  # 10 clients, K = 3, lr 0.05: the header moves the predictions of clients that do not train.
+  sim = small_sim(method, num_rounds=4, eval_global_images=global_images, num_clients=10,
+                  participation=0.3, **{'optimizer.lr': 0.05})
+  assert sim.evaluator.keep_reps
+  state, evs, cohorts = sim.init_state(), [], []
+  for _ in range(4):
+    state, (info,) = sim.run_round(state)
+    evs.append(sim.evaluate(state, previous=evs[-1] if evs else None))
+    cohorts.append(info.cohort)
+  ev = evs[-1]
+  assert ev.reevaluated == len(info.cohort) < sim.num_clients
+  assert sorted(ev.kept) == ['kept_global_reps', 'kept_reps'][not global_images:]
+  # A client that did not train changed its counts from one evaluation to the next (the header
+  # moved): copying them would fail.
+  count = evaluation.GLOBAL_CORRECT if global_images else 'correct'
+  assert any((a.counts[count][idle] != b.counts[count][idle]).any()
+             for a, b, c in zip(evs, evs[1:], cohorts[1:])
+             for idle in [np.setdiff1d(np.arange(sim.num_clients), c)])
+  whole = sim.evaluate(state)
+  plain = sim.evaluator
+  plain.keep_reps, plain.again_call = False, None
+  plain.calls = [plain._eval_call(g) for g in plain.groups]
+  in_loop = sim.evaluate(state)
+  assert whole.reevaluated == in_loop.reevaluated == sim.num_clients and in_loop.kept is None
+  for other in (whole, in_loop):
+    for k in (*evaluation.COUNTS, *([evaluation.GLOBAL_CORRECT] if global_images else [])):
+      np.testing.assert_array_equal(ev.counts[k], other.counts[k])
+    np.testing.assert_array_equal(ev.accuracy, other.accuracy)
 
 
 @pytest.mark.slow  # simulators compiled and run

@@ -1,6 +1,6 @@
 """What every registered method declares and exchanges, checked on all of them: the hooks of
 evaluation it overrides are declared (`eval_reads_state`, `eval_reads_server`,
-`eval_server_in_extra`), since the engine reads the declarations and never looks at which
+`eval_server_in_extra`, `eval_server_header`), since the engine reads the declarations and never looks at which
 functions a method overrides; and its hook data (per-client state, the loss's constants, the
 accumulator, the forward pass's sums, the step after training's output, the payload) are typed,
 flax.struct dataclasses or None, never dicts. Each checker is first shown to find what it looks
@@ -35,6 +35,10 @@ def undeclared(cls) -> list[str]:
   if cls.eval_server_in_extra and (overrides - {'eval_extra'} or not cls.eval_reads_server):
     found.append(f'{cls.__name__} declares eval_server_in_extra but its server reaches more than '
                  'eval_extra (a kept result would go stale)')
+  if cls.eval_server_header and (overrides or not cls.eval_reads_server
+                                 or not hasattr(cls, 'eval_header')):
+    found.append(f'{cls.__name__} declares eval_server_header but its server reaches more than '
+                 'the rows of its eval_header (a kept representation would go stale)')
   return found
 
 
@@ -64,9 +68,25 @@ def test_the_declaration_checker_finds_an_undeclared_override():
       'PredictsThroughState overrides eval_forward but does not declare eval_reads_state = True '
       '(evaluation would never call it)']
   assert len(undeclared(DeclaresInVain)) == 1
+  class ServerBeyondHeader(standalone.Standalone):
+    eval_reads_server = eval_server_header = True
+
+    def eval_header(self, server, client_id):
+      return server.header
+
+    def eval_extra(self, server, client_id, logits, rep, y, valid):
+      return {'hits': (rep.sum() > server.threshold).astype(jnp.int32)}
+
+  class HeaderFromNowhere(standalone.Standalone):
+    eval_reads_server = eval_server_header = True
+
   assert undeclared(ServerBeyondExtra) == [
       'ServerBeyondExtra declares eval_server_in_extra but its server reaches more than '
       'eval_extra (a kept result would go stale)']
+  beyond_header = ('declares eval_server_header but its server reaches more than the rows of '
+                   'its eval_header (a kept representation would go stale)')
+  assert undeclared(ServerBeyondHeader) == [f'ServerBeyondHeader {beyond_header}']
+  assert undeclared(HeaderFromNowhere) == [f'HeaderFromNowhere {beyond_header}']
 
 
 def test_every_method_declares_the_evaluation_hooks_it_overrides():
@@ -75,8 +95,9 @@ def test_every_method_declares_the_evaluation_hooks_it_overrides():
   # A declaration an instance may narrow from its config: FedGH evaluating its own header.
   cfg = config_lib.base_config('cifar10')
   cfg.fedgh.eval = 'post_train'
-  assert methods.METHODS['fedgh'].eval_reads_server
-  assert not methods.get_method('fedgh')(cfg, N, C).eval_reads_server
+  assert methods.METHODS['fedgh'].eval_reads_server and methods.METHODS['fedgh'].eval_server_header
+  own = methods.get_method('fedgh')(cfg, N, C)
+  assert not own.eval_reads_server and not own.eval_server_header
 
 
 def shape(dtype, *dims):

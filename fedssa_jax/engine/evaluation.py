@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from fedssa_jax import models
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
 from fedssa_jax.engine.placement import REPLICATED, SHARDED
@@ -39,6 +40,12 @@ COUNTS = ('correct', 'count', 'batch_acc_sum', 'num_batches')
 GLOBAL_CORRECT = 'global_correct'  # a client's correct count on the global test sample
 # What a method of `Method.eval_server_in_extra` keeps of each client's test batches.
 KEPT = ('kept_logits', 'kept_reps')
+# What a method of `Method.eval_server_header` keeps of each client: its test batches' and, with
+# the global test sample on, the sample's representations ([batches, b, d] each) ...
+KEPT_REPS = ('kept_reps', 'kept_global_reps')
+# ... where all the evaluated clients' fit in this many bytes (at N = 1,000 with 500 global
+# images of d = 500, about 1 GB; beyond it, every client is tested again).
+KEEP_REPS_BYTES = 2 << 30
 # A client's count of its validation samples its headline metric gets right, and of them all
 # (eval_validation).
 VALIDATION = ('val_correct', 'val_count')
@@ -93,8 +100,28 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
          'num_batches': num_batches}
   if not keep:
     return {**out, **last}
-  return {**out, **kept_extras(last, test_idx, n, data.labels, extra_fn, extra_names),
-          **dict(zip(KEPT, last))}
+  extras = kept_extras(last, test_idx, n, data.labels, extra_fn, extra_names) if extra_fn else {}
+  return {**out, **extras, **dict(zip(KEPT, last))}
+
+
+def header_counts(reps: jax.Array, idx: jax.Array, n: jax.Array, labels: jax.Array,
+                  rows: jax.Array, dtype) -> dict:
+  """evaluate_client's 'correct' and 'batch_acc_sum' of one client from its kept
+  representations of images `idx` (`reps` [batches, b, d]; its `n` first count) under the
+  header `rows` [C, d + 1], computed as the model's fc3 computes its logits (in `dtype`)."""
+  b = reps.shape[1]
+  idx_pad = jnp.pad(idx, (0, reps.shape[0] * b - idx.shape[0]))
+  head = models.with_header_rows({}, rows)
+
+  def body(step, acc):
+    y = labels[jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))]
+    valid = step * b + jnp.arange(b) < n
+    logits = models.apply_header(head, reps[step], dtype)
+    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+    return acc[0] + correct, acc[1] + correct / jnp.maximum(valid.sum(), 1)
+  correct, batch_acc_sum = jax.lax.fori_loop(
+      0, (n + b - 1) // b, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)))
+  return {'correct': correct, 'batch_acc_sum': batch_acc_sum}
 
 
 def kept_extras(kept: tuple, test_idx: jax.Array, n: jax.Array, labels: jax.Array,
@@ -135,7 +162,8 @@ class Evaluation:
   val_accuracy: np.ndarray | None = None
   # Under Method.eval_server_in_extra: each evaluated client's test logits and representations
   # (KEPT), host arrays [M, batches, b, ...] in the order of `evaluated`, for the next
-  # evaluation's extra counts.
+  # evaluation's extra counts; under Method.eval_server_header, its KEPT_REPS (the global
+  # sample's where on), for the next evaluation's counts under the header then.
   kept: dict | None = None
 
 
@@ -147,7 +175,7 @@ class Evaluator:
   def __init__(self, method, groups: list, store, placement, train_cfg: TrainConfig,
                group_of: np.ndarray, slot_of: np.ndarray, *, eval_batch_size: int,
                clients_per_call: int = 0, phase=None, global_sample=None,
-               validation: bool = False):
+               validation: bool = False, rep_floats: int = 0, dtype=jnp.float32):
     self.method, self.groups, self.store, self.placement = method, groups, store, placement
     self.train_cfg = train_cfg
     self.group_of, self.slot_of = group_of, slot_of
@@ -169,8 +197,17 @@ class Evaluator:
     self.keep = (method.eval_server_in_extra and bool(method.eval_metrics)
                  and not self.reads_state and not validation)
     self.reuse_kept = self.keep and placement.mesh is None
+    # A method whose results read the server through the header alone has its clients' test and
+    # global sample representations kept (`rep_floats` a client, in the compute `dtype`), without
+    # a mesh and where they fit in KEEP_REPS_BYTES; a client that has not trained since the last
+    # evaluation has its counts computed again from them under the header now (`again_call`).
+    self.dtype = dtype
+    self.keep_reps = (method.eval_server_header and not method.eval_metrics
+                      and not self.reads_state and not validation and placement.mesh is None
+                      and 0 < 4 * rep_floats * len(group_of) <= KEEP_REPS_BYTES)
     self.calls = [self._eval_call(g) for g in groups]
-    self.extra_call = self._extra_call() if self.reuse_kept else None
+    self.again_call = (self._extra_call() if self.reuse_kept
+                       else self._header_call() if self.keep_reps else None)
 
   def _per_call(self, g) -> int:
     return self.clients_per_call or (
@@ -217,14 +254,19 @@ class Evaluator:
         # as on the CPU, it costs nothing).
         out = evaluate_client(params, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
                               data_, apply_fn=forward, cfg=cfg, eval_batch_size=eval_batch,
-                              extra_fn=extra, extra_names=method.eval_metrics, keep=self.keep)
-        if not self.reuse_kept:
-          out = {k: v for k, v in out.items() if k not in KEPT}
+                              extra_fn=extra, extra_names=method.eval_metrics,
+                              keep=self.keep or self.keep_reps)
+        if not self.reuse_kept:  # for the header alone, the representations are kept
+          drop = KEPT[:1] if self.keep_reps else KEPT
+          out = {k: v for k, v in out.items() if k not in drop}
         if global_idx is not None:  # the same images for every client
           size = global_idx.shape[0]
-          out[GLOBAL_CORRECT] = evaluate_client(
+          on_global = evaluate_client(
               params, global_idx, jnp.where(ok, size, 0), data_, apply_fn=forward, cfg=cfg,
-              eval_batch_size=min(self.eval_batch_size, -(-size // 8) * 8))['correct']
+              eval_batch_size=min(self.eval_batch_size, -(-size // 8) * 8), keep=self.keep_reps)
+          out[GLOBAL_CORRECT] = on_global['correct']
+          if self.keep_reps:
+            out[KEPT_REPS[1]] = on_global['kept_reps']
         if self.validation:
           out.update(self._validation(params, cid, ok, data_, forward, extra))
         return out
@@ -259,7 +301,8 @@ class Evaluator:
     and data; rows where `valid` is False (padding) count nothing."""
     method = self.method
 
-    def extras(kept, cids, valid, server, data_: DeviceData):
+    def extras(kept, cids, valid, server, global_idx, data_: DeviceData):
+      del global_idx
       def one(args):
         kept_one, cid, ok = args
         return kept_extras(kept_one, data_.test_idx[cid], jnp.where(ok, data_.test_n[cid], 0),
@@ -268,22 +311,45 @@ class Evaluator:
       return jax.lax.map(one, (kept, cids, valid))
     return jax.jit(extras)
 
-  def _extras_again(self, kept: dict, row: np.ndarray, ids: np.ndarray, server,
-                    seed_index: int, data: DeviceData, counts: dict) -> None:
-    """Writes into `counts` the extra counts of clients `ids` (not trained since their kept
-    values were, at rows `row[ids]` of `kept`), computed again with the server's state now, in
+  def _header_call(self) -> Callable:
+    """The jitted test counts (and global sample's, given its indices) of a block of clients
+    from their kept representations (`kept`: KEPT_REPS's arrays [block, batches, b, d], the
+    global sample's where on) under the header the method gives each now, with one seed's
+    server and data; rows where `valid` is False (padding) count nothing."""
+    method, dtype = self.method, self.dtype
+
+    def counts(kept, cids, valid, server, global_idx, data_: DeviceData):
+      def one(args):
+        kept_one, cid, ok = args
+        rows = method.eval_header(server, cid)
+        out = header_counts(kept_one[0], data_.test_idx[cid],
+                            jnp.where(ok, data_.test_n[cid], 0), data_.labels, rows, dtype)
+        if global_idx is not None:
+          out[GLOBAL_CORRECT] = header_counts(
+              kept_one[1], global_idx, jnp.where(ok, global_idx.shape[0], 0), data_.labels,
+              rows, dtype)['correct']
+        return out
+      return jax.lax.map(one, (kept, cids, valid))
+    return jax.jit(counts)
+
+  def _again(self, kept: dict, row: np.ndarray, ids: np.ndarray, server, seed_index: int,
+             data: DeviceData, counts: dict) -> None:
+    """Writes into `counts` what `again_call` computes again of clients `ids` (not trained
+    since their kept values were, at rows `row[ids]` of `kept`) with the server's state now, in
     blocks of EVAL_BLOCK."""
     server = jax.tree.map(lambda a: a[seed_index], server)
+    names = KEPT if self.reuse_kept else KEPT_REPS[:1 + self.global_on]
+    global_idx = self.global_sample[seed_index] if self.global_on else None
     blocks = []
     for i in range(0, len(ids), EVAL_BLOCK):  # every block dispatched, then one fetch
       block = np.pad(ids[i:i + EVAL_BLOCK], (0, max(0, i + EVAL_BLOCK - len(ids))), mode='edge')
       n = min(EVAL_BLOCK, len(ids) - i)
-      blocks.append((block[:n], self.extra_call(
-          tuple(kept[k][row[block]] for k in KEPT), jnp.asarray(block, jnp.int32),
-          jnp.asarray(np.arange(EVAL_BLOCK) < n), server, data)))
+      blocks.append((block[:n], self.again_call(
+          tuple(kept[k][row[block]] for k in names), jnp.asarray(block, jnp.int32),
+          jnp.asarray(np.arange(EVAL_BLOCK) < n), server, global_idx, data)))
     for members, out in jax.device_get(blocks):
-      for k in self.method.eval_metrics:
-        counts[k][members] = out[k][:len(members)]
+      for k, v in out.items():
+        counts[k][members] = v[:len(members)]
 
   def server_arg(self, server, global_sample):
     """What `rows_fn`'s calls take as their server argument: the server state, with the seeds'
@@ -320,13 +386,14 @@ class Evaluator:
     names = ((*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
              + (VALIDATION if self.validation else ()))
     t = int(state.round)
-    # Without a server in the results (or with it in the extras alone, whose inputs are kept),
-    # a client's results change only when it trains.
-    reuse = not method.eval_reads_server or self.reuse_kept
+    # Without a server in the results (or with it in the extras or the header alone, whose
+    # inputs are kept), a client's results change only when it trains.
+    again = self.again_call is not None
+    reuse = not method.eval_reads_server or again
     kept = None
     if (reuse and previous is not None and previous.round <= t
-        and (not self.reuse_kept or (previous.kept is not None
-                                     and np.array_equal(previous.evaluated, evaluated_ids)))):
+        and (not again or (previous.kept is not None
+                           and np.array_equal(previous.evaluated, evaluated_ids)))):
       counts = {k: v.copy() for k, v in previous.counts.items()}
       trained = [cohort(r) for r in range(previous.round, t)]
       ids = np.intersect1d(evaluated_ids, np.concatenate([np.zeros(0, int), *trained]))
@@ -343,7 +410,7 @@ class Evaluator:
     for (gi, slots, r), (_, _, n) in zip(blocks, jobs):
       members = self.groups[gi].members[slots[:n]]
       for k, v in self.placement.fetch(r).items():
-        if k in KEPT:
+        if k.startswith('kept_'):
           if kept is None:
             kept = {}
           if k not in kept:
@@ -351,9 +418,9 @@ class Evaluator:
           kept[k][row[members]] = v[:n]
         else:
           counts[k][members] = v[:n]
-    if self.reuse_kept and len(ids) < len(evaluated_ids):
-      self._extras_again(kept, row, np.setdiff1d(evaluated_ids, ids), state.server, seed_index,
-                         data, counts)
+    if again and len(ids) < len(evaluated_ids):
+      self._again(kept, row, np.setdiff1d(evaluated_ids, ids), state.server, seed_index, data,
+                  counts)
     self.phase('evaluate')
     per_sample = lambda k: counts[k] / np.maximum(counts['count'], 1)
     metrics = {name: per_sample(name) for name in method.eval_metrics}

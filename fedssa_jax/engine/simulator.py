@@ -296,7 +296,9 @@ class Simulator:
         self.method, self.groups, self.store, place, self.train_cfg, self.group_of,
         self.slot_of, eval_batch_size=config.eval_batch_size,
         clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
-        global_sample=self._global_sample(config, ds, cds), validation=config.eval_validation)
+        global_sample=self._global_sample(config, ds, cds), validation=config.eval_validation,
+        rep_floats=(self.data.test_idx.shape[-1] + config.eval_global_images)
+        * self.method.feature_dim, dtype=models.COMPUTE_DTYPES[config.engine.compute_dtype])
     self.newcomers = self._newcomers(config)
 
   def _calls(self, config, workdir: str | None, per_call_choice: dict | None) -> None:

@@ -30,9 +30,8 @@ a chunk of one model family) and then once on the server:
   flax.struct dataclass with named fields, or None where the method has none (`NoState` for a
   client state). Shapes several methods share have one type: `ClassSums` (V1 class sums),
   `WeightedUpload` (a whole upload and its weight); prototypes.py holds the prototype methods'.
-  A dataclass's field order is the order of its leaves in the compiled programs, which XLA's
-  float rounding may depend on: the types that replaced dicts keep the dicts' (sorted) key
-  order, so that no number moved.
+  A dataclass's field order is its leaves' order in the compiled programs (XLA's rounding may
+  depend on it): the types that replaced dicts keep the dicts' sorted key order.
 - The floats each side sends are counted where the exchange happens (`Download.floats`,
   `Upload.floats`), as are client FLOPs beyond the training steps (`.flops`), and the server's
   FLOPs and diagnostics of the round (`Aggregated.flops`, `.metrics`).
@@ -76,13 +75,12 @@ Evaluation (engine/evaluation.py), for each evaluated client k and each of its t
   (FedMRL: its projector J_k in `state_k` and the server's shared model) overrides it and
   declares `eval_reads_state = True`; evaluation then brings each evaluated client's `state_k`
   to the call.
-- Which of these a method uses is declared, not found out: `eval_reads_state` (it overrides
-  `eval_forward`) and `eval_reads_server` (its `eval_params`, `eval_forward` or `eval_extra`
-  read the server state), as `forward_pass` and `after_training` are for the round.
+- Which of these a method uses is declared, not found out (`eval_reads_state`,
+  `eval_reads_server` and how: the Method's class attributes), as `forward_pass` and
+  `after_training` are for the round.
 
 Everything runs under jit: the client hooks on one client (the engine vmaps them), the server
-hooks on the whole population. Server and client states are pytrees of arrays, so they can be
-checkpointed and sharded.
+hooks on the whole population; their states are pytrees of arrays (checkpointed, sharded).
 """
 from __future__ import annotations
 
@@ -255,8 +253,7 @@ class Method:
   # With True, the forward pass also gives `forward_pass_stats` each batch's positions in the
   # client's training row (`pos` [b]) and the row's width W (`width`, static), so that its
   # stats may place per-sample values in [W, ...] tables (zero elsewhere; the pass sums them):
-  # FedORGP's outlier filter, which needs each sample's representation. False (the default):
-  # the four arguments alone.
+  # FedORGP's outlier filter, which needs each sample's representation. False: the four alone.
   forward_pass_rows: bool = False
   # The first `held_out_samples` positions of each client's training index row are never
   # trained on (the module docstring): 0, the default, holds none out.
@@ -267,18 +264,15 @@ class Method:
   # on the trained `trainable` ({'model': params, **aux}), with the differentiable `apply_fn`
   # of the client's model, the loss's `ctx`, a study batch and the quiz set, each (x [b, H,
   # W, C], y [b], valid [b]); `upload` finds its output as `acc.after_training`.
-  # `after_training_steps`: its FLOPs, in CE training steps of the client's own model per
-  # (study sample, quiz sample).
+  # `after_training_steps`: its FLOPs, in CE steps of the client's model per (study, quiz) sample.
   after_training: Callable | None = None
   after_training_steps: tuple[float, float] = (0.0, 0.0)
-  # Does the loss draw at random (FedGen's generated labels and noise)? Then the engine calls it
-  # with a keyword `key`, each step's own (fold_in(the step's key, StepStream.LOSS)). False (the
-  # default): the loss is called without it, and nothing more is traced.
+  # Does the loss draw at random (FedGen's labels and noise)? Then it is called with a keyword
+  # `key`, each step's own (fold_in(the step's key, StepStream.LOSS)); False: without it.
   loss_draws: bool = False
   # Does the server's initial state need the clients' class counts (FedGen's label prior)? Then
-  # the engine calls `init_server` with a keyword `class_counts` [N, C] float32: each client's
-  # training samples of each class (noised under DP-SGD: a private release). False (the
-  # default): it is called without them.
+  # `init_server` gets a keyword `class_counts` [N, C] float32, each client's training samples
+  # per class (noised under DP-SGD: a private release); False: it is called without them.
   server_reads_class_counts: bool = False
   # What evaluation reads besides the client's model (the module docstring), declared by the
   # method (the class, or an instance from its config) and never found out by the engine:
@@ -290,9 +284,12 @@ class Method:
   #   trains, and the engine re-evaluates only the clients that trained since the last one.
   # - eval_server_in_extra: the server reaches the results through `eval_extra` alone (FedProto's
   #   nearest prototype); its inputs are kept, and an untrained client has only it run again.
+  # - eval_server_header: through the header alone (`eval_header(server, client_id)` [C, d + 1]
+  #   on the client's extractor, LG-FedAvg's H_g); an untrained client's comes from kept reps.
   eval_reads_state: bool = False
   eval_reads_server: bool = False
   eval_server_in_extra: bool = False
+  eval_server_header: bool = False
   eval_metrics: tuple[str, ...] = ()  # names of the extra test metrics eval_extra counts
   headline_metric = 'accuracy'  # or one of eval_metrics, to report it as the accuracy
   # Client-level DP on the uploads (privacy.upload; docs/algorithm.md §11): the names of the
@@ -451,8 +448,11 @@ class Method:
     raise NotImplementedError(f'{type(self).__name__} does not noise its uploads centrally.')
 
   def eval_params(self, params, server, client_id):
-    """The parameters a client is evaluated with (its current personalised model). An override
-    that reads the server declares `eval_reads_server`."""
+    """The parameters a client is evaluated with (its personalised model; under
+    `eval_server_header`, with `eval_header`'s rows as header). An override reading the server
+    declares `eval_reads_server`."""
+    if self.eval_server_header:
+      return models.with_header_rows(params, self.eval_header(server, client_id))
     return params
 
   def eval_forward(self, apply_fn: Callable, params, state, server, client_id, x):

@@ -156,7 +156,7 @@ class FedGen(headers.SharedHeader):
   # Client-level DP on the uploads is headers.SharedHeader's: private_upload ('value', the header
   # clipped around the downloaded H_g), central_noise_into ('inbox') and upload_refusal (central
   # mode needs fedgen.weighting='uniform'). The class counts go as metadata (as FedGH's do).
-  eval_reads_server = True  # eval_params: the latest H_g
+  eval_reads_server = eval_server_header = True  # evaluated with the latest H_g
 
   @classmethod
   def default_config(cls):
@@ -243,8 +243,8 @@ class FedGen(headers.SharedHeader):
                            metrics={'loss': jnp.where(any_, loss_sum / self.steps, 0.0),
                                     'last_loss': jnp.where(any_, last, 0.0), 'steps': steps})
 
-  def eval_params(self, params, server, client_id):
-    return models.with_header_rows(params, server.global_header)
+  def eval_header(self, server, client_id):
+    return server.global_header
 
   def train_flops_per_sample(self, own, flops_of):
     # One generated sample per trained sample: G's forward, and the header's forward and weight

@@ -60,7 +60,8 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
   config_section = 'fedgh'
   per_sample_loss = True  # plain cross-entropy
   ghost_norms = True  # the loss reads the parameters only through the model's apply
-  eval_reads_server = True  # eval_params: H_g (False with eval='post_train', set in __init__)
+  # Evaluated with H_g (both False with eval='post_train', set in __init__).
+  eval_reads_server = eval_server_header = True
 
   @classmethod
   def default_config(cls):
@@ -97,7 +98,7 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
     self.forward_pass = 'after' if self.proto_source == 'post_pass' else None
     self.local_epochs = int(config.local_epochs)
     self.header_floats = self.header_row * num_classes
-    self.eval_reads_server = self.eval == 'global_header'
+    self.eval_reads_server = self.eval_server_header = self.eval == 'global_header'
     self.release_prototypes(config)  # under DP-SGD: one forward pass's private class sums
 
   def init_server(self, key, seen):
@@ -127,7 +128,5 @@ class FedGH(prototypes.PrototypeUploads, base.Method):
                            metrics={'loss': loss_sum / jnp.maximum(steps, 1.0), 'steps': steps,
                                     'last_loss': last})
 
-  def eval_params(self, params, server, client_id):
-    if self.eval == 'post_train':
-      return params
-    return models.with_header_rows(params, server.head)
+  def eval_header(self, server, client_id):
+    return server.head

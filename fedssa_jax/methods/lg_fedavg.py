@@ -24,13 +24,12 @@ loss.
 """
 from __future__ import annotations
 
-from fedssa_jax import models
 from fedssa_jax.methods import headers
 
 
 class LGFedAvg(headers.SharedHeader):
   name = 'lg_fedavg'
-  eval_reads_server = True  # eval_params: the latest H_g
+  eval_reads_server = eval_server_header = True  # evaluated with the latest H_g
 
-  def eval_params(self, params, server, client_id):
-    return models.with_header_rows(params, server.global_header)
+  def eval_header(self, server, client_id):
+    return server.global_header
