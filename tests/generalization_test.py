@@ -181,3 +181,32 @@ def test_val_accuracy_is_each_clients_accuracy_on_its_validation_split(lens_run,
   assert len(set(accs)) > 2  # each client's own split and model
   rec = outputs.record(sim, state.replace(costs=state.costs.of(0)), info, ev)
   assert rec['val_accuracy'] == pytest.approx(np.mean(accs))
+
+
+@pytest.mark.slow  # simulators built, their initial states compiled
+def test_the_server_knows_nothing_of_the_new_clients(small_ds):
+  """The server's initial state counts the clients that take part only: under central upload DP
+  a class's owners (the count its noised sum is divided by, times q = K / N' with N' the clients
+  that take part) leave out the new clients, which never upload; FedSSA's seen table holds
+  nothing of them; FedGen's label prior is the other clients' class counts."""
+  central = {'privacy.upload': True, 'privacy.upload_mode': 'central',
+             'privacy.upload_clip': 1.0, 'privacy.upload_noise_multiplier': 1.0}
+  common = dict(num_clients=10, participation=0.3, new_clients=0.2)
+  for method, extra in (('fedproto', central),
+                        ('fedssa', {**central, 'fedssa.scope': 'participants'}),
+                        ('fedgen', {})):
+    sim = make_small_sim(small_ds, method, **common, **extra)
+    new = sim.new_clients[0]
+    takes_part = ~np.isin(np.arange(10), new)
+    assert len(new) == 2 and sim.k == 2  # K = floor(0.3 * 8)
+    server = jax.tree.map(lambda a: np.asarray(a)[0], sim.init_state().server)
+    seen = sim.seen[0]
+    if method == 'fedproto':
+      assert sim.method.central_q == 2 / 8
+      np.testing.assert_array_equal(server.owners, seen[takes_part].sum(axis=0))
+    elif method == 'fedssa':
+      assert sim.method.central_q == 2 / 8
+      np.testing.assert_array_equal(server.seen, seen & takes_part[:, None])
+    else:
+      counts = sim.class_counts[0][takes_part].sum(axis=0)
+      np.testing.assert_allclose(server.prior, counts / counts.sum(), rtol=1e-6)

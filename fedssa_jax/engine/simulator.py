@@ -348,8 +348,12 @@ class Simulator:
     """Round 0 of every seed: each client's initial model and method state (parts.Initial), in
     storage of its own (no aliasing across clients, docs/algorithm.md §2), and the server's
     initial state. `fresh`: no checkpoint will be restored (population.Store.initial)."""
+    # The server knows the classes (and class counts) of the clients that take part: each
+    # seed's new clients, which never do, hold none for it (central DP's owner counts).
+    known = lambda t: t if t is None or not len(self.new_clients[0]) else t * np.stack(
+        [~np.isin(np.arange(self.num_clients), i) for i in self.new_clients])[..., None]
     return RunState(round=0, population=self.store.initial(fresh),
-                    server=self.initial.servers(self.seen, self.class_counts),
+                    server=self.initial.servers(known(self.seen), known(self.class_counts)),
                     costs=Costs.zeros(self.num_seeds))
 
   # ------------------------------------------------------------------------------------------

@@ -218,14 +218,14 @@ def dp_sgd_on(config) -> bool:
 
 
 def central_share(config, num_clients: int) -> float | None:
-  """Under central client-level DP on the uploads (privacy.upload_mode='central'), q = K / N,
-  the share of the clients a round samples (engine/schedule.cohort_size's K), by which a server
-  that noises a sum divides it with a count fixed in advance (q times the class's owners); None
-  otherwise."""
+  """Under central client-level DP on the uploads, q = K / N', the share of the N' clients that
+  take part (not the new clients) a round samples (schedule.cohort_size's K): a server that noises
+  a sum divides it by q times the class's owners among them, a count fixed in advance."""
   p = config.get('privacy')
   if p is None or not p.upload or p.upload_mode != 'central':
     return None
-  return max(1, math.floor(config.participation * num_clients)) / num_clients
+  eligible = num_clients - round((config.get('new_clients') or 0.0) * num_clients)
+  return max(1, math.floor(config.participation * eligible)) / eligible
 
 
 class Method:

@@ -9,8 +9,8 @@ Unlike FedSSA, no parameters leave the client: the exchange is per-class mean *l
   subtracting its own upload only if k was among those participants; a class with
   cnt_c - 1 = 0 then has no global value (g_k[c] = 0). Under central client-level DP
   (privacy.upload_mode='central') the sums carry the round's noise and cnt_c is fixed in
-  advance: q times the owners of c, q = K / N. The server keeps last round's sums and
-  counts, and (only when excluding) each participant's upload.
+  advance: q times the owners of c, q = K / N' (N': the clients that take part). The server
+  keeps last round's sums and counts, and (only when excluding) each participant's upload.
 - Objective: L = mean_i [ CE(z_i, y_i) + lam * g[y_i] * D(z_i, G[y_i]) ] with
   D(z, t) = -sum_c softmax(t)_c log softmax(z)_c, the targets constants. Round 0 has no global,
   so it is CE only; so is any sample whose class has no global row (g = 0).

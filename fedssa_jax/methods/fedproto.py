@@ -9,8 +9,8 @@ the d-wide representation r = F_k(x) (d = model.feature_dim, 500 in the paper).
   unweighted (`fedproto.weighting='uniform'`, both codes) or weighted by n_k[c] ('samples', the
   paper). g[c] = [some participant holds c]; P is recomputed from the round's uploads only.
   Under central client-level DP (privacy.upload_mode='central', 'uniform' only): P[c] = (the
-  sum of the round's clipped p_k[c] + noise) / (q |owners of c|), q = K / N, and g[c] = [c has
-  an owner].
+  sum of the round's clipped p_k[c] + noise) / (q |owners of c|), q = K / N' (N': the clients
+  that take part), and g[c] = [c has an owner].
 - Objective: L = mean_i CE(z_i, y_i) + lam * 1/(B d) * sum_i g[y_i] * ||r_i - P[y_i]||^2, with
   B the number of valid samples (torch MSELoss 'mean'): samples without a global prototype add 0
   but count in B. Round 0 has no prototype, so it is CE only.

@@ -16,9 +16,10 @@ model.feature_dim, 500 in the paper).
   (`all_owners`: every owner that has uploaded at least once; `participants`: this round's).
   A class with no contributor keeps its previous global row (theta^0 until an owner uploads).
 - Under central client-level DP (privacy.upload_mode='central', scope 'participants'): theta^s =
-  (the sum of the round's clipped rows of s + noise) / (q |owners of s|), q = K / N the
-  participation: a count fixed in advance, so that the mean reveals nothing of who took part;
-  every class with an owner gets a row each round.
+  (the sum of the round's clipped rows of s + noise) / (q |owners of s|), q = K / N' the
+  participation of the N' clients that take part (the new clients never do): a count fixed in
+  advance, so that the mean reveals nothing of who took part; every class with an owner gets a
+  row each round.
 """
 from __future__ import annotations
 
