@@ -82,8 +82,7 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
     x = augment.normalize(data.images[idx], cfg.mean, cfg.std)
     logits, rep = apply_fn({'params': params}, x)
     y = data.labels[idx]
-    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
-    batch_acc = correct / jnp.maximum(valid.sum(), 1)
+    correct, batch_acc = batch_counts(logits, y, valid)
     if keep:
       kept = jax.tree.map(lambda buf, v: buf.at[step].set(v), acc[3], (logits, rep))
     else:
@@ -104,6 +103,12 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
   return {**out, **extras, **dict(zip(KEPT, last))}
 
 
+def batch_counts(logits: jax.Array, y: jax.Array, valid: jax.Array):
+  """One test batch's correct count and accuracy (the reference's per-batch metric)."""
+  correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+  return correct, correct / jnp.maximum(valid.sum(), 1)
+
+
 def header_counts(reps: jax.Array, idx: jax.Array, n: jax.Array, labels: jax.Array,
                   rows: jax.Array, dtype) -> dict:
   """evaluate_client's 'correct' and 'batch_acc_sum' of one client from its kept
@@ -116,9 +121,8 @@ def header_counts(reps: jax.Array, idx: jax.Array, n: jax.Array, labels: jax.Arr
   def body(step, acc):
     y = labels[jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))]
     valid = step * b + jnp.arange(b) < n
-    logits = models.apply_header(head, reps[step], dtype)
-    correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
-    return acc[0] + correct, acc[1] + correct / jnp.maximum(valid.sum(), 1)
+    correct, batch_acc = batch_counts(models.apply_header(head, reps[step], dtype), y, valid)
+    return acc[0] + correct, acc[1] + batch_acc
   correct, batch_acc_sum = jax.lax.fori_loop(
       0, (n + b - 1) // b, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)))
   return {'correct': correct, 'batch_acc_sum': batch_acc_sum}

@@ -130,7 +130,7 @@ LENS_PANELS = (('mean_accuracy', 'local accuracy: mean (%)'),
 def has_lens_curves(methods) -> bool:
   """Whether any run of `methods` recorded the global or new clients' accuracy."""
   return any(series([r], k)[0] for rs in methods.values() for r in rs
-             for k in ('global_accuracy', 'new_client_accuracy'))
+             for k, _ in LENS_PANELS[2:])
 
 
 def plot_lens_curves(setting: Setting, methods, path: str) -> str:
