@@ -30,7 +30,7 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from fedssa_jax import data, methods, models, privacy, system
+from fedssa_jax import data, headcount, methods, models, privacy, system
 from fedssa_jax.errors import ConfigError, DataError, require, require_one_of
 from fedssa_jax.models import zoo
 
@@ -395,7 +395,7 @@ def _check_run(c: ml_collections.ConfigDict) -> None:
   require(0 <= c.new_clients < 1,
           f'new_clients must be a fraction of the clients in [0, 1) (0: off), got '
           f'{c.new_clients!r}.')
-  require(c.new_clients == 0 or round(c.new_clients * n) >= 1,
+  require(c.new_clients == 0 or headcount.new_client_count(c.new_clients, n) >= 1,
           f'new_clients={c.new_clients} of num_clients={n} is no client: raise it to at least '
           f'{1 / n:.3g}, or set 0 for none.')
   require(isinstance(c.new_client_epochs, int) and c.new_client_epochs >= 0,

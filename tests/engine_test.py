@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedssa_jax import config_lib, data
+from fedssa_jax import config_lib, data, headcount
 from fedssa_jax.engine import evaluation, schedule, simulator, snapshots
 from fedssa_jax.engine.state import ChunkInputs
 from fedssa_jax.methods import base, standalone
@@ -297,7 +297,7 @@ def test_cohort_sampling_is_a_pure_function_of_seed_and_round():
   assert len(set(a.tolist())) == 10 and (np.diff(a) > 0).all()
   np.testing.assert_array_equal(a, schedule.sample_cohort(0, 5, 100, 10))
   assert not np.array_equal(a, schedule.sample_cohort(0, 6, 100, 10))
-  assert schedule.cohort_size(100, 0.1) == 10 and schedule.cohort_size(10, 0.01) == 1
+  assert headcount.cohort_size(100, 0.1) == 10 and headcount.cohort_size(10, 0.01) == 1
 
 
 @pytest.mark.slow  # simulators compiled and run

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import make_small_sim, params_of, rounds
-from fedssa_jax import config_lib, data, models, system
+from fedssa_jax import config_lib, data, headcount, models, system
 from fedssa_jax.data import augment
 from fedssa_jax.engine import generalization, uplink
 from fedssa_jax.engine.evaluation import Evaluation
 from fedssa_jax.errors import ConfigError
+from fedssa_jax.methods import base
 from fedssa_jax.run import lens, outputs
 
 
@@ -210,3 +211,17 @@ def test_the_server_knows_nothing_of_the_new_clients(small_ds):
     else:
       counts = sim.class_counts[0][takes_part].sum(axis=0)
       np.testing.assert_allclose(server.prior, counts / counts.sum(), rtol=1e-6)
+
+
+def test_the_headcounts_by_hand():
+  """N' and K at the cross-device variant (1,000 clients, 10% new, C = 10%) and at the edges,
+  and the central servers' share q = K / N' from the same counts (docs/algorithm.md §11)."""
+  assert headcount.new_client_count(0.1, 1000) == 100
+  assert headcount.participating(1000, 0.1) == 900 and headcount.participating(10, 0.0) == 10
+  assert headcount.cohort_size(900, 0.1) == 90 and headcount.cohort_size(10, 0.01) == 1
+  c = config_lib.base_config('cifar10')
+  c.update_from_flattened_dict({'num_clients': 1000, 'participation': 0.1, 'new_clients': 0.1,
+                                'privacy.upload': True, 'privacy.upload_mode': 'central'})
+  assert base.central_share(c, 1000) == 90 / 900
+  c.privacy.upload_mode = 'local'
+  assert base.central_share(c, 1000) is None

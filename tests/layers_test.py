@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top: a module may import its own layer's modules and those of the layers below.
 LAYERS = (
-    ('errors', 'types', 'streams'),
+    ('errors', 'types', 'streams', 'headcount'),
     ('models',),
     ('data',),
     ('methods',),

@@ -16,7 +16,7 @@ from fedssa_jax import config_lib, data, privacy
 from fedssa_jax.audit import canaries as canaries_lib
 from fedssa_jax.audit import losses, scores, uploads
 from fedssa_jax.engine import simulator, uplink
-from fedssa_jax.engine.schedule import cohort_size
+from fedssa_jax.headcount import cohort_size
 from fedssa_jax.errors import require
 from fedssa_jax.run import observers, train
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedssa_jax import headcount
 from fedssa_jax.engine.evaluation import ROWS_SPECS, STATE_SPEC
 from fedssa_jax.engine.state import ChunkInputs, block_rows
 from fedssa_jax.streams import Stream
@@ -33,7 +34,7 @@ def draw_new_clients(seed: int, fraction: float, train_n: np.ndarray,
                      test_n: np.ndarray) -> np.ndarray:
   """The seed's new clients (sorted ids): round(fraction * N) of the clients that hold both
   training and test data, uniformly, a pure function of the seed. Empty at fraction 0."""
-  count = round(fraction * len(train_n))
+  count = headcount.new_client_count(fraction, len(train_n))
   if not count:
     return np.zeros(0, np.int64)
   candidates = np.flatnonzero((train_n > 0) & (test_n > 0))

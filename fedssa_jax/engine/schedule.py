@@ -5,8 +5,8 @@ so a resumed run and a run alone make the very same calls.
 
 - Clients that share a model family form a `Group` (client i gets families[i mod F]); its
   members' parameters are one stacked pytree, `rows` long (padded to the device count).
-- A round's cohort: K = max(1, floor(C N)) clients, uniform without replacement, drawn from
-  (seed, round) (`sample_cohort`).
+- A round's cohort: K = max(1, floor(C N')) (headcount.cohort_size) of the N' clients that take
+  part, uniform without replacement, drawn from (seed, round) (`sample_cohort`).
 - `chunks` cuts each group's sampled members into chunks of the group's `clients_per_call`,
   padded with dummy slots (`g.rows`), which train on zero samples and change nothing; each chunk
   is one jitted call. `plan` does it for every seed of a run at once: chunk j of a group holds
@@ -46,10 +46,6 @@ class Chunk:
   slots: np.ndarray   # rows of the group (g.rows: a dummy)
   ids: np.ndarray     # their client ids (a dummy: the group's last member's)
   active: np.ndarray  # False for dummies
-
-
-def cohort_size(num_clients: int, participation: float) -> int:
-  return max(1, int(np.floor(participation * num_clients)))
 
 
 def sample_cohort(seed: int, round_index: int, num_clients: int, k: int,

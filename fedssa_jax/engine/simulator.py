@@ -51,7 +51,7 @@ from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
 from fedssa_jax.engine.chunk_calls import jit_chunk_call
 from fedssa_jax.engine.population import make_store
-from fedssa_jax.engine.schedule import cohort_size
+from fedssa_jax.headcount import cohort_size
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
                                      RoundInfo, RunState, ServerState)
 from fedssa_jax.engine.uplink import VIEW_AXES, Uplink, upload_accountant

@@ -84,7 +84,6 @@ hooks on the whole population; their states are pytrees of arrays (checkpointed,
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -94,7 +93,7 @@ import numpy as np
 from flax import struct
 from flax.core import FrozenDict
 
-from fedssa_jax import models
+from fedssa_jax import headcount, models
 from fedssa_jax.methods import losses
 from fedssa_jax.types import PyTree
 
@@ -219,13 +218,13 @@ def dp_sgd_on(config) -> bool:
 
 def central_share(config, num_clients: int) -> float | None:
   """Under central client-level DP on the uploads, q = K / N', the share of the N' clients that
-  take part (not the new clients) a round samples (schedule.cohort_size's K): a server that noises
-  a sum divides it by q times the class's owners among them, a count fixed in advance."""
+  take part (not the new clients) a round samples (`headcount`'s K): a server that noises a sum
+  divides it by q times the class's owners among them, a count fixed in advance."""
   p = config.get('privacy')
   if p is None or not p.upload or p.upload_mode != 'central':
     return None
-  eligible = num_clients - round((config.get('new_clients') or 0.0) * num_clients)
-  return max(1, math.floor(config.participation * eligible)) / eligible
+  eligible = headcount.participating(num_clients, config.get('new_clients') or 0.0)
+  return headcount.cohort_size(eligible, config.participation) / eligible
 
 
 class Method:
