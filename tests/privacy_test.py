@@ -738,8 +738,9 @@ def test_upload_calibration_meets_the_target_at_num_rounds():
 def test_fedssas_server_gets_the_privatized_rows_of_a_plain_round(small_ds, mode):
   """A round of FedSSA under client-level DP, against the same round without it, by hand: the
   server's table holds each participant's rows around the global rows it fused, clipped (and,
-  in local mode, noised with its own key); in central mode the global rows are the noised sum
-  over the count fixed in advance."""
+  in local mode, noised with its own key); in central mode each global row moves by the noised
+  sum of the updates (rows less that global row) over the count fixed in advance, and the
+  global row itself is not scaled by the round's share of owners."""
   from conftest import make_small_sim, rounds
   from fedssa_jax.engine import snapshots
   clip, z = 0.5, 0.7
@@ -771,10 +772,13 @@ def test_fedssas_server_gets_the_privatized_rows_of_a_plain_round(small_ds, mode
   if mode == 'central':
     noise = z * clip * np.asarray(jax.random.normal(
         privacy.server_upload_key(sim.root_keys[0], 0), g0.shape))
-    total = sum(np.where(seen[k][:, None], want[k], 0.0) for k in info.cohort)
+    reference = np.where(np.asarray(start.avail)[:, None], g0, 0.0)  # what every owner fused
+    updates = sum(np.where(seen[k][:, None], want[k] - reference, 0.0) for k in info.cohort)
     expected = 2 / 5 * seen.sum(axis=0)  # q = K / N, times the owners of each class
+    assert (seen[info.cohort].sum(axis=0) != expected).any()  # a share that would scale g0
     np.testing.assert_allclose(np.asarray(server.global_rows),
-                               (total + noise) / expected[:, None], rtol=1e-5, atol=1e-5)
+                               reference + (updates + noise) / expected[:, None],
+                               rtol=1e-5, atol=1e-5)
 
 
 # Each method's payload fields and reference, on one client without training: the reference is

@@ -15,11 +15,13 @@ model.feature_dim, 500 in the paper).
 - Aggregate per class: theta^s = unweighted mean of U_k^s over contributing owners of s
   (`all_owners`: every owner that has uploaded at least once; `participants`: this round's).
   A class with no contributor keeps its previous global row (theta^0 until an owner uploads).
-- Under central client-level DP (privacy.upload_mode='central', scope 'participants'): theta^s =
-  (the sum of the round's clipped rows of s + noise) / (q |owners of s|), q = K / N' the
-  participation of the N' clients that take part (the new clients never do): a count fixed in
-  advance, so that the mean reveals nothing of who took part; every class with an owner gets a
-  row each round.
+- Under central client-level DP (privacy.upload_mode='central', scope 'participants'): theta^s
+  <- theta^s + (the sum of the round's clipped updates of s + noise) / (q |owners of s|), an
+  update being a row less the global row it fused (the upload's reference; the row itself
+  where s had none), q = K / N' the participation of the N' clients that take part (the new
+  clients never do): a count fixed in advance, so that the mean reveals nothing of who took
+  part, applied to the updates alone, so that the global row is not scaled by the round's
+  share of owners (DP-FedAvg's estimator); every class with an owner moves each round.
 """
 from __future__ import annotations
 
@@ -174,10 +176,13 @@ class FedSSA(base.Method):
     owners = server.uploaded if self.scope == 'all_owners' else participants
     contrib = server.seen & owners[:, None]
     if self.central_q is not None:  # noised sums over a count fixed in advance (module docstring)
-      total, _ = aggregation.masked_sum(server.table, contrib)
+      total, count = aggregation.masked_sum(server.table, contrib)
+      reference = jnp.where(server.avail[:, None], server.global_rows, 0.0)  # upload_reference's
+      updates = total - count[:, None] * reference
       expected = self.central_q * server.seen.sum(axis=0)
       has = expected > 0
-      g = jnp.where(has[:, None], (total + server.noise) / jnp.where(has, expected, 1.0)[:, None],
+      g = jnp.where(has[:, None],
+                    reference + (updates + server.noise) / jnp.where(has, expected, 1.0)[:, None],
                     server.global_rows)
       return base.Aggregated(server.replace(global_rows=g, avail=server.avail | has,
                                             noise=jnp.zeros_like(server.noise)))
