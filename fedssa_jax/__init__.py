@@ -4,8 +4,9 @@ Its sub-packages are layers; a module imports only from its own layer and those 
 (tests/layers_test.py checks it, and its LAYERS is the order; docs/architecture.md has the
 modules), from the bottom up:
 
-    errors, types, streams,  the user's errors, the PyTree alias, the run's random streams, the
-    headcount                federation's counts (new clients, N', K)
+    errors, types, streams, headcount
+                             the user's errors, the PyTree alias, the run's random streams, the
+                             federation's counts (new clients, N', K)
     models                   the client model families (the five CNNs, HtFLlib's zoo)
     data                     data sets, partitions, augmentation
     methods                  FedSSA and the baselines, as hooks of one interface
