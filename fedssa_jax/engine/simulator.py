@@ -44,14 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedssa_jax import data, methods, models, privacy, system
+from fedssa_jax import data, headcount, methods, models, privacy, system
 from fedssa_jax.engine import (costs, evaluation, generalization, parts, per_call, schedule,
                                training)
 from fedssa_jax.engine.parts import check_seeds, train_config
 from fedssa_jax.engine.placement import Placement, REPLICATED, SHARDED, over_replicas
 from fedssa_jax.engine.chunk_calls import jit_chunk_call
 from fedssa_jax.engine.population import make_store
-from fedssa_jax.headcount import cohort_size
 from fedssa_jax.engine.state import (ChunkInputs, ChunkStats, ClientStats, Costs, Population,
                                      RoundInfo, RunState, ServerState)
 from fedssa_jax.engine.uplink import VIEW_AXES, Uplink, upload_accountant
@@ -238,7 +237,8 @@ class Simulator:
     self.image_shape = ds.image_shape
     # The new clients (config new_clients) never train: the rounds sample K of the others.
     self.new_clients, self.eligible = generalization.new_clients(config, self.seeds, cds)
-    self.k = cohort_size(self.num_clients - len(self.new_clients[0]), config.participation)
+    self.taking_part = headcount.participating(self.num_clients, config.new_clients)  # N'
+    self.k = headcount.cohort_size(self.taking_part, config.participation)
     self.method = methods.get_method(config.method)(config, self.num_clients, ds.num_classes,
                                                     self.image_shape)
     place = self.placement = Placement(config.engine.mesh_devices)
@@ -282,8 +282,7 @@ class Simulator:
                    if system.enabled(config.system) else None)
     self.initial = parts.Initial(config, self.method, keys, place)
     # Client-level DP on the uploads: its accountant (None: off).
-    self.upload_privacy = (upload_accountant(config, self.num_clients - len(self.new_clients[0]),
-                                             self.k)
+    self.upload_privacy = (upload_accountant(config, self.taking_part, self.k)
                            if privacy.upload_enabled(config.privacy) else None)
     # The path of the uploads from client to server, with the federation's and privacy's steps
     # that are on (uplink.py), and what the calls take of the devices, once (each round adds

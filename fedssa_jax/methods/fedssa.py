@@ -55,6 +55,12 @@ def stabilize(rows, global_rows, mask, mu, fusion: str):
   return jnp.where(mask[:, None], fused, rows)
 
 
+def fused_reference(server):
+  """[S, d + 1]: the global row of each class that has one (what its owners fused, and their
+  uploads' reference under client-level DP), zero elsewhere."""
+  return jnp.where(server.avail[:, None], server.global_rows, 0.0)
+
+
 def aggregate_headers(table, contrib, global_rows, avail):
   """Class-wise masked mean. table [N, S, d + 1], contrib [N, S] bool -> (global, avail)."""
   new, has = aggregation.masked_mean(table, contrib)
@@ -156,8 +162,7 @@ class FedSSA(base.Method):
 
   def upload_reference(self, server, down, client):
     # The global rows the seen rows were fused with (known to the server); zero elsewhere.
-    fused = client.seen & server.avail
-    return {'rows': jnp.where(fused[:, None], server.global_rows, 0.0)}
+    return {'rows': jnp.where(client.seen[:, None], fused_reference(server), 0.0)}
 
   @classmethod
   def upload_refusal(cls, config, mode):
@@ -177,7 +182,7 @@ class FedSSA(base.Method):
     contrib = server.seen & owners[:, None]
     if self.central_q is not None:  # noised sums over a count fixed in advance (module docstring)
       total, count = aggregation.masked_sum(server.table, contrib)
-      reference = jnp.where(server.avail[:, None], server.global_rows, 0.0)  # upload_reference's
+      reference = fused_reference(server)  # what every owner of a class was clipped around
       updates = total - count[:, None] * reference
       expected = self.central_q * server.seen.sum(axis=0)
       has = expected > 0
