@@ -385,7 +385,9 @@ class Evaluator:
     round, saves work: unless the method's test results read the server's state
     (`Method.eval_reads_server`), a client's results change only when it trains, so only the
     clients sampled in between (each round's cohort is a function of the seed and the round)
-    are evaluated again, and the others' results are copied. The results are the same."""
+    are evaluated again, and the others' results are copied. The results are the same.
+    `previous`'s kept values are handed on to the result and updated in place: the caller drops
+    `previous` for the result (as the training loop does)."""
     method = self.method
     names = ((*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
              + (VALIDATION if self.validation else ()))
@@ -401,7 +403,7 @@ class Evaluator:
       counts = {k: v.copy() for k, v in previous.counts.items()}
       trained = [cohort(r) for r in range(previous.round, t)]
       ids = np.intersect1d(evaluated_ids, np.concatenate([np.zeros(0, int), *trained]))
-      kept = previous.kept and {k: v.copy() for k, v in previous.kept.items()}
+      kept = previous.kept and dict(previous.kept)  # moved, not copied (1 GB at N = 1,000)
     else:
       counts = {k: np.full(len(self.group_of), np.nan) for k in names}
       ids = evaluated_ids
