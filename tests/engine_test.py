@@ -138,7 +138,8 @@ def test_header_methods_test_only_the_trained_clients_again(small_sim, method, g
   in_loop = sim.evaluate(state)
   assert whole.reevaluated == in_loop.reevaluated == sim.num_clients and in_loop.kept is None
   for other in (whole, in_loop):
-    for k in (*evaluation.COUNTS, *([evaluation.GLOBAL_CORRECT] if global_images else [])):
+    for k in (*evaluation.COUNTS,
+              *([evaluation.GLOBAL_CORRECT, *evaluation.UNSEEN] if global_images else [])):
       np.testing.assert_array_equal(ev.counts[k], other.counts[k])
     np.testing.assert_array_equal(ev.accuracy, other.accuracy)
 

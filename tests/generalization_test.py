@@ -17,19 +17,21 @@ from fedssa_jax.methods import base
 from fedssa_jax.run import lens, outputs
 
 
-def _evaluation(evaluated, global_accuracy=None, new=None):
+def _evaluation(evaluated, global_accuracy=None, new=None, unseen=None):
   n = 12
   return Evaluation(round=1, evaluated=np.asarray(evaluated), reevaluated=0,
                     accuracy=np.zeros(n), classifier_accuracy=np.zeros(n),
                     batch_accuracy=np.zeros(n), count=np.zeros(n), metrics={}, counts={},
-                    global_accuracy=global_accuracy, new_client_accuracy=new)
+                    global_accuracy=global_accuracy, new_client_accuracy=new,
+                    global_unseen_accuracy=unseen)
 
 
 def test_lens_fields_against_a_hand_computation():
   acc = np.array([0.9, 0.1, 0.5, 0.7, 0.3, 0.8, 0.6, 0.2, 0.4, 1.0, 0.55])  # 11 clients
   families = ['a', 'b'] * 5 + ['a']
   ev = _evaluation(np.arange(11), global_accuracy=np.r_[np.linspace(0, 1, 11), 7.0],
-                   new=np.r_[np.full(11, np.nan), 0.25])
+                   new=np.r_[np.full(11, np.nan), 0.25],
+                   unseen=np.r_[0.1, np.nan, 0.4, np.full(8, np.nan), 9.0])
   got = lens.lens(acc, families, ev)
   assert got['accuracy_std'] == pytest.approx(np.sqrt(np.mean((acc - acc.mean()) ** 2)))
   # ceil(1.1) = 2 of 11: the two lowest, 0.1 and 0.2.
@@ -39,10 +41,15 @@ def test_lens_fields_against_a_hand_computation():
   assert got['family_accuracy'] == pytest.approx({'a': np.mean(a), 'b': np.mean(b)})
   assert list(got['family_accuracy']) == ['a', 'b']
   assert got['global_accuracy'] == pytest.approx(0.5)  # the evaluated clients' only
+  # Over the evaluated clients that lack a class (the others NaN): 0.1 and 0.4.
+  assert got['global_unseen_accuracy'] == pytest.approx(0.25)
+  all_seen = _evaluation(np.arange(11), unseen=np.full(12, np.nan))
+  assert lens.lens(acc, families, all_seen)['global_unseen_accuracy'] is None
   assert got['new_client_accuracy'] == pytest.approx(0.25)
   assert got['participation_gap'] == pytest.approx(acc.mean() - 0.25)
   off = lens.lens(acc, families, _evaluation(np.arange(11)))
-  assert off['global_accuracy'] is off['new_client_accuracy'] is off['participation_gap'] is None
+  assert (off['global_accuracy'] is off['global_unseen_accuracy'] is off['new_client_accuracy']
+          is off['participation_gap'] is None)
   assert lens.worst_decile(np.array([0.3])) == 0.3
 
 
@@ -151,11 +158,20 @@ def test_global_accuracy_is_each_clients_accuracy_on_the_sample(lens_run):
   sim, state, info, ev = lens_run
   sample = np.asarray(sim.evaluator.global_sample[0])
   assert len(sample) == 30
+  data = sim.seed_data[0]
+  labels = np.asarray(data.labels)
   for k in ev.evaluated[:3]:
     params = jax.tree.map(jnp.asarray, params_of(sim, state.population.params, k))
     assert ev.global_accuracy[k] == pytest.approx(_accuracy(sim, params, k, sample))
+    # The sample's images of the classes client k holds no training sample of.
+    seen = labels[np.asarray(data.train_idx[k])[:int(data.train_n[k])]]
+    unseen = sample[~np.isin(labels[sample], seen)]
+    assert 0 < len(unseen) < len(sample)
+    assert ev.global_unseen_accuracy[k] == pytest.approx(_accuracy(sim, params, k, unseen))
   rec = outputs.record(sim, state.replace(costs=state.costs.of(0)), info, ev)
   assert rec['global_accuracy'] == pytest.approx(float(ev.global_accuracy[ev.evaluated].mean()))
+  assert rec['global_unseen_accuracy'] == pytest.approx(
+      float(np.nanmean(ev.global_unseen_accuracy[ev.evaluated])))
   assert rec['participation_gap'] == pytest.approx(
       rec['mean_accuracy'] - rec['new_client_accuracy'])
   assert set(lens.LENS_FIELDS) <= set(rec)

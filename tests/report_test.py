@@ -349,7 +349,7 @@ def test_the_lens_is_drawn_for_the_settings_that_recorded_it(tmp_path, monkeypat
   root = str(tmp_path)
   write_run(root, 'a', variants='hetero,n1000', accs=(0.2, 0.3), records_extra={
       'worst10_accuracy': (0.05, 0.1), 'global_accuracy': (0.1, 0.15),
-      'new_client_accuracy': (None, 0.25)})
+      'global_unseen_accuracy': (0.0, 0.02), 'new_client_accuracy': (None, 0.25)})
   write_run(root, 'b', method='standalone', variants='hetero,n1000', accs=(0.2, 0.25),
             records_extra={'worst10_accuracy': (0.04, 0.08)})  # no global or new clients
   write_run(root, 'c', accs=(0.5, 0.7), records_extra={'worst10_accuracy': (0.4, 0.6)})
@@ -367,7 +367,8 @@ def test_the_lens_is_drawn_for_the_settings_that_recorded_it(tmp_path, monkeypat
   assert panels[0] == {'fedssa': ([1, 2], [20.0, 30.0]), 'standalone': ([1, 2], [20.0, 25.0])}
   assert panels[1] == {'fedssa': ([1, 2], [5.0, 10.0]), 'standalone': ([1, 2], [4.0, 8.0])}
   assert panels[2] == {'fedssa': ([1, 2], [10.0, 15.0])}
-  assert panels[3] == {'fedssa': ([2], [25.0])}  # the rounds that recorded it
+  assert panels[3] == {'fedssa': ([1, 2], [0.0, 2.0])}
+  assert panels[4] == {'fedssa': ([2], [25.0])}  # the rounds that recorded it
 
 
 def test_series_keeps_the_rounds_every_run_recorded():

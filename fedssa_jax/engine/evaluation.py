@@ -29,6 +29,8 @@ from flax import struct
 from fedssa_jax import models
 from fedssa_jax.data import augment
 from fedssa_jax.data.partition import DeviceData
+from fedssa_jax.engine.counts import (UNSEEN, batch_counts, header_counts, kept_extras,
+                                      unseen_counts)
 from fedssa_jax.engine.placement import REPLICATED, SHARDED
 from fedssa_jax.engine.state import block_loop
 from fedssa_jax.engine.training import TrainConfig
@@ -103,48 +105,6 @@ def evaluate_client(params: PyTree, test_idx: jax.Array, n: jax.Array, data: Dev
   return {**out, **extras, **dict(zip(KEPT, last))}
 
 
-def batch_counts(logits: jax.Array, y: jax.Array, valid: jax.Array):
-  """One test batch's correct count and accuracy (the reference's per-batch metric)."""
-  correct = jnp.sum((jnp.argmax(logits, -1) == y) & valid)
-  return correct, correct / jnp.maximum(valid.sum(), 1)
-
-
-def header_counts(reps: jax.Array, idx: jax.Array, n: jax.Array, labels: jax.Array,
-                  rows: jax.Array, dtype) -> dict:
-  """evaluate_client's 'correct' and 'batch_acc_sum' of one client from its kept
-  representations of images `idx` (`reps` [batches, b, d]; its `n` first count) under the
-  header `rows` [C, d + 1], computed as the model's fc3 computes its logits (in `dtype`)."""
-  b = reps.shape[1]
-  idx_pad = jnp.pad(idx, (0, reps.shape[0] * b - idx.shape[0]))
-  head = models.with_header_rows({}, rows)
-
-  def body(step, acc):
-    y = labels[jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))]
-    valid = step * b + jnp.arange(b) < n
-    correct, batch_acc = batch_counts(models.apply_header(head, reps[step], dtype), y, valid)
-    return acc[0] + correct, acc[1] + batch_acc
-  correct, batch_acc_sum = jax.lax.fori_loop(
-      0, (n + b - 1) // b, body, (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)))
-  return {'correct': correct, 'batch_acc_sum': batch_acc_sum}
-
-
-def kept_extras(kept: tuple, test_idx: jax.Array, n: jax.Array, labels: jax.Array,
-                extra_fn: Callable, extra_names: tuple[str, ...]) -> dict:
-  """The extra counts of one client from its kept test logits and representations (`kept`,
-  [batches, b, ...] each; evaluate_client's `keep`), batch by batch as its test loop ran."""
-  logits, _ = kept
-  b = logits.shape[1]
-  idx_pad = jnp.pad(test_idx, (0, logits.shape[0] * b - test_idx.shape[0]))
-
-  def body(step, acc):
-    y = labels[jax.lax.dynamic_slice(idx_pad, (step * b,), (b,))]
-    valid = step * b + jnp.arange(b) < n
-    extra = extra_fn(*(a[step] for a in kept), y, valid)
-    return jax.tree_util.tree_map(jnp.add, acc, extra)
-  return jax.lax.fori_loop(0, (n + b - 1) // b, body,
-                           {name: jnp.zeros((), jnp.int32) for name in extra_names})
-
-
 @struct.dataclass
 class Evaluation:
   """Every client's test results at a round: arrays of length N, NaN for clients outside the
@@ -160,6 +120,9 @@ class Evaluation:
   counts: dict                 # the raw per-client counts, for the next evaluation's reuse
   # Each client's accuracy on the global test sample (eval_global_images; None: off).
   global_accuracy: np.ndarray | None = None
+  # ... on the sample's images of the classes it holds no training sample of (NaN: it has
+  # none there).
+  global_unseen_accuracy: np.ndarray | None = None
   # Each new client's accuracy on its own test split (new_clients; None: off), NaN elsewhere.
   new_client_accuracy: np.ndarray | None = None
   # Each client's headline accuracy on its own validation split (eval_validation; None: off).
@@ -267,8 +230,10 @@ class Evaluator:
           size = global_idx.shape[0]
           on_global = evaluate_client(
               params, global_idx, jnp.where(ok, size, 0), data_, apply_fn=forward, cfg=cfg,
-              eval_batch_size=min(self.eval_batch_size, -(-size // 8) * 8), keep=self.keep_reps)
+              eval_batch_size=min(self.eval_batch_size, -(-size // 8) * 8),
+              extra_fn=unseen_counts(data_, cid), extra_names=UNSEEN, keep=self.keep_reps)
           out[GLOBAL_CORRECT] = on_global['correct']
+          out.update({k: on_global[k] for k in UNSEEN})
           if self.keep_reps:
             out[KEPT_REPS[1]] = on_global['kept_reps']
         if self.validation:
@@ -329,9 +294,10 @@ class Evaluator:
         out = header_counts(kept_one[0], data_.test_idx[cid],
                             jnp.where(ok, data_.test_n[cid], 0), data_.labels, rows, dtype)
         if global_idx is not None:
-          out[GLOBAL_CORRECT] = header_counts(
+          on_global = header_counts(
               kept_one[1], global_idx, jnp.where(ok, global_idx.shape[0], 0), data_.labels,
-              rows, dtype)['correct']
+              rows, dtype, unseen_counts(data_, cid), UNSEEN)
+          out.update({GLOBAL_CORRECT: on_global['correct'], **{k: on_global[k] for k in UNSEEN}})
         return out
       return jax.lax.map(one, (kept, cids, valid))
     return jax.jit(counts)
@@ -389,8 +355,8 @@ class Evaluator:
     `previous`'s kept values are handed on to the result and updated in place: the caller drops
     `previous` for the result (as the training loop does)."""
     method = self.method
-    names = ((*COUNTS, *method.eval_metrics) + ((GLOBAL_CORRECT,) if self.global_on else ())
-             + (VALIDATION if self.validation else ()))
+    names = ((*COUNTS, *method.eval_metrics) + (VALIDATION if self.validation else ())
+             + ((GLOBAL_CORRECT, *UNSEEN) if self.global_on else ()))
     t = int(state.round)
     # Without a server in the results (or with it in the extras or the header alone, whose
     # inputs are kept), a client's results change only when it trains.
@@ -440,6 +406,8 @@ class Evaluator:
         count=counts['count'].copy(), metrics=metrics, counts=counts,
         global_accuracy=(counts[GLOBAL_CORRECT] / self.global_sample.shape[-1]
                          if self.global_on else None),
+        global_unseen_accuracy=(np.where(counts[UNSEEN[1]] > 0, counts[UNSEEN[0]], np.nan)
+                                / np.maximum(counts[UNSEEN[1]], 1) if self.global_on else None),
         val_accuracy=(counts['val_correct'] / np.maximum(counts['val_count'], 1)
                       if self.validation else None),
         kept=kept)

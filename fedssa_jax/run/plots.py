@@ -124,6 +124,7 @@ def plot_training_curves(setting: Setting, methods, path: str) -> str:
 LENS_PANELS = (('mean_accuracy', 'local accuracy: mean (%)'),
                ('worst10_accuracy', 'local accuracy: worst decile (%)'),
                ('global_accuracy', 'global accuracy (%)'),
+               ('global_unseen_accuracy', 'global, classes never trained on (%)'),
                ('new_client_accuracy', 'new clients\' accuracy (%)'))
 
 
@@ -139,7 +140,7 @@ def plot_lens_curves(setting: Setting, methods, path: str) -> str:
   federation gave beyond it, on the global test sample and to the clients that never trained.
   A panel no run recorded is left empty."""
   plt = _pyplot()
-  fig, axes = plt.subplots(1, 4, figsize=(16 + 2 * (len(methods) > 8), 3.8))
+  fig, axes = plt.subplots(1, len(LENS_PANELS), figsize=(20 + 2 * (len(methods) > 8), 3.8))
   styles = line_styles(methods)
   for m, rs in methods.items():
     for ax, (key, _) in zip(axes, LENS_PANELS):

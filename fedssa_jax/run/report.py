@@ -312,6 +312,8 @@ def privacy_tables(series) -> str:
 # The lens's final values (docs/outputs.md) that privacy.md tables beside the mean accuracy,
 # for a setting whose runs recorded them: what can tell a shared header from noise.
 PRIVACY_LENS = (('final_global_accuracy', 'Global accuracy'),
+                ('final_global_unseen_accuracy', 'Global accuracy on the classes a client never '
+                 'trained on'),
                 ('final_new_client_accuracy', 'New clients\' accuracy'))
 
 
