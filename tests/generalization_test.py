@@ -17,13 +17,13 @@ from fedssa_jax.methods import base
 from fedssa_jax.run import lens, outputs
 
 
-def _evaluation(evaluated, global_accuracy=None, new=None, unseen=None):
+def _evaluation(evaluated, global_accuracy=None, new=None, unseen=None, chance=None):
   n = 12
   return Evaluation(round=1, evaluated=np.asarray(evaluated), reevaluated=0,
                     accuracy=np.zeros(n), classifier_accuracy=np.zeros(n),
                     batch_accuracy=np.zeros(n), count=np.zeros(n), metrics={}, counts={},
                     global_accuracy=global_accuracy, new_client_accuracy=new,
-                    global_unseen_accuracy=unseen)
+                    global_unseen_accuracy=unseen, global_unseen_chance=chance)
 
 
 def test_lens_fields_against_a_hand_computation():
@@ -31,7 +31,8 @@ def test_lens_fields_against_a_hand_computation():
   families = ['a', 'b'] * 5 + ['a']
   ev = _evaluation(np.arange(11), global_accuracy=np.r_[np.linspace(0, 1, 11), 7.0],
                    new=np.r_[np.full(11, np.nan), 0.25],
-                   unseen=np.r_[0.1, np.nan, 0.4, np.full(8, np.nan), 9.0])
+                   unseen=np.r_[0.1, np.nan, 0.4, np.full(8, np.nan), 9.0],
+                   chance=np.r_[0.05, np.nan, 0.15, np.full(8, np.nan), 9.0])
   got = lens.lens(acc, families, ev)
   assert got['accuracy_std'] == pytest.approx(np.sqrt(np.mean((acc - acc.mean()) ** 2)))
   # ceil(1.1) = 2 of 11: the two lowest, 0.1 and 0.2.
@@ -43,6 +44,7 @@ def test_lens_fields_against_a_hand_computation():
   assert got['global_accuracy'] == pytest.approx(0.5)  # the evaluated clients' only
   # Over the evaluated clients that lack a class (the others NaN): 0.1 and 0.4.
   assert got['global_unseen_accuracy'] == pytest.approx(0.25)
+  assert got['global_unseen_chance'] == pytest.approx(0.1)
   all_seen = _evaluation(np.arange(11), unseen=np.full(12, np.nan))
   assert lens.lens(acc, families, all_seen)['global_unseen_accuracy'] is None
   assert got['new_client_accuracy'] == pytest.approx(0.25)
@@ -120,13 +122,18 @@ def lens_run(small_ds):
   return sim, state, info, sim.evaluate(state)
 
 
-def _accuracy(sim, params, k, idx, g=None):
-  """A client's accuracy with `params` on the images `idx`, by a direct forward pass."""
+def _logits(sim, params, k, idx, g=None):
+  """A client's logits with `params` on the images `idx`, by a direct forward pass."""
   data = sim.seed_data[0]
   x = augment.normalize(data.images[jnp.asarray(idx)], sim.train_cfg.mean, sim.train_cfg.std)
   group = sim.groups[sim.group_of[k] if g is None else g]
-  logits, _ = group.eval_model.apply({'params': params}, x)
-  return float(np.mean(np.argmax(np.asarray(logits), -1) == np.asarray(data.labels)[idx]))
+  return np.asarray(group.eval_model.apply({'params': params}, x)[0])
+
+
+def _accuracy(sim, params, k, idx, g=None):
+  """A client's accuracy with `params` on the images `idx`, by a direct forward pass."""
+  labels = np.asarray(sim.seed_data[0].labels)[idx]
+  return float(np.mean(np.argmax(_logits(sim, params, k, idx, g), -1) == labels))
 
 
 @pytest.mark.slow  # a simulator compiled and run
@@ -168,10 +175,17 @@ def test_global_accuracy_is_each_clients_accuracy_on_the_sample(lens_run):
     unseen = sample[~np.isin(labels[sample], seen)]
     assert 0 < len(unseen) < len(sample)
     assert ev.global_unseen_accuracy[k] == pytest.approx(_accuracy(sim, params, k, unseen))
+    # Guessing: the share of those images put in a class the client lacks, over their number.
+    lacks = np.setdiff1d(np.arange(10), seen)
+    guess = np.argmax(_logits(sim, params, k, unseen), -1)
+    assert ev.global_unseen_chance[k] == pytest.approx(
+        np.isin(guess, lacks).mean() / len(lacks))
   rec = outputs.record(sim, state.replace(costs=state.costs.of(0)), info, ev)
   assert rec['global_accuracy'] == pytest.approx(float(ev.global_accuracy[ev.evaluated].mean()))
   assert rec['global_unseen_accuracy'] == pytest.approx(
       float(np.nanmean(ev.global_unseen_accuracy[ev.evaluated])))
+  assert rec['global_unseen_chance'] == pytest.approx(
+      float(np.nanmean(ev.global_unseen_chance[ev.evaluated])))
   assert rec['participation_gap'] == pytest.approx(
       rec['mean_accuracy'] - rec['new_client_accuracy'])
   assert set(lens.LENS_FIELDS) <= set(rec)

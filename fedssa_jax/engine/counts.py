@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from fedssa_jax import models
 from fedssa_jax.data.partition import DeviceData
 
-# A client's count of the global test sample's images of the classes it holds no training
-# sample of, and of those it classifies right.
-UNSEEN = ('global_unseen_correct', 'global_unseen_count')
+# A client's counts of the global test sample's images of the classes it holds no training
+# sample of: those it classifies right, all of them, and those it puts in one of those classes.
+UNSEEN = ('global_unseen_correct', 'global_unseen_count', 'global_unseen_guessed')
 
 
 def batch_counts(logits: jax.Array, y: jax.Array, valid: jax.Array):
@@ -26,17 +26,17 @@ def batch_counts(logits: jax.Array, y: jax.Array, valid: jax.Array):
 
 def unseen_counts(data: DeviceData, cid: jax.Array) -> Callable:
   """The extra counts (`evaluate_client`'s extra_fn) UNSEEN of client `cid`: of a batch's valid
-  images whose class has no sample in the client's training split, how many there are and how
-  many the logits classify right."""
+  images whose class has no sample in the client's training split, how many the logits classify
+  right, how many there are, and how many the logits put in such a class."""
   train = data.train_idx[cid]
   held = jnp.arange(train.shape[0]) < data.train_n[cid]
 
   def extra(logits, rep, y, valid):
     del rep
     seen = jnp.zeros(logits.shape[-1], bool).at[data.labels[train]].max(held)
-    unseen = valid & ~seen[y]
-    return dict(zip(UNSEEN, (jnp.sum((jnp.argmax(logits, -1) == y) & unseen),
-                             jnp.sum(unseen, dtype=jnp.int32))))
+    unseen, guess = valid & ~seen[y], jnp.argmax(logits, -1)
+    return dict(zip(UNSEEN, (jnp.sum((guess == y) & unseen), jnp.sum(unseen, dtype=jnp.int32),
+                             jnp.sum(unseen & ~seen[guess], dtype=jnp.int32))))
   return extra
 
 

@@ -123,6 +123,9 @@ class Evaluation:
   # ... on the sample's images of the classes it holds no training sample of (NaN: it has
   # none there).
   global_unseen_accuracy: np.ndarray | None = None
+  # ... and what guessing would score there: its share of those images it puts in a class it
+  # lacks, over the number of those classes.
+  global_unseen_chance: np.ndarray | None = None
   # Each new client's accuracy on its own test split (new_clients; None: off), NaN elsewhere.
   new_client_accuracy: np.ndarray | None = None
   # Each client's headline accuracy on its own validation split (eval_validation; None: off).
@@ -142,7 +145,8 @@ class Evaluator:
   def __init__(self, method, groups: list, store, placement, train_cfg: TrainConfig,
                group_of: np.ndarray, slot_of: np.ndarray, *, eval_batch_size: int,
                clients_per_call: int = 0, phase=None, global_sample=None,
-               validation: bool = False, rep_floats: int = 0, dtype=jnp.float32):
+               validation: bool = False, rep_floats: int = 0, dtype=jnp.float32,
+               unseen_classes: list | None = None):
     self.method, self.groups, self.store, self.placement = method, groups, store, placement
     self.train_cfg = train_cfg
     self.group_of, self.slot_of = group_of, slot_of
@@ -154,6 +158,7 @@ class Evaluator:
     # None: off, and nothing of them is traced.
     self.global_sample = global_sample
     self.global_on = global_sample is not None
+    self.unseen_classes = unseen_classes  # per seed, each client's count of classes it lacks
     # Each client tested on its validation split too (the data's val_idx, val_n); False: nothing
     # of it is traced.
     self.validation = validation
@@ -408,6 +413,10 @@ class Evaluator:
                          if self.global_on else None),
         global_unseen_accuracy=(np.where(counts[UNSEEN[1]] > 0, counts[UNSEEN[0]], np.nan)
                                 / np.maximum(counts[UNSEEN[1]], 1) if self.global_on else None),
+        global_unseen_chance=(  # guessing among the unseen classes it predicts
+            np.where(counts[UNSEEN[1]] > 0, counts[UNSEEN[2]], np.nan)
+            / np.maximum(counts[UNSEEN[1]] * self.unseen_classes[seed_index], 1)
+            if self.global_on else None),
         val_accuracy=(counts['val_correct'] / np.maximum(counts['val_count'], 1)
                       if self.validation else None),
         kept=kept)

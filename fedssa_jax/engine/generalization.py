@@ -54,6 +54,15 @@ def new_clients(config, seeds, cds) -> tuple[list[np.ndarray], list[np.ndarray |
                for i, c in zip(ids, cds)]
 
 
+def unseen_classes(train_idx: np.ndarray, train_n: np.ndarray, labels: np.ndarray,
+                   num_classes: int) -> np.ndarray:
+  """Each client's number of classes of which its training split holds no sample [N]."""
+  valid = np.arange(train_idx.shape[1])[None, :] < train_n[:, None]
+  held = np.zeros((len(train_n), num_classes), bool)
+  held[np.nonzero(valid)[0], labels[train_idx[valid]]] = True
+  return num_classes - held.sum(1)
+
+
 def global_sample(seed: int, size: int, test_idx: np.ndarray, test_n: np.ndarray,
                   labels: np.ndarray, num_classes: int) -> np.ndarray:
   """`size` indices of the global test pool (the distinct images of every client's test split),

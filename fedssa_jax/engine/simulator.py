@@ -296,6 +296,8 @@ class Simulator:
         self.slot_of, eval_batch_size=config.eval_batch_size,
         clients_per_call=config.engine.eval_clients_per_call, phase=self.phase,
         global_sample=self._global_sample(config, ds, cds), validation=config.eval_validation,
+        unseen_classes=[generalization.unseen_classes(c.train_idx, c.train_n, ds.labels,
+                                                      ds.num_classes) for c in cds],
         rep_floats=(self.data.test_idx.shape[-1] + config.eval_global_images)
         * self.method.feature_dim, dtype=models.COMPUTE_DTYPES[config.engine.compute_dtype])
     self.newcomers = self._newcomers(config)

@@ -11,7 +11,8 @@ from fedssa_jax.run.tables import markdown_table, mean_std
 
 # A record's fields (metrics.jsonl); summary.json has each as final_<name>.
 LENS_FIELDS = ('accuracy_std', 'worst10_accuracy', 'family_accuracy', 'global_accuracy',
-               'global_unseen_accuracy', 'new_client_accuracy', 'participation_gap')
+               'global_unseen_accuracy', 'global_unseen_chance', 'new_client_accuracy',
+               'participation_gap')
 
 
 def worst_decile(accuracy: np.ndarray) -> float:
@@ -26,14 +27,15 @@ def lens(accuracy: np.ndarray, families: list[str], ev) -> dict:
   and the evaluation `ev`: the spread (standard deviation over the clients), the worst decile,
   the mean per family, and, None where off, the mean global accuracy of the same clients, their
   mean accuracy on the global sample's images of the classes each holds no training sample of
-  (over the clients that lack a class; None if none does), the new clients' mean accuracy and
-  the participation gap (the participants' mean less theirs)."""
+  (over the clients that lack a class; None if none does) beside what guessing among the
+  classes they put those images in would score, the new clients' mean accuracy and the
+  participation gap (the participants' mean less theirs)."""
   families = np.asarray(families)
   new = ev.new_client_accuracy
   new = None if new is None else float(np.nanmean(new))
-  unseen = (None if ev.global_unseen_accuracy is None
-            else ev.global_unseen_accuracy[ev.evaluated])
-  unseen = None if unseen is None or np.isnan(unseen).all() else float(np.nanmean(unseen))
+  def unseen(values):  # the evaluated clients that lack a class (the others NaN)
+    values = None if values is None else values[ev.evaluated]
+    return None if values is None or np.isnan(values).all() else float(np.nanmean(values))
   return {
       'accuracy_std': float(accuracy.std()),
       'worst10_accuracy': worst_decile(accuracy),
@@ -41,7 +43,8 @@ def lens(accuracy: np.ndarray, families: list[str], ev) -> dict:
                           for f in families[np.sort(np.unique(families, return_index=True)[1])]},
       'global_accuracy': (None if ev.global_accuracy is None
                           else float(ev.global_accuracy[ev.evaluated].mean())),
-      'global_unseen_accuracy': unseen,
+      'global_unseen_accuracy': unseen(ev.global_unseen_accuracy),
+      'global_unseen_chance': unseen(ev.global_unseen_chance),
       'new_client_accuracy': new,
       'participation_gap': None if new is None else float(accuracy.mean()) - new,
   }

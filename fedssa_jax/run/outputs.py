@@ -38,7 +38,7 @@ def clu_writers() -> tuple[Any, Any]:
 METRICS_FIELDS = (
     'round', 'mean_accuracy', 'client_accuracy', 'evaluated_clients',
     'accuracy_std', 'worst10_accuracy', 'family_accuracy', 'global_accuracy',
-    'global_unseen_accuracy', 'new_client_accuracy', 'participation_gap',
+    'global_unseen_accuracy', 'global_unseen_chance', 'new_client_accuracy', 'participation_gap',
     'participant_accuracy_reference',
     'train_loss', 'train_accuracy', 'header_norm_max', 'header_norm_mean', 'participants',
     'up_floats', 'down_floats', 'client_flops',
